@@ -1,0 +1,13 @@
+// Each part of the native core registers its own Python bindings; bindings.cpp only calls these.
+#pragma once
+#include <pybind11/pybind11.h>
+
+namespace offload {
+void bind_cpu_features(pybind11::module_& m);  // common/cpu_features.cpp
+void bind_adam(pybind11::module_& m);          // adam/adam_bind.cpp
+void bind_buffers(pybind11::module_& m);       // buffers/buffers_bind.cpp
+void bind_io(pybind11::module_& m);            // io/io_bind.cpp
+#ifdef OFFLOAD_WITH_CUDA
+void bind_cuda(pybind11::module_& m);          // cuda/host_register.cpp
+#endif
+}  // namespace offload

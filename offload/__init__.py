@@ -1,0 +1,14 @@
+"""offload: train models far larger than your GPU on one workstation.
+
+Parameters, gradients and optimizer states move between GPU memory, pinned CPU memory and NVMe disks
+while compute runs. The native core (`offload._C`) provides the fused CPU Adam, the aligned staging
+buffers and the async file I/O; every part has a pure-PyTorch fallback.
+"""
+
+from offload._native import native_available, warn_if_unavailable
+
+warn_if_unavailable()
+
+__version__ = "0.1.0"
+
+__all__ = ["native_available", "__version__"]
