@@ -1,0 +1,94 @@
+"""The flat-buffer Adam step the engine calls once per block, and the squared-norm used for clipping.
+
+Dispatches to the fused native kernel when `offload._C` is available, else runs the same maths in torch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from offload.errors import OffloadConfigError
+
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check(name: str, t: Tensor, dtypes: tuple, numel: Optional[int]) -> None:
+    if not isinstance(t, Tensor):
+        raise OffloadConfigError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise OffloadConfigError(f"{name} is on {t.device}; the CPU Adam step needs CPU tensors: pass {name}.cpu()")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise OffloadConfigError(f"{name} has dtype {t.dtype}; expected one of {names}")
+    if not t.is_contiguous():
+        raise OffloadConfigError(f"{name} is not contiguous: pass {name}.contiguous()")
+    if numel is not None and t.numel() != numel:
+        raise OffloadConfigError(f"{name} has {t.numel()} elements but param has {numel}")
+
+
+def adam_step_flat(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool,
+    grad_scale: float = 1.0,
+    out: Optional[Tensor] = None,
+    num_threads: Optional[int] = None,
+) -> None:
+    """One Adam/AdamW update of fp32 `param`, `exp_avg`, `exp_avg_sq` in place, in one pass.
+
+    `grad` may be fp32, bf16 or fp16 (upcast in registers, multiplied by `grad_scale`, which is how gradient
+    clipping costs no extra pass). When `out` is given, the new weights are also written there in its dtype:
+    the buffer the next upload to the device reads. `step` is the 1-based count after this update.
+    """
+    _check("param", param, (torch.float32,), None)
+    n = param.numel()
+    _check("grad", grad, GRAD_DTYPES, n)
+    _check("exp_avg", exp_avg, (torch.float32,), n)
+    _check("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
+    if out is not None:
+        _check("out", out, OUT_DTYPES, n)
+    if step < 1:
+        raise OffloadConfigError(f"step must be >= 1 (the count after this update), got {step}")
+    _adam_step_torch(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, adamw,
+                     grad_scale, out)
+
+
+def _adam_step_torch(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, adamw,
+                     grad_scale, out) -> None:
+    """The fallback: torch's single-tensor AdamW/Adam, same order of operations."""
+    p, m, v = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
+    g = grad.view(-1).float()
+    if grad_scale != 1.0:
+        g = g * grad_scale
+    if weight_decay != 0.0:
+        if adamw:
+            p.mul_(1.0 - lr * weight_decay)
+        else:
+            g = g.add(p, alpha=weight_decay)
+    m.lerp_(g, 1.0 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    bias_correction1 = 1.0 - beta1**step
+    bias_correction2_sqrt = (1.0 - beta2**step) ** 0.5
+    denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+    p.addcdiv_(m, denom, value=-lr / bias_correction1)
+    if out is not None:
+        out.view(-1).copy_(p)
+
+
+def sum_of_squares(t: Tensor, num_threads: Optional[int] = None) -> float:
+    """Sum of squares of a fp32/bf16/fp16 CPU tensor, accumulated in fp64; inf/nan propagate."""
+    _check("t", t, GRAD_DTYPES, None)
+    return float(t.view(-1).double().square().sum())
