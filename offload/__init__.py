@@ -9,6 +9,10 @@ from offload._native import native_available, warn_if_unavailable
 
 warn_if_unavailable()
 
+from offload.api import wrap  # noqa: E402  (after the native import warning)
+from offload.engine import Engine  # noqa: E402
+from offload.policy import OffloadPolicy, Tier  # noqa: E402
+
 __version__ = "0.1.0"
 
-__all__ = ["native_available", "__version__"]
+__all__ = ["wrap", "Engine", "Tier", "OffloadPolicy", "native_available", "__version__"]

@@ -1,0 +1,80 @@
+"""`offload.wrap`: the public entry point. Parses the user's options once into an `OffloadPolicy`."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from offload.engine import Engine
+from offload.errors import OffloadConfigError
+from offload.policy import OffloadPolicy, Tier, parse_bytes, resolve_device
+
+Bytes = Union[int, str, None]
+
+
+def wrap(
+    model: nn.Module,
+    tier: Union[str, Tier] = "cpu",
+    *,
+    nvme_path: Optional[Union[str, os.PathLike]] = None,
+    lr: float = 1e-4,
+    betas: Tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    max_grad_norm: Optional[float] = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: Union[str, torch.device, None] = None,
+    device_memory: Bytes = None,
+    host_memory: Bytes = None,
+    grad_accumulation_steps: Optional[int] = None,
+) -> Engine:
+    """Wrap `model` for training with AdamW, its optimizer state offloaded to `tier`.
+
+    Args:
+        model: the model to train. Its parameters are moved into per-block flat buffers on `device`; the
+            `nn.Parameter` objects stay the same (tied weights stay tied).
+        tier: "gpu" (all on the device: the reference), "cpu" (fp32 master weights and Adam state in host
+            memory, updated by the CPU) or "nvme" (optimizer state in swap files under `nvme_path`).
+        lr, betas, eps, weight_decay: AdamW hyperparameters (decoupled weight decay, like torch.optim.AdamW);
+            later changes to `engine.optimizer.param_groups` take effect (LR schedulers work).
+        max_grad_norm: clip the global gradient norm, as torch.nn.utils.clip_grad_norm_ would.
+        dtype: compute dtype of the weights (torch.float32 gives exact parity with plain PyTorch).
+        device: compute device; CUDA when available, else CPU.
+        device_memory, host_memory: budgets, as bytes or strings like "24GB" or "512MiB".
+        grad_accumulation_steps: backward calls per optimizer step, if you know it: then each block is
+            updated during the last backward. Unset, results are the same, updates wait for `step()`.
+
+    Returns:
+        An `Engine`: call it like the model, then `loss.backward()`, `engine.step()`, `engine.zero_grad()`.
+
+    Raises:
+        OffloadConfigError: an unknown tier or bad option (the message lists the valid ones), a budget too
+            small for the largest block, a model already wrapped, parameters on the meta device.
+    """
+    policy = OffloadPolicy(
+        tier=Tier.parse(tier),
+        nvme_path=None if nvme_path is None else os.fspath(nvme_path),
+        lr=lr, betas=tuple(betas) if isinstance(betas, (list, tuple)) else betas,  # type: ignore[arg-type]
+        eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm, dtype=dtype,
+        device=resolve_device(device),
+        device_memory=parse_bytes(device_memory, "device_memory"),
+        host_memory=parse_bytes(host_memory, "host_memory"),
+        grad_accumulation_steps=grad_accumulation_steps,
+    )
+    if policy.tier is Tier.NVME:
+        _check_nvme_path(policy.nvme_path)
+    return Engine(model, policy)
+
+
+def _check_nvme_path(path: Optional[str]) -> None:
+    """Fail at wrap() on a swap directory that cannot work, before anything is allocated."""
+    assert path is not None
+    if not os.path.exists(path):
+        raise OffloadConfigError(f"nvme_path {path!r} does not exist; create it (mkdir -p) on a fast local disk")
+    if not os.path.isdir(path):
+        raise OffloadConfigError(f"nvme_path {path!r} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise OffloadConfigError(f"nvme_path {path!r} is not writable by this user")

@@ -1,0 +1,347 @@
+"""The Engine: the user's model with its parameters in flat per-block buffers and AdamW run per block.
+
+Forward and backward are the model's own; hooks (scheduler/hooks.py) make each block's weights ready
+before use and move each gradient off the device as autograd produces it. Updates run per block on a
+background worker, so `step()` may return before all blocks are updated: the next use of a block waits
+for that block only. See docs/design.md, section "The engine", for the Notes cited below.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+import weakref
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from offload.errors import OffloadConfigError, OffloadError
+from offload.planner import BlockSpec, Location, Plan, make_plan
+from offload.policy import OffloadPolicy, Tier
+from offload.scheduler.block import Block, Residency, build_blocks, param_owners
+from offload.scheduler.grads import BackwardTracker
+from offload.scheduler.hooks import HookSet
+from offload.scheduler.optimizer_view import EngineOptimizer
+from offload.scheduler.step import AdamHyper, GroupState, StepWorker
+from offload.scheduler.streams import CopyContext
+from offload.tiers.device import DeviceTier
+
+_MARKER = "_offload_engine"
+
+
+class Engine:
+    """Trains `module` with AdamW, its optimizer state placed per `policy`. Made by `offload.wrap`.
+
+    Use it as the model (`loss = engine(batch)`), call `loss.backward()`, `engine.step()`,
+    `engine.zero_grad()`. `engine.module` is the user's model (parameter identity kept), `engine.optimizer` a
+    torch Optimizer whose `param_groups` changes take effect, `engine.plan` the placement table.
+    """
+
+    def __init__(self, module: nn.Module, policy: OffloadPolicy) -> None:
+        if not isinstance(module, nn.Module):
+            raise OffloadConfigError(f"offload.wrap needs a torch.nn.Module, got {type(module).__name__}")
+        previous = getattr(module, _MARKER, None)
+        if previous is not None and previous() is not None:
+            raise OffloadConfigError("this model is already wrapped by an offload engine; call engine.close() "
+                                     "on the first one before wrapping it again")
+        self.module = module
+        self.policy = policy
+        self._closed = False
+        self.blocks: List[Block] = build_blocks(module, policy.dtype)
+        self.plan: Plan = make_plan([_spec(b, policy) for b in self.blocks], policy.tier,
+                                    policy.device_memory, policy.host_memory)
+        if self.plan.streamed_blocks:
+            raise OffloadConfigError(
+                f"device_memory is too small to keep all weights on the device (blocks "
+                f"{', '.join(self.plan.streamed_blocks[:3])}... would stream from the host), and weight "
+                f"streaming is not available yet; raise device_memory to at least "
+                f"{sum(b.weight_bytes for b in self.blocks)} bytes")
+        if policy.tier is Tier.NVME:
+            raise OffloadConfigError("tier='nvme' is not available yet in this build; use tier='cpu'")
+        self._device_tier = DeviceTier(policy.device, policy.device_memory)
+        self._copies = CopyContext(policy.device)
+        self._states: Dict[int, List[GroupState]] = {}
+        self._where: Dict[int, Tuple[Block, GroupState, int]] = {}
+        self._trainable_ids: Dict[int, List[int]] = {}
+        self._upload_sources: Dict[int, torch.Tensor] = {}
+        self._materialize()
+        trainable = [s.param for b in self.blocks for s in b.slots if s.trainable]
+        defaults = dict(lr=policy.lr, betas=policy.betas, eps=policy.eps, weight_decay=policy.weight_decay)
+        self.optimizer = EngineOptimizer(trainable, defaults, self._step, self._zero_grad)
+        self._tracker = BackwardTracker(policy.grad_accumulation_steps)
+        self._worker = StepWorker()
+        self._needs_upload: set = set()
+        self._updated_early: set = set()
+        self._early_hyper: Optional[AdamHyper] = None
+        self._block_sumsq: Dict[int, float] = {}
+        self._forward_order: List[int] = []
+        self._seen: set = set()
+        self._stats = dict(steps=0, skipped_steps=0, block_updates=0, early_block_updates=0,
+                           update_seconds=0.0, wait_seconds=0.0)
+        self._hooks = HookSet()
+        self._hooks.attach(module, self.blocks, param_owners(module), self._ensure_blocks,
+                           self._on_backward_begin, self._on_grad)
+        setattr(module, _MARKER, weakref.ref(self))
+
+    # ----- setup -----------------------------------------------------------------------------------
+    def _materialize(self) -> None:
+        """Copy every parameter into its block's flat device buffer, re-point `.data`, build optimizer state."""
+        state_on_host = self.policy.tier is not Tier.GPU
+        state_device = torch.device("cpu") if state_on_host else self.policy.device
+        for block in self.blocks:
+            states = []
+            for group in block.groups:
+                buffer = self._device_tier.allocate(group.numel, group.dtype, f"block {block.name!r}")
+                with torch.no_grad():
+                    for slot in group.slots:
+                        buffer[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+                group.device_buffer = buffer
+                group.point_params_at(buffer)
+                for slot in group.slots:
+                    slot.param.grad = None
+                if group.trainable_numel:
+                    state = GroupState(group, state_device, on_host=state_on_host)
+                    states.append(state)
+                    if state_on_host and self.policy.device.type != "cpu":
+                        self._upload_sources[id(state)] = torch.empty(
+                            group.trainable_numel, dtype=group.dtype, pin_memory=torch.cuda.is_available())
+                    for index, slot in enumerate(group.trainable_slots):
+                        self._where[id(slot.param)] = (block, state, index)
+            self._states[block.index] = states
+            self._trainable_ids[block.index] = [id(s.param) for s in block.slots if s.trainable]
+        for sub in self.module.modules():
+            for key, buf in sub._buffers.items():
+                if buf is not None and buf.device != self.policy.device:
+                    sub._buffers[key] = buf.to(self.policy.device)
+
+    # ----- hooks -----------------------------------------------------------------------------------
+    def _ensure_blocks(self, blocks: List[Block]) -> None:
+        """Forward pre-hook: wait for each block's pending update, upload new weights if needed."""
+        for block in blocks:
+            if self._worker.is_pending(block.index):
+                start = time.perf_counter()
+                self._worker.wait(block.index)
+                self._stats["wait_seconds"] += time.perf_counter() - start
+            else:
+                self._worker.wait(block.index)  # surfaces an exception of a finished update
+            if block.index in self._needs_upload:
+                self._upload(block)
+            if block.index not in self._seen:
+                self._seen.add(block.index)
+                self._forward_order.append(block.index)
+
+    def _upload(self, block: Block) -> None:
+        for state in self._states[block.index]:
+            group = state.group
+            assert group.device_buffer is not None
+            self._copies.to_device(group.device_buffer[:group.trainable_numel], self._host_weights(state))
+        self._needs_upload.discard(block.index)
+        if block.residency is not Residency.RESIDENT:
+            block.move_to(Residency.RESIDENT)
+
+    def _on_backward_begin(self) -> None:
+        self._tracker.begin_backward(torch._C._current_graph_task_id())
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        """Post-accumulate-grad hook. See [Note: when a block may update early]."""
+        block, state, index = self._where[id(param)]
+        tracker = self._tracker
+        if tracker.micro_batches == 0:  # a backward that did not pass through the root module's outputs
+            tracker.begin_backward(torch._C._current_graph_task_id())
+        tracker.fire(id(param))
+        if tracker.keeps_grads_on_device:
+            return
+        if block.index in self._updated_early:
+            raise OffloadError(
+                f"parameter of block {block.name!r} received a gradient after the block was updated early; the "
+                "autograd graph changed between backward passes in a way the engine cannot see ahead of time "
+                "(e.g. reentrant checkpointing of a module used twice); leave grad_accumulation_steps unset")
+        self._offload_grad(block, state, index, param)
+        if tracker.is_last_backward and tracker.completes(self._trainable_ids[block.index]):
+            if self.policy.max_grad_norm is None:
+                self._early_hyper = AdamHyper.from_group(self.optimizer.param_groups[0])
+                self._updated_early.add(block.index)
+                self._stats["early_block_updates"] += 1
+                self._submit_update(block, self._early_hyper, 1.0)
+            else:
+                self._submit_sumsq(block)
+
+    def _offload_grad(self, block: Block, state: GroupState, index: int, param: nn.Parameter) -> None:
+        self._worker.wait(block.index)  # the previous step's update may still read this gradient buffer
+        assert param.grad is not None
+        nbytes = state.accumulate(index, param.grad)
+        param.grad = None
+        if self.policy.tier is not Tier.GPU:
+            self._copies.count_to_host(nbytes)
+
+    # ----- updates ---------------------------------------------------------------------------------
+    def _host_weights(self, state: GroupState) -> torch.Tensor:
+        """Where the update writes new compute weights: the device buffer itself when the CPU computes or
+        the state is on the device, else a host copy that `_upload` sends to the device."""
+        group = state.group
+        assert group.device_buffer is not None
+        copy = self._upload_sources.get(id(state))
+        return group.device_buffer[:group.trainable_numel] if copy is None else copy
+
+    def _submit_update(self, block: Block, hyper: AdamHyper, grad_scale: float) -> None:
+        jobs = [(state, state.ready_indices(), self._host_weights(state)) for state in self._states[block.index]]
+        if not any(ready for _s, ready, _o in jobs):
+            return
+        stats = self._stats
+
+        def work() -> None:
+            start = time.perf_counter()
+            with torch.profiler.record_function("offload::cpu_step"):
+                for state, ready, out in jobs:
+                    state.update(ready, hyper, grad_scale, out)
+            stats["update_seconds"] += time.perf_counter() - start
+
+        self._worker.submit(block.index, work)
+        self._stats["block_updates"] += 1
+        if any(id(state) in self._upload_sources for state, _r, _o in jobs):
+            self._needs_upload.add(block.index)
+
+    def _submit_sumsq(self, block: Block) -> None:
+        states = self._states[block.index]
+        sums = self._block_sumsq
+
+        def work() -> None:
+            sums[block.index] = sum(state.sum_of_squares() for state in states)
+
+        self._worker.submit(block.index, work)
+
+    def _update_order(self) -> List[Block]:
+        """Blocks in the order the forward used them first, then any never seen in a forward."""
+        seen = [self.blocks[i] for i in self._forward_order]
+        return seen + [b for b in self.blocks if b.index not in self._seen]
+
+    def _step(self) -> None:
+        """engine.optimizer.step(): schedule the remaining block updates in forward order and return."""
+        self._check_open()
+        self._tracker.end_step()
+        hyper = AdamHyper.from_group(self.optimizer.param_groups[0])
+        for block in self.blocks:  # gradients still on the device (fewer backward calls than declared)
+            for slot in block.slots:
+                if slot.trainable and slot.param.grad is not None:
+                    _b, state, index = self._where[id(slot.param)]
+                    self._offload_grad(block, state, index, slot.param)
+        if self._updated_early and self._early_hyper != hyper:
+            warnings.warn("optimizer hyperparameters changed between the last backward and step(); blocks updated "
+                          "early used the earlier values (set them before the last backward)", RuntimeWarning)
+        scale = 1.0
+        if self.policy.max_grad_norm is not None:
+            self._worker.wait_all()
+            total_sq = sum(self._block_sumsq[b.index] if b.index in self._block_sumsq
+                           else sum(s.sum_of_squares() for s in self._states[b.index]) for b in self.blocks)
+            total_norm = math.sqrt(total_sq)
+            if not math.isfinite(total_norm):
+                self._skip_step(f"the gradient norm is {total_norm}")
+                return
+            scale = min(self.policy.max_grad_norm / (total_norm + 1e-6), 1.0)
+        for block in self._update_order():
+            if block.index not in self._updated_early:
+                self._submit_update(block, hyper, scale)
+        self._finish_step()
+
+    def _skip_step(self, reason: str) -> None:
+        self._stats["skipped_steps"] += 1
+        warnings.warn(f"offload: optimizer step {self._stats['steps'] + 1} skipped: {reason}", RuntimeWarning)
+        self._finish_step()
+
+    def _finish_step(self) -> None:
+        self._updated_early.clear()
+        self._block_sumsq.clear()
+        self._early_hyper = None
+        self._stats["steps"] += 1
+
+    def _zero_grad(self, set_to_none: bool = True) -> None:
+        self._check_open()
+        for block in self.blocks:
+            for slot in block.slots:
+                if slot.trainable:
+                    slot.param.grad = None
+            if not set_to_none:
+                self._worker.wait(block.index)
+            for state in self._states[block.index]:
+                state.zero_grad(set_to_none)
+
+    # ----- public API ------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        """The wrapped model's forward."""
+        self._check_open()
+        return self.module(*args, **kwargs)
+
+    def step(self) -> None:
+        """Apply AdamW to every block (through `engine.optimizer.step()`, so LR schedulers see it)."""
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the accumulated gradients, as `torch.optim.Optimizer.zero_grad`."""
+        self.optimizer.zero_grad(set_to_none)
+
+    def synchronize(self) -> None:
+        """Wait for every pending block update, so that the module's weights are the current ones."""
+        self._check_open()
+        self._worker.wait_all()
+        for block in self.blocks:
+            if block.index in self._needs_upload:
+                self._upload(block)
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """The model's state dict as full, real CPU tensors (copies), with all updates applied."""
+        self.synchronize()
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+
+    def stats(self) -> Dict[str, float]:
+        """Counters since `wrap()`: steps, skipped steps, block updates (and how many ran during backward),
+        bytes moved per link, seconds spent updating and waiting for updates, device-tier bytes."""
+        out: Dict[str, float] = dict(self._stats)
+        out.update(bytes_device_to_host=self._copies.bytes_to_host, bytes_host_to_device=self._copies.bytes_to_device,
+                   device_bytes=self._device_tier.in_use, device_peak_bytes=self._device_tier.peak,
+                   host_state_bytes=sum(s.nbytes for states in self._states.values() for s in states
+                                        if s.on_host))
+        return out
+
+    def close(self) -> None:
+        """Finish pending updates, remove every hook and free the optimizer state. The module stays usable
+        as a plain PyTorch model with its trained weights. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self._worker.close()
+        finally:
+            self._closed = True
+            self._hooks.remove()
+            self._states.clear()
+            self._where.clear()
+            if getattr(self.module, _MARKER, None) is not None:
+                delattr(self.module, _MARKER)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise OffloadError("this engine is closed; wrap the model again to keep training")
+
+    def __repr__(self) -> str:
+        return f"Engine(tier={self.policy.tier.value}, blocks={len(self.blocks)}, device={self.policy.device})"
+
+
+def _spec(block: Block, policy: OffloadPolicy) -> BlockSpec:
+    """Bytes of a block's weights and optimizer state (fp32 master unless aliased, m, v, gradient)."""
+    state = 0
+    for group in block.groups:
+        n = group.trainable_numel
+        master = 0 if (policy.tier is Tier.GPU and group.dtype == torch.float32) else 4 * n
+        grad = n * torch.empty((), dtype=group.dtype).element_size()
+        state += master + 8 * n + grad
+    return BlockSpec(block.name, block.weight_bytes, state)
+
+
+__all__ = ["Engine", "Location"]

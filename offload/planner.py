@@ -1,0 +1,143 @@
+"""The planner: a pure function from block sizes, the tier and the budgets to a placement `Plan`.
+
+Faster tiers are filled first, in forward order; only what does not fit spills down. Nothing here
+allocates or measures: the engine builds `BlockSpec`s from its blocks and applies the plan.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
+
+from offload.errors import OffloadConfigError
+from offload.policy import Tier
+
+
+class Location(enum.Enum):
+    """A memory tier a block's weights or optimizer state can live in."""
+
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """Sizes of one block: compute weights on the device, and its optimizer state (master, m, v, grads)."""
+
+    name: str
+    weight_bytes: int
+    state_bytes: int
+
+
+@dataclass(frozen=True)
+class BlockPlacement:
+    name: str
+    weights: Location
+    state: Location
+    weight_bytes: int
+    state_bytes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where each block's weights and state live, with the bytes each tier must hold."""
+
+    tier: Tier
+    blocks: Tuple[BlockPlacement, ...]
+    device_budget: Optional[int]
+    host_budget: Optional[int]
+
+    def bytes_on(self, location: Location) -> int:
+        total = 0
+        for block in self.blocks:
+            total += block.weight_bytes if block.weights is location else 0
+            total += block.state_bytes if block.state is location else 0
+        return total
+
+    @property
+    def streamed_blocks(self) -> Tuple[str, ...]:
+        """Blocks whose weights do not stay on the device and must be fetched for each use."""
+        return tuple(b.name for b in self.blocks if b.weights is not Location.DEVICE)
+
+    def __str__(self) -> str:
+        rows = [("block", "weights", "state", "weight bytes", "state bytes")]
+        rows += [(b.name, b.weights.value, b.state.value, _human(b.weight_bytes), _human(b.state_bytes))
+                 for b in self.blocks]
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = [f"offload plan (tier={self.tier.value})"]
+        for i, row in enumerate(rows):
+            lines.append("  ".join(cell.ljust(w) if j < 3 else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths))))
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        for location, budget in ((Location.DEVICE, self.device_budget), (Location.HOST, self.host_budget),
+                                 (Location.DISK, None)):
+            limit = "no budget" if budget is None else f"budget {_human(budget)}"
+            lines.append(f"total on {location.value}: {_human(self.bytes_on(location))} ({limit})")
+        return "\n".join(lines)
+
+
+def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[int],
+              host_budget: Optional[int]) -> Plan:
+    """Place each block; raises OffloadConfigError naming the block or budget that cannot work."""
+    if not blocks:
+        raise OffloadConfigError("the model has no parameters to offload")
+    if tier is Tier.GPU:
+        placements = [BlockPlacement(b.name, Location.DEVICE, Location.DEVICE, b.weight_bytes, b.state_bytes)
+                      for b in blocks]
+        need = sum(b.weight_bytes + b.state_bytes for b in blocks)
+        if device_budget is not None and need > device_budget:
+            raise OffloadConfigError(
+                f"tier='gpu' keeps everything on the device: {_human(need)} needed, device_memory is "
+                f"{_human(device_budget)}; use tier='cpu' or tier='nvme'")
+        return Plan(tier, tuple(placements), device_budget, host_budget)
+
+    largest = max(blocks, key=lambda b: b.weight_bytes)
+    if device_budget is not None and largest.weight_bytes > device_budget:
+        raise OffloadConfigError(
+            f"device_memory ({_human(device_budget)}) is smaller than block {largest.name!r} "
+            f"({_human(largest.weight_bytes)} of weights), which must fit on the device to compute; "
+            f"raise device_memory to at least {largest.weight_bytes} bytes")
+    state_home = Location.HOST if tier is Tier.CPU else Location.DISK
+    host_left = None if host_budget is None else host_budget
+    if state_home is Location.HOST:
+        state_total = sum(b.state_bytes for b in blocks)
+        if host_left is not None and state_total > host_left:
+            raise OffloadConfigError(
+                f"tier='cpu' keeps the optimizer state in host memory: {_human(state_total)} needed, host_memory "
+                f"is {_human(host_budget)}; use tier='nvme' or raise host_memory")
+        host_left = None if host_left is None else host_left - state_total
+    device_left = device_budget
+    placements = []
+    for block in blocks:
+        if device_left is None or block.weight_bytes <= device_left:
+            weights = Location.DEVICE
+            device_left = None if device_left is None else device_left - block.weight_bytes
+        elif host_left is None or block.weight_bytes <= host_left:
+            weights = Location.HOST
+            host_left = None if host_left is None else host_left - block.weight_bytes
+        elif tier is Tier.NVME:
+            weights = Location.DISK
+        else:
+            raise OffloadConfigError(
+                f"block {block.name!r} ({_human(block.weight_bytes)} of weights) fits neither the device nor "
+                "the host budget left after the optimizer state; use tier='nvme' or raise a budget")
+        placements.append(BlockPlacement(block.name, weights, state_home, block.weight_bytes, block.state_bytes))
+    return Plan(tier, tuple(placements), device_budget, host_budget)
+
+
+def _human(nbytes: Optional[int]) -> str:
+    if nbytes is None:
+        return "-"
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{nbytes} B"
+
+
+def totals(plan: Plan) -> Dict[Location, int]:
+    """Bytes per location, for stats and the CLI estimate."""
+    return {location: plan.bytes_on(location) for location in Location}

@@ -1,0 +1,161 @@
+"""The options of `offload.wrap`, parsed once into an enum and a frozen dataclass.
+
+Everything below the public API reads these types, never the user's strings: a typo fails here, at
+`wrap()`, with the list of valid values, before any memory is allocated or any file is created.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass, field
+from typing import Optional, Tuple, Union
+
+import torch
+
+from offload.errors import OffloadConfigError
+
+
+class Tier(enum.Enum):
+    """Where the optimizer state (fp32 master weights, Adam moments) lives.
+
+    GPU: everything on the compute device (the reference). CPU: state in host memory, CPU Adam step
+    (ZeRO-Offload). NVME: state in preallocated swap files under `nvme_path` (ZeRO-Infinity).
+    """
+
+    GPU = "gpu"
+    CPU = "cpu"
+    NVME = "nvme"
+
+    @staticmethod
+    def parse(value: Union[str, "Tier"]) -> "Tier":
+        if isinstance(value, Tier):
+            return value
+        if isinstance(value, str):
+            for tier in Tier:
+                if tier.value == value.strip().lower():
+                    return tier
+        valid = ", ".join(repr(t.value) for t in Tier)
+        raise OffloadConfigError(f"unknown tier {value!r}; valid tiers are {valid}")
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: Union[int, float, str, None], what: str) -> Optional[int]:
+    """Bytes from an int or a string like "24GB" (10^9), "512MiB" (2^20) or "4G" (2^30); None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise OffloadConfigError(f"{what} must be a byte count or a string like '24GB', got {value!r}")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    elif isinstance(value, str) and _SIZE.match(value):
+        match = _SIZE.match(value)
+        assert match is not None
+        number, unit = float(match.group(1)), match.group(2).lower()
+    else:
+        raise OffloadConfigError(f"{what} must be a byte count or a string like '24GB', got {value!r}")
+    if unit not in _UNITS:
+        units = ", ".join(u for u in _UNITS if u)
+        raise OffloadConfigError(f"{what}: unknown unit {unit!r} in {value!r}; use one of {units}")
+    size = int(number * _UNITS[unit])
+    if size <= 0:
+        raise OffloadConfigError(f"{what} must be positive, got {value!r}")
+    return size
+
+
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Every option of `offload.wrap`, validated once; the engine and planner read only this.
+
+    Attributes:
+        tier: where the optimizer state lives (see `Tier`).
+        nvme_path: directory for swap files; required by, and only allowed with, `Tier.NVME`.
+        lr, betas, eps, weight_decay: AdamW hyperparameters (decoupled weight decay, as torch.optim.AdamW).
+            They seed `engine.optimizer.param_groups`; changes made there later take effect.
+        max_grad_norm: clip the global gradient norm to this value (as torch.nn.utils.clip_grad_norm_),
+            or None for no clipping. Clipping needs the global norm before any update.
+        dtype: compute dtype of the weights; fp32 parameters of the model are cast to it, except those of
+            normalization layers, which stay fp32 (see docs/design.md [Note: compute dtypes]).
+        device: the compute device; None means CUDA when available, else CPU.
+        device_memory, host_memory: budgets in bytes (None: no budget beyond what the machine has).
+        grad_accumulation_steps: how many backward calls make one optimizer step, when the user knows it.
+            Declared, it lets the engine update each block during the last backward; None (the default)
+            means "not told": results are still exact, but updates wait for `step()`.
+    """
+
+    tier: Tier = Tier.CPU
+    nvme_path: Optional[str] = None
+    lr: float = 1e-4
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: Optional[float] = None
+    dtype: torch.dtype = torch.bfloat16
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    device_memory: Optional[int] = None
+    host_memory: Optional[int] = None
+    grad_accumulation_steps: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tier, Tier):
+            raise OffloadConfigError(f"tier must be a Tier, got {self.tier!r}; use Tier.parse()")
+        if self.tier is Tier.NVME and not self.nvme_path:
+            raise OffloadConfigError("tier='nvme' needs nvme_path=<a directory on a fast disk> for the swap files")
+        if self.tier is not Tier.NVME and self.nvme_path is not None:
+            raise OffloadConfigError(f"nvme_path is only used with tier='nvme' (tier is {self.tier.value!r})")
+        _check_number("lr", self.lr, minimum=0.0)
+        if not (isinstance(self.betas, tuple) and len(self.betas) == 2):
+            raise OffloadConfigError(f"betas must be a pair (beta1, beta2), got {self.betas!r}")
+        for i, beta in enumerate(self.betas):
+            _check_number(f"betas[{i}]", beta, minimum=0.0)
+            if beta >= 1.0:
+                raise OffloadConfigError(f"betas[{i}] must be in [0, 1), got {beta!r}")
+        _check_number("eps", self.eps, minimum=0.0)
+        _check_number("weight_decay", self.weight_decay, minimum=0.0)
+        if self.max_grad_norm is not None:
+            _check_number("max_grad_norm", self.max_grad_norm, minimum=0.0)
+            if self.max_grad_norm == 0.0:
+                raise OffloadConfigError("max_grad_norm must be > 0, or None for no clipping")
+        if self.dtype not in COMPUTE_DTYPES:
+            names = ", ".join(str(d) for d in COMPUTE_DTYPES)
+            raise OffloadConfigError(f"dtype must be one of {names}, got {self.dtype!r}")
+        if not isinstance(self.device, torch.device) or self.device.type not in ("cpu", "cuda"):
+            raise OffloadConfigError(f"device must be a CPU or CUDA torch.device, got {self.device!r}")
+        for name in ("device_memory", "host_memory"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise OffloadConfigError(f"{name} must be a positive byte count, got {value!r}")
+        steps = self.grad_accumulation_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise OffloadConfigError(f"grad_accumulation_steps must be an int >= 1 or None, got {steps!r}")
+
+
+def _check_number(name: str, value: object, *, minimum: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OffloadConfigError(f"{name} must be a number, got {value!r}")
+    if not value >= minimum:  # also rejects nan
+        raise OffloadConfigError(f"{name} must be >= {minimum}, got {value!r}")
+
+
+def resolve_device(device: Union[str, torch.device, None]) -> torch.device:
+    """The compute device: CUDA when available and not told otherwise, else CPU."""
+    if device is None:
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise OffloadConfigError(f"device {device!r} is not a torch device: {exc}") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise OffloadConfigError(f"device {device!r} asked for, but CUDA is not available; use device='cpu'")
+    return resolved

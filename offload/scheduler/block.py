@@ -1,0 +1,202 @@
+"""Blocks: the unit every transfer, update and disk read works on.
+
+A block is one layer of the model's main layer list (a transformer layer), or one of the remaining
+top-level modules. Its parameters live in one flat contiguous buffer per dtype on the compute device, and
+the user's `nn.Parameter` objects are kept (identity: optimizers, tied weights and user code still hold
+them) with `.data` re-pointed to views of that buffer. No attribute is ever added to a parameter.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from offload.errors import OffloadConfigError, OffloadError
+
+# Normalization layers keep their fp32 parameters under a lower compute dtype, as autocast does.
+_NORM_TYPES: Tuple[type, ...] = tuple(
+    t for t in (nn.LayerNorm, nn.GroupNorm, getattr(nn, "RMSNorm", None),
+                nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d) if t is not None
+)
+
+
+class Residency(enum.Enum):
+    """Where a block's compute weights are: every change is checked against the allowed moves."""
+
+    RESIDENT = "resident"    # on the compute device, params point into the device buffer
+    IN_FLIGHT = "in_flight"  # an upload has been issued, not yet waited for
+    RELEASED = "released"    # device buffer freed; the host copy is the only one
+
+
+_ALLOWED_MOVES = {
+    Residency.RESIDENT: {Residency.RELEASED},
+    Residency.RELEASED: {Residency.IN_FLIGHT, Residency.RESIDENT},
+    Residency.IN_FLIGHT: {Residency.RESIDENT},
+}
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One parameter's place in its block: name, shape and element range in the flat buffer of its dtype."""
+
+    name: str
+    param: nn.Parameter
+    shape: torch.Size
+    offset: int
+    numel: int
+    trainable: bool
+
+
+class FlatGroup:
+    """All parameters of one block that share a compute dtype: one flat buffer, trainable ones first.
+
+    Putting trainable parameters first makes their range `[0, trainable_numel)` contiguous, so the
+    optimizer state, the gradient buffer and the updated weights are each a single flat tensor.
+    """
+
+    def __init__(self, dtype: torch.dtype, slots: List[ParamSlot]) -> None:
+        self.dtype = dtype
+        self.slots = slots
+        self.numel = sum(s.numel for s in slots)
+        self.trainable_slots = [s for s in slots if s.trainable]
+        self.trainable_numel = sum(s.numel for s in self.trainable_slots)
+        self.device_buffer: Optional[torch.Tensor] = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+    def point_params_at(self, buffer: torch.Tensor) -> None:
+        """Re-point each parameter's `.data` to its view of `buffer` (the identity of the Parameter is kept)."""
+        for slot in self.slots:
+            slot.param.data = buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+
+class Block:
+    """A named set of parameters moved and updated together; see the module docstring."""
+
+    def __init__(self, name: str, index: int, groups: List[FlatGroup]) -> None:
+        self.name = name
+        self.index = index
+        self.groups = groups
+        self.residency = Residency.RESIDENT
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of compute weights on the device when resident."""
+        return sum(g.nbytes for g in self.groups)
+
+    @property
+    def trainable_numel(self) -> int:
+        return sum(g.trainable_numel for g in self.groups)
+
+    @property
+    def slots(self) -> Iterable[ParamSlot]:
+        for group in self.groups:
+            yield from group.slots
+
+    def move_to(self, new: Residency) -> None:
+        """Change residency; a move the state machine does not allow is a bug, reported loudly."""
+        if new not in _ALLOWED_MOVES[self.residency]:
+            raise OffloadError(f"block {self.name!r}: illegal residency change {self.residency.value} -> {new.value}")
+        self.residency = new
+
+    def __repr__(self) -> str:
+        return f"Block({self.name!r}, {self.weight_bytes} bytes, {self.residency.value})"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def find_layer_list(module: nn.Module) -> Optional[str]:
+    """Path of the ModuleList/Sequential holding the most parameters (the transformer layers), or None.
+
+    Only lists of at least two children count; ties go to the shallower list.
+    """
+    best: Optional[Tuple[int, int, str]] = None
+    for path, child in module.named_modules():
+        if not isinstance(child, (nn.ModuleList, nn.Sequential)) or len(child) < 2 or child is module:
+            continue
+        size = sum(p.numel() for p in child.parameters())
+        key = (size, -path.count("."), path)
+        if size > 0 and (best is None or key[:2] > best[:2]):
+            best = key
+    return None if best is None else best[2]
+
+
+def block_key(param_name: str, owner_path: str, layer_list: Optional[str]) -> str:
+    """Name of the block a parameter belongs to.
+
+    A parameter under the layer list belongs to its layer ("h.3"); any other belongs to the smallest module
+    on its path that does not contain the layer list ("wte", "ln_f"), or to its owning module when that
+    module contains the layer list (parameters registered directly on the root become "<root>").
+    """
+    parts = param_name.split(".")
+    if layer_list is not None and param_name.startswith(layer_list + "."):
+        depth = layer_list.count(".") + 2
+        return ".".join(parts[:depth])
+    ancestors = set()
+    if layer_list is not None:
+        pieces = layer_list.split(".")
+        ancestors = {".".join(pieces[:i]) for i in range(1, len(pieces) + 1)}
+    for i in range(1, len(parts)):
+        prefix = ".".join(parts[:i])
+        if prefix not in ancestors:
+            return prefix
+    return owner_path or "<root>"
+
+
+def build_blocks(module: nn.Module, compute_dtype: torch.dtype) -> List[Block]:
+    """Group the module's parameters into blocks (in registration order) and describe their flat layout.
+
+    Tied parameters are stored once, under their first name. Floating fp32 parameters take
+    `compute_dtype` unless they belong to a normalization layer; other dtypes are kept as they are.
+    Allocation is the caller's job (see `Engine`), so this stays a pure description of the model.
+    """
+    layer_list = find_layer_list(module)
+    norm_params = {id(p) for m in module.modules() if isinstance(m, _NORM_TYPES) for p in m.parameters(recurse=False)}
+    by_block: Dict[str, Dict[torch.dtype, List[Tuple[str, nn.Parameter]]]] = {}
+    for name, param in module.named_parameters():
+        if param.is_meta:
+            raise OffloadConfigError(
+                f"parameter {name!r} is on the meta device: materialize the model first "
+                "(model.to_empty(device='cpu') and load its weights) before offload.wrap()")
+        if param.is_sparse:
+            raise OffloadConfigError(f"parameter {name!r} is sparse; offload supports dense parameters only")
+        owner = name.rsplit(".", 1)[0] if "." in name else ""
+        key = block_key(name, owner, layer_list)
+        dtype = param.dtype
+        if dtype == torch.float32 and id(param) not in norm_params:
+            dtype = compute_dtype
+        by_block.setdefault(key, {}).setdefault(dtype, []).append((name, param))
+    blocks = []
+    for index, (key, per_dtype) in enumerate(by_block.items()):
+        groups = []
+        for dtype, named in per_dtype.items():
+            ordered = [np for np in named if np[1].requires_grad] + [np for np in named if not np[1].requires_grad]
+            slots, offset = [], 0
+            for name, param in ordered:
+                if param.requires_grad and not (param.is_floating_point()):
+                    raise OffloadConfigError(f"parameter {name!r} requires grad but has dtype {param.dtype}")
+                slots.append(ParamSlot(name, param, param.shape, offset, param.numel(), param.requires_grad))
+                offset += param.numel()
+            groups.append(FlatGroup(dtype, slots))
+        blocks.append(Block(key, index, groups))
+    return blocks
+
+
+def param_owners(module: nn.Module) -> Dict[int, List[nn.Module]]:
+    """For each parameter (by id), every module that registers it directly: tied weights have several."""
+    owners: Dict[int, List[nn.Module]] = {}
+    for sub in module.modules():
+        for param in sub._parameters.values():
+            if param is not None:
+                owners.setdefault(id(param), [])
+                if all(m is not sub for m in owners[id(param)]):
+                    owners[id(param)].append(sub)
+    return owners

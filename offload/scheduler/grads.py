@@ -1,0 +1,80 @@
+"""Which backward pass is running, and how many gradients each parameter has received in it.
+
+The engine needs two facts to update a block during backward without changing the maths: that this
+backward is the last one before `step()` (only knowable when the user declared
+`grad_accumulation_steps`), and that no more gradient will reach the block in it. See docs/design.md
+[Note: when a block may update early].
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from offload.errors import OffloadError
+
+
+class BackwardTracker:
+    """Counts backward passes since the last step and gradient-hook firings per parameter (by id).
+
+    A backward pass starts when the gradient of an output of the wrapped module is first computed in a new
+    autograd graph task; several outputs of one forward (or two forwards summed into one loss) share the
+    graph task and so count once. The firing counts of the previous backward become the `profile` that
+    says how many firings make a parameter's gradient complete.
+    """
+
+    def __init__(self, declared_steps: Optional[int]) -> None:
+        self.declared_steps = declared_steps
+        self.micro_batches = 0
+        self.fires: Dict[int, int] = {}
+        self.profile: Optional[Dict[int, int]] = None
+        self._graph_task: Optional[int] = None
+
+    def begin_backward(self, graph_task: int) -> None:
+        """Called from a hook on the module's outputs; a no-op for a graph task already counted."""
+        if graph_task == self._graph_task:
+            return
+        self.finish_backward()
+        self._graph_task = graph_task
+        self.micro_batches += 1
+        if self.declared_steps is not None and self.micro_batches > self.declared_steps:
+            raise OffloadError(
+                f"backward called {self.micro_batches} times since the last engine.step(), but "
+                f"grad_accumulation_steps={self.declared_steps} was declared and the blocks are already "
+                "updated; call engine.step() every N backward calls, or leave grad_accumulation_steps unset")
+
+    def fire(self, param_id: int) -> None:
+        self.fires[param_id] = self.fires.get(param_id, 0) + 1
+
+    def finish_backward(self) -> None:
+        """Keep the firing counts of the backward that just ended as the profile for the next ones."""
+        if self.fires:
+            self.profile = self.fires
+            self.fires = {}
+
+    def end_step(self) -> None:
+        self.finish_backward()
+        self.micro_batches = 0
+        self._graph_task = None
+
+    @property
+    def keeps_grads_on_device(self) -> bool:
+        """Declared accumulation, not the last micro-batch: gradients accumulate on the device."""
+        return self.declared_steps is not None and self.micro_batches < self.declared_steps
+
+    @property
+    def is_last_backward(self) -> bool:
+        return self.declared_steps is not None and self.micro_batches == self.declared_steps
+
+    def completes(self, param_ids) -> bool:
+        """Whether every given parameter has had as many gradient firings as in the previous backward.
+
+        False when there is no profile yet or a parameter got no gradient last time: such blocks wait for
+        `step()`, which is always exact.
+        """
+        if self.profile is None:
+            return False
+        for pid in param_ids:
+            expected = self.profile.get(pid, 0)
+            if expected == 0 or self.fires.get(pid, 0) != expected:
+                return False
+        return True

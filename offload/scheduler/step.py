@@ -1,0 +1,185 @@
+"""Optimizer state of one flat group and the per-block AdamW update, run on a background worker.
+
+The maths is torch.optim.AdamW's, per parameter: a parameter that received no gradient since the last
+`zero_grad` is skipped (no decay, no step count), exactly as AdamW skips `grad is None`. When every
+parameter of a group has a gradient and the same step count (the usual case), the whole group is updated
+in one flat call.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from offload.optim.functional import adam_step_flat, sum_of_squares
+from offload.scheduler.block import FlatGroup
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    """Hyperparameters read from `engine.optimizer.param_groups` when an update is scheduled."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+    @staticmethod
+    def from_group(group: dict) -> "AdamHyper":
+        beta1, beta2 = group["betas"]
+        return AdamHyper(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                         float(group["weight_decay"]))
+
+
+class GroupState:
+    """fp32 master weights, Adam moments and the gradient accumulator of a group's trainable range.
+
+    `on_host` is True for the CPU tier (state in host memory, the CPU Adam kernel) and False for the GPU
+    tier (state on the compute device, torch maths there). In the GPU tier with an fp32 compute dtype the
+    master weights are the device buffer itself (no second copy).
+    """
+
+    def __init__(self, group: FlatGroup, state_device: torch.device, on_host: bool) -> None:
+        assert group.device_buffer is not None, "allocate the device buffer first"
+        n = group.trainable_numel
+        self.group = group
+        self.on_host = on_host
+        trainable_weights = group.device_buffer[:n]
+        aliased = group.dtype == torch.float32 and not on_host
+        self.master = trainable_weights if aliased else trainable_weights.to(state_device, torch.float32, copy=True)
+        self.writes_compute_copy = not aliased
+        self.exp_avg = torch.zeros(n, dtype=torch.float32, device=state_device)
+        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=state_device)
+        self.grad = torch.zeros(n, dtype=group.dtype, device=state_device)
+        self.steps: List[int] = [0] * len(group.trainable_slots)
+        self.has_grad: List[bool] = [False] * len(group.trainable_slots)
+
+    @property
+    def nbytes(self) -> int:
+        own_master = 0 if self.master.data_ptr() == self.group.device_buffer.data_ptr() else self.master.nbytes
+        return own_master + self.exp_avg.nbytes + self.exp_avg_sq.nbytes + self.grad.nbytes
+
+    def accumulate(self, index: int, grad: Tensor) -> int:
+        """Add one parameter's gradient into its range (a copy for the first one); returns bytes moved."""
+        slot = self.group.trainable_slots[index]
+        target = self.grad[slot.offset:slot.offset + slot.numel]
+        source = grad.detach().reshape(-1)
+        if self.has_grad[index]:
+            target.add_(source.to(target.device, target.dtype))
+        else:
+            target.copy_(source)
+            self.has_grad[index] = True
+        return source.numel() * source.element_size()
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        if set_to_none:
+            self.has_grad = [False] * len(self.has_grad)
+        else:
+            for index, slot in enumerate(self.group.trainable_slots):
+                if self.has_grad[index]:
+                    self.grad[slot.offset:slot.offset + slot.numel].zero_()
+
+    def sum_of_squares(self) -> float:
+        """Squared L2 norm of the accumulated gradients (only of parameters that have one)."""
+        total = 0.0
+        for index, slot in enumerate(self.group.trainable_slots):
+            if self.has_grad[index]:
+                piece = self.grad[slot.offset:slot.offset + slot.numel]
+                total += sum_of_squares(piece) if self.on_host else float(piece.double().square().sum())
+        return total
+
+    def ready_indices(self) -> List[int]:
+        """Trainable parameters that have a gradient now: taken when an update is scheduled, because
+        `zero_grad()` may clear the flags before the background update runs."""
+        return [i for i, has in enumerate(self.has_grad) if has]
+
+    def update(self, ready: List[int], hyper: AdamHyper, grad_scale: float, out: Optional[Tensor]) -> None:
+        """One AdamW step of the parameters in `ready`; new compute weights written to `out` when given."""
+        if not ready:
+            return
+        if not self.writes_compute_copy:
+            out = None
+        if len(ready) == len(self.steps) and len(set(self.steps)) == 1:
+            self.steps = [self.steps[0] + 1] * len(self.steps)
+            self._adam(slice(0, self.group.trainable_numel), self.steps[0], hyper, grad_scale, out)
+            return
+        for i in ready:
+            slot = self.group.trainable_slots[i]
+            self.steps[i] += 1
+            self._adam(slice(slot.offset, slot.offset + slot.numel), self.steps[i], hyper, grad_scale, out)
+
+    def _adam(self, span: slice, step: int, hyper: AdamHyper, grad_scale: float, out: Optional[Tensor]) -> None:
+        args = (self.master[span], self.grad[span], self.exp_avg[span], self.exp_avg_sq[span])
+        target = None if out is None else out[span]
+        if self.on_host:
+            adam_step_flat(*args, step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps,
+                           weight_decay=hyper.weight_decay, adamw=True, grad_scale=grad_scale, out=target)
+        else:
+            _adamw_on_device(*args, step, hyper, grad_scale, target)
+
+
+def _adamw_on_device(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int,
+                     hyper: AdamHyper, grad_scale: float, out: Optional[Tensor]) -> None:
+    """torch.optim.AdamW's single-tensor maths, for state kept on the compute device (the GPU tier)."""
+    g = grad.float()
+    if grad_scale != 1.0:
+        g = g * grad_scale
+    param.mul_(1.0 - hyper.lr * hyper.weight_decay)
+    exp_avg.lerp_(g, 1.0 - hyper.beta1)
+    exp_avg_sq.mul_(hyper.beta2).addcmul_(g, g, value=1.0 - hyper.beta2)
+    bias_correction1 = 1.0 - hyper.beta1**step
+    bias_correction2_sqrt = (1.0 - hyper.beta2**step) ** 0.5
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(hyper.eps)
+    param.addcdiv_(exp_avg, denom, value=-hyper.lr / bias_correction1)
+    if out is not None:
+        out.copy_(param)
+
+
+class StepWorker:
+    """One background thread that runs block updates in submission order; one future per block.
+
+    A single thread keeps updates ordered and leaves the other cores to compute; the native Adam kernel
+    releases the GIL and parallelises inside. Every wait goes through `wait(block_index)`, so an
+    exception raised in an update surfaces at the next use of that block.
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-step")
+        self._pending: Dict[int, Future] = {}
+        self._lock = threading.Lock()
+
+    def submit(self, block_index: int, work: Callable[[], object]) -> Future:
+        with self._lock:
+            if block_index in self._pending and not self._pending[block_index].done():
+                previous = self._pending[block_index]
+                future = self._pool.submit(lambda: (previous.result(), work())[1])
+            else:
+                future = self._pool.submit(work)
+            self._pending[block_index] = future
+        return future
+
+    def is_pending(self, block_index: int) -> bool:
+        future = self._pending.get(block_index)
+        return future is not None and not future.done()
+
+    def wait(self, block_index: int) -> None:
+        """Block until the block's last submitted work is done; re-raise its exception here."""
+        future = self._pending.pop(block_index, None)
+        if future is not None:
+            future.result()
+
+    def wait_all(self) -> None:
+        for index in list(self._pending):
+            self.wait(index)
+
+    def close(self) -> None:
+        try:
+            self.wait_all()
+        finally:
+            self._pool.shutdown(wait=True)

@@ -1,0 +1,1 @@
+"""Memory tiers: the compute device (a budget), host memory and disk."""

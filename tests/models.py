@@ -1,0 +1,73 @@
+"""A tiny GPT for the engine tests: every feature that breaks offload engines, in 60 lines.
+
+Tied embedding and output weights, LayerNorm computed in fp32, a frozen layer, the last layer applied twice
+in one forward, and optional activation checkpointing (reentrant or not) around each layer call.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class FP32LayerNorm(nn.LayerNorm):
+    """LayerNorm whose maths runs in fp32 whatever the input dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), self.bias.float(),
+                            self.eps).to(x.dtype)
+
+
+class Layer(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = FP32LayerNorm(dim), FP32LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(att)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    """`forward(idx, targets)` returns the mean cross-entropy loss."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 3, context: int = 16, heads: int = 2,
+                 checkpointing: Optional[str] = None) -> None:
+        super().__init__()
+        self.checkpointing = checkpointing  # None, "reentrant" or "non_reentrant"
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(context, dim)
+        self.h = nn.ModuleList(Layer(dim, heads) for _ in range(layers))
+        self.ln_f = FP32LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+        self.h[1].requires_grad_(False)  # a frozen layer
+
+    def _run(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointing is None:
+            return layer(x)
+        return checkpoint(layer, x, use_reentrant=self.checkpointing == "reentrant")
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for layer in self.h:
+            x = self._run(layer, x)
+        x = self._run(self.h[-1], x)  # the last layer used twice in one forward
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def make_batches(steps: int, micro: int, batch: int = 4, context: int = 16, vocab: int = 64, seed: int = 0):
+    """Synthetic token batches: [steps][micro] of (idx, targets)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [[(torch.randint(0, vocab, (batch, context), generator=gen),
+              torch.randint(0, vocab, (batch, context), generator=gen)) for _ in range(micro)] for _ in range(steps)]
