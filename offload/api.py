@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -30,6 +32,7 @@ def wrap(
     device_memory: Bytes = None,
     host_memory: Bytes = None,
     grad_accumulation_steps: Optional[int] = None,
+    **unknown: object,
 ) -> Engine:
     """Wrap `model` for training with AdamW, its optimizer state offloaded to `tier`.
 
@@ -54,6 +57,8 @@ def wrap(
         OffloadConfigError: an unknown tier or bad option (the message lists the valid ones), a budget too
             small for the largest block, a model already wrapped, parameters on the meta device.
     """
+    if unknown:
+        _refuse_unknown_options(sorted(unknown))
     policy = OffloadPolicy(
         tier=Tier.parse(tier),
         nvme_path=None if nvme_path is None else os.fspath(nvme_path),
@@ -67,6 +72,15 @@ def wrap(
     if policy.tier is Tier.NVME:
         _check_nvme_path(policy.nvme_path)
     return Engine(model, policy)
+
+
+def _refuse_unknown_options(names: List[str]) -> None:
+    valid = [n for n in inspect.signature(wrap).parameters if n not in ("model", "unknown")]
+    hints = []
+    for name in names:
+        close = difflib.get_close_matches(name, valid, n=1)
+        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise OffloadConfigError(f"unknown option {', '.join(hints)}; valid options are {', '.join(valid)}")
 
 
 def _check_nvme_path(path: Optional[str]) -> None:
