@@ -177,7 +177,7 @@ class StagingPool:
         backing = torch.empty(rounded + ALIGNMENT, dtype=torch.uint8, pin_memory=self.pinned)
         start = (-backing.data_ptr()) % ALIGNMENT
         aligned = backing[start : start + nbytes]
-        return HostBuffer(aligned, nbytes, aligned.data_ptr(), on_release=lambda: self._return(rounded))
+        return HostBuffer(aligned, nbytes, backing.data_ptr() + start, on_release=lambda: self._return(rounded))
 
     def _return(self, rounded: int) -> None:
         with self._lock:
