@@ -6,6 +6,8 @@ buffers and the async file I/O; every part has a pure-PyTorch fallback.
 """
 
 from offload._native import native_available, warn_if_unavailable
+from offload.errors import OffloadConfigError, OffloadError, OffloadIOError, OffloadMemoryError
+from offload.tiers.host import HostBuffer, StagingPool
 
 warn_if_unavailable()
 
@@ -15,4 +17,17 @@ from offload.policy import OffloadPolicy, Tier  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["wrap", "Engine", "Tier", "OffloadPolicy", "native_available", "__version__"]
+__all__ = [
+    "Engine",
+    "HostBuffer",
+    "OffloadConfigError",
+    "OffloadError",
+    "OffloadIOError",
+    "OffloadMemoryError",
+    "OffloadPolicy",
+    "StagingPool",
+    "Tier",
+    "native_available",
+    "wrap",
+    "__version__",
+]

@@ -1,1 +1,1 @@
-"""Memory tiers: the compute device (a budget), host memory and disk."""
+"""The places training state lives: the device (a budget on CPU), host memory (staging pool) and disk (swap files)."""
