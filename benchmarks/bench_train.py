@@ -1,0 +1,180 @@
+"""End-to-end training step: offload tiers against plain PyTorch AdamW, with the bound measured in-run.
+
+    python benchmarks/bench_train.py [--layers 6 --dim 256 --vocab 4096 --context 128 --batch 4] [--quick]
+
+Rivals run in one process, interleaved round by round on their own copies of one model and the same token
+batches. A sample is `--steps` consecutive training steps (forward, backward, step, zero_grad) ending with
+all updates applied, divided by the step count. In the same rounds we time the plain forward+backward
+(T_compute) and a DRAM copy (bandwidth); on a machine without a GPU compute and the CPU Adam share cores
+and DRAM, so the bound is T_compute + T_cpu with T_cpu = trainable params x bytes/param / DRAM bandwidth
+(DESIGN.md section 2), and efficiency = bound / step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import offload  # noqa: E402
+from common import append_csv, machine_header, print_table, summarize  # noqa: E402
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int, context: int, heads: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(context, dim)
+        self.h = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for layer in self.h:
+            x = layer(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def dram_bandwidth(buffers) -> float:
+    """Bytes/s of one large copy (read + write counted)."""
+    src, dst = buffers
+    start = time.perf_counter()
+    dst.copy_(src)
+    return 2 * src.nbytes / (time.perf_counter() - start)
+
+
+def main(argv: List[str] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3, help="training steps per timed sample")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--quick", action="store_true", help="a tiny model and 2 rounds (a smoke run)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.dim, args.vocab, args.context, args.batch, args.rounds, args.steps = 2, 64, 512, 32, 2, 2, 1
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    base = GPT(args.vocab, args.dim, args.layers, args.context, heads=4)
+    n_trainable = sum(p.numel() for p in base.parameters())
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, args.vocab, (args.batch, args.context), generator=gen),
+                torch.randint(0, args.vocab, (args.batch, args.context), generator=gen)) for _ in range(args.steps)]
+    tokens = args.batch * args.context
+
+    def twin():
+        model = copy.deepcopy(base)
+        model.lm_head.weight = model.wte.weight
+        return model.to(dtype)
+
+    compute_model = twin()
+    torch_model = twin()
+    torch_opt = torch.optim.AdamW(torch_model.parameters(), lr=1e-4)
+    engines = {
+        "offload gpu tier": offload.wrap(twin(), tier="gpu", dtype=dtype, device="cpu"),
+        "offload cpu tier, GA declared": offload.wrap(twin(), tier="cpu", dtype=dtype, device="cpu",
+                                                      grad_accumulation_steps=1),
+        "offload cpu tier, GA unset": offload.wrap(twin(), tier="cpu", dtype=dtype, device="cpu"),
+    }
+
+    def compute_only():
+        for idx, tgt in batches:
+            compute_model(idx, tgt).backward()
+            compute_model.zero_grad()
+
+    def torch_step():
+        for idx, tgt in batches:
+            torch_model(idx, tgt).backward()
+            torch_opt.step()
+            torch_opt.zero_grad()
+
+    def engine_step(engine):
+        def run():
+            for idx, tgt in batches:
+                engine(idx, tgt).backward()
+                engine.step()
+                engine.zero_grad()
+            engine.synchronize()
+        return run
+
+    rivals: Dict[str, Callable[[], None]] = {"fwd+bwd only (T_compute)": compute_only, "torch AdamW": torch_step}
+    rivals.update({name: engine_step(e) for name, e in engines.items()})
+    copy_buffers = (torch.ones(32 * 2**20), torch.empty(32 * 2**20))
+    samples: Dict[str, List[float]] = {name: [] for name in rivals}
+    bandwidths: List[float] = []
+    for name, run in rivals.items():  # warm-up: first-step allocations, profiles
+        run()
+    before = {name: e.stats() for name, e in engines.items()}
+    for _ in range(args.rounds):
+        bandwidths.append(dram_bandwidth(copy_buffers))
+        for name, run in rivals.items():
+            start = time.perf_counter()
+            run()
+            samples[name].append((time.perf_counter() - start) / args.steps)
+    after = {name: e.stats() for name, e in engines.items()}
+    for engine in engines.values():
+        engine.close()
+
+    bw = summarize(bandwidths)[0]
+    t_compute = summarize(samples["fwd+bwd only (T_compute)"])[0]
+    bytes_per_param = 32 if dtype == torch.float32 else 30
+    t_cpu = n_trainable * bytes_per_param / bw
+    bound = t_compute + t_cpu
+    t_torch = summarize(samples["torch AdamW"])[0]
+    steps_measured = args.rounds * args.steps
+    rows = []
+    for name, values in samples.items():
+        median, p20, p80 = summarize(values)
+        row = dict(rival=name, step_ms=median * 1e3, p20_p80_ms=f"{p20 * 1e3:.1f}-{p80 * 1e3:.1f}",
+                   tokens_per_s=tokens / median, vs_torch=t_torch / median)
+        if name in engines:
+            row["d2h_MB_step"] = (after[name]["bytes_device_to_host"] - before[name]["bytes_device_to_host"]) / steps_measured / 1e6
+            row["h2d_MB_step"] = (after[name]["bytes_host_to_device"] - before[name]["bytes_host_to_device"]) / steps_measured / 1e6
+        if name != "fwd+bwd only (T_compute)":
+            row["efficiency"] = bound / median
+        rows.append(row)
+    print(machine_header())
+    print(f"GPT layers={args.layers} dim={args.dim} vocab={args.vocab} context={args.context} batch={args.batch} "
+          f"dtype={args.dtype} | {n_trainable / 1e6:.2f}M params | {args.rounds} rounds x {args.steps} steps | "
+          f"native core: {offload.native_available()}")
+    print(f"bound = T_compute {t_compute * 1e3:.1f} ms + T_cpu {t_cpu * 1e3:.1f} ms "
+          f"({bytes_per_param} B/param at DRAM {bw / 1e9:.1f} GB/s measured) = {bound * 1e3:.1f} ms")
+    columns = ["rival", "step_ms", "p20_p80_ms", "tokens_per_s", "vs_torch", "d2h_MB_step", "h2d_MB_step", "efficiency"]
+    print_table(rows, columns)
+    if not args.quick:
+        append_csv("bench_train", [dict(r, layers=args.layers, dim=args.dim, dtype=args.dtype, bound_ms=bound * 1e3)
+                                   for r in rows])
+
+
+if __name__ == "__main__":
+    main()
