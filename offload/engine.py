@@ -17,14 +17,16 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from offload._system import usable_cores
 from offload.errors import OffloadConfigError, OffloadError
 from offload.planner import BlockSpec, Location, Plan, make_plan
 from offload.policy import OffloadPolicy, Tier
-from offload.scheduler.block import Block, Residency, build_blocks, param_owners
+from offload.scheduler.block import Block, build_blocks, param_owners
 from offload.scheduler.grads import BackwardTracker
 from offload.scheduler.hooks import HookSet
 from offload.scheduler.optimizer_view import EngineOptimizer
-from offload.scheduler.step import AdamHyper, GroupState, StepWorker
+from offload.scheduler.step import AdamHyper, GroupState, StepWorker, clip_scale
+from offload.scheduler.streaming import WeightStreamer
 from offload.scheduler.streams import CopyContext
 from offload.tiers.device import DeviceTier
 
@@ -52,16 +54,15 @@ class Engine:
         self.blocks: List[Block] = build_blocks(module, policy.dtype)
         self.plan: Plan = make_plan([_spec(b, policy) for b in self.blocks], policy.tier,
                                     policy.device_memory, policy.host_memory)
-        if self.plan.streamed_blocks:
-            raise OffloadConfigError(
-                f"device_memory is too small to keep all weights on the device (blocks "
-                f"{', '.join(self.plan.streamed_blocks[:3])}... would stream from the host), and weight "
-                f"streaming is not available yet; raise device_memory to at least "
-                f"{sum(b.weight_bytes for b in self.blocks)} bytes")
         if policy.tier is Tier.NVME:
             raise OffloadConfigError("tier='nvme' is not available yet in this build; use tier='cpu'")
         self._device_tier = DeviceTier(policy.device, policy.device_memory)
         self._copies = CopyContext(policy.device)
+        self._forward_order: List[int] = []
+        self._seen: set = set()
+        self._order_known = False
+        self._streamer = WeightStreamer(self._device_tier, self._copies, self._next_in_forward_order)
+        self._saved_tensor_hooks: List[object] = []
         self._states: Dict[int, List[GroupState]] = {}
         self._where: Dict[int, Tuple[Block, GroupState, int]] = {}
         self._trainable_ids: Dict[int, List[int]] = {}
@@ -71,23 +72,26 @@ class Engine:
         defaults = dict(lr=policy.lr, betas=policy.betas, eps=policy.eps, weight_decay=policy.weight_decay)
         self.optimizer = EngineOptimizer(trainable, defaults, self._step, self._zero_grad)
         self._tracker = BackwardTracker(policy.grad_accumulation_steps)
-        self._worker = StepWorker()
+        cores = usable_cores()
+        self._worker = StepWorker(max(1, cores // 2) if policy.device.type == "cpu" else cores)
         self._needs_upload: set = set()
         self._updated_early: set = set()
         self._early_hyper: Optional[AdamHyper] = None
-        self._block_sumsq: Dict[int, float] = {}
-        self._forward_order: List[int] = []
-        self._seen: set = set()
+        self._block_norms: Dict[int, list] = {}
+        self._param_position = {id(p): i for i, p in enumerate(module.parameters())}
         self._stats = dict(steps=0, skipped_steps=0, block_updates=0, early_block_updates=0,
                            update_seconds=0.0, wait_seconds=0.0)
         self._hooks = HookSet()
-        self._hooks.attach(module, self.blocks, param_owners(module), self._ensure_blocks,
+        self._hooks.attach(module, self.blocks, param_owners(module), self._ensure_blocks, self._leave_blocks,
                            self._on_backward_begin, self._on_grad)
+        if self._streamer.active:
+            self._hooks.attach_root_context(module, self._enter_forward, self._exit_forward)
         setattr(module, _MARKER, weakref.ref(self))
 
     # ----- setup -----------------------------------------------------------------------------------
     def _materialize(self) -> None:
         """Copy every parameter into its block's flat device buffer, re-point `.data`, build optimizer state."""
+        streamed = set(self.plan.streamed_blocks)
         state_on_host = self.policy.tier is not Tier.GPU
         state_device = torch.device("cpu") if state_on_host else self.policy.device
         for block in self.blocks:
@@ -110,6 +114,8 @@ class Engine:
                     for index, slot in enumerate(group.trainable_slots):
                         self._where[id(slot.param)] = (block, state, index)
             self._states[block.index] = states
+            if block.name in streamed:
+                self._streamer.adopt(block)
             self._trainable_ids[block.index] = [id(s.param) for s in block.slots if s.trainable]
         for sub in self.module.modules():
             for key, buf in sub._buffers.items():
@@ -118,7 +124,11 @@ class Engine:
 
     # ----- hooks -----------------------------------------------------------------------------------
     def _ensure_blocks(self, blocks: List[Block]) -> None:
-        """Forward pre-hook: wait for each block's pending update, upload new weights if needed."""
+        """Forward pre-hook: wait for each block's pending update, make its weights resident and current.
+
+        Runs in forward, under no_grad, and for checkpoint recompute during backward; there a streamed block
+        stays pinned until the backward ends (see [Note: weight streaming])."""
+        in_backward = torch._C._current_graph_task_id() != -1
         for block in blocks:
             if self._worker.is_pending(block.index):
                 start = time.perf_counter()
@@ -126,20 +136,49 @@ class Engine:
                 self._stats["wait_seconds"] += time.perf_counter() - start
             else:
                 self._worker.wait(block.index)  # surfaces an exception of a finished update
+            self._streamer.ensure(block, pin=True, prefetch=self._order_known and not in_backward)
+            if in_backward and self._streamer.is_streamed(block):
+                self._streamer.pin(block.index)
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda index=block.index: self._streamer.unpin(index))
             if block.index in self._needs_upload:
                 self._upload(block)
             if block.index not in self._seen:
                 self._seen.add(block.index)
                 self._forward_order.append(block.index)
 
+    def _leave_blocks(self, blocks: List[Block]) -> None:
+        """Forward post-hook (also after an exception): the module no longer needs these blocks."""
+        for block in blocks:
+            self._streamer.unpin(block.index)
+
     def _upload(self, block: Block) -> None:
         for state in self._states[block.index]:
             group = state.group
             assert group.device_buffer is not None
-            self._copies.to_device(group.device_buffer[:group.trainable_numel], self._host_weights(state))
+            if self._streamer.is_streamed(block):
+                self._streamer.upload(block, group)  # a released block reads the host copy when fetched
+            else:
+                self._copies.to_device(group.device_buffer[:group.trainable_numel], self._host_weights(state))
         self._needs_upload.discard(block.index)
-        if block.residency is not Residency.RESIDENT:
-            block.move_to(Residency.RESIDENT)
+
+    def _next_in_forward_order(self, block: Block) -> Optional[Block]:
+        try:
+            position = self._forward_order.index(block.index)
+        except ValueError:
+            return None
+        following = self._forward_order[position + 1:position + 2]
+        return self.blocks[following[0]] if following else None
+
+    def _enter_forward(self) -> None:
+        """Root pre-hook when streaming: autograd saves streamed weights as handles (fetched again in backward)."""
+        context = torch.autograd.graph.saved_tensors_hooks(self._streamer.pack, self._streamer.unpack)
+        context.__enter__()
+        self._saved_tensor_hooks.append(context)
+
+    def _exit_forward(self) -> None:
+        if self._saved_tensor_hooks:
+            self._saved_tensor_hooks.pop().__exit__(None, None, None)
 
     def _on_backward_begin(self) -> None:
         self._tracker.begin_backward(torch._C._current_graph_task_id())
@@ -166,7 +205,7 @@ class Engine:
                 self._stats["early_block_updates"] += 1
                 self._submit_update(block, self._early_hyper, 1.0)
             else:
-                self._submit_sumsq(block)
+                self._submit_norms(block)
 
     def _offload_grad(self, block: Block, state: GroupState, index: int, param: nn.Parameter) -> None:
         self._worker.wait(block.index)  # the previous step's update may still read this gradient buffer
@@ -182,6 +221,8 @@ class Engine:
         the state is on the device, else a host copy that `_upload` sends to the device."""
         group = state.group
         assert group.device_buffer is not None
+        if self._streamer.is_streamed(self._where[id(group.trainable_slots[0].param)][0]):
+            return self._streamer.host_copy(group)[:group.trainable_numel]
         copy = self._upload_sources.get(id(state))
         return group.device_buffer[:group.trainable_numel] if copy is None else copy
 
@@ -200,15 +241,16 @@ class Engine:
 
         self._worker.submit(block.index, work)
         self._stats["block_updates"] += 1
-        if any(id(state) in self._upload_sources for state, _r, _o in jobs):
+        self._order_known = True
+        if self._streamer.is_streamed(block) or any(id(state) in self._upload_sources for state, _r, _o in jobs):
             self._needs_upload.add(block.index)
 
-    def _submit_sumsq(self, block: Block) -> None:
+    def _submit_norms(self, block: Block) -> None:
         states = self._states[block.index]
-        sums = self._block_sumsq
+        norms = self._block_norms
 
         def work() -> None:
-            sums[block.index] = sum(state.sum_of_squares() for state in states)
+            norms[block.index] = [n for state in states for n in state.grad_norms()]
 
         self._worker.submit(block.index, work)
 
@@ -233,13 +275,14 @@ class Engine:
         scale = 1.0
         if self.policy.max_grad_norm is not None:
             self._worker.wait_all()
-            total_sq = sum(self._block_sumsq[b.index] if b.index in self._block_sumsq
-                           else sum(s.sum_of_squares() for s in self._states[b.index]) for b in self.blocks)
-            total_norm = math.sqrt(total_sq)
+            per_param = [n for b in self.blocks for n in (
+                self._block_norms[b.index] if b.index in self._block_norms
+                else [n for s in self._states[b.index] for n in s.grad_norms()])]
+            per_param.sort(key=lambda pn: self._param_position[id(pn[0])])  # torch's order: model.parameters()
+            total_norm, scale = clip_scale([n for _p, n in per_param], self.policy.max_grad_norm)
             if not math.isfinite(total_norm):
                 self._skip_step(f"the gradient norm is {total_norm}")
                 return
-            scale = min(self.policy.max_grad_norm / (total_norm + 1e-6), 1.0)
         for block in self._update_order():
             if block.index not in self._updated_early:
                 self._submit_update(block, hyper, scale)
@@ -252,7 +295,7 @@ class Engine:
 
     def _finish_step(self) -> None:
         self._updated_early.clear()
-        self._block_sumsq.clear()
+        self._block_norms.clear()
         self._early_hyper = None
         self._stats["steps"] += 1
 
@@ -292,7 +335,12 @@ class Engine:
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """The model's state dict as full, real CPU tensors (copies), with all updates applied."""
         self.synchronize()
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        streamed = {}
+        for group, host in self._streamer.host_weights_of():
+            for slot in group.slots:
+                streamed[id(slot.param)] = host[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        return {k: (streamed[id(v)] if id(v) in streamed else v.detach()).to("cpu", copy=True)
+                for k, v in self.module.state_dict(keep_vars=True).items()}
 
     def stats(self) -> Dict[str, float]:
         """Counters since `wrap()`: steps, skipped steps, block updates (and how many ran during backward),
@@ -300,6 +348,9 @@ class Engine:
         out: Dict[str, float] = dict(self._stats)
         out.update(bytes_device_to_host=self._copies.bytes_to_host, bytes_host_to_device=self._copies.bytes_to_device,
                    device_bytes=self._device_tier.in_use, device_peak_bytes=self._device_tier.peak,
+                   device_over_budget_events=self._device_tier.over_budget_events,
+                   block_fetches=self._streamer.fetches, block_evictions=self._streamer.evictions,
+                   block_prefetches=self._streamer.prefetches,
                    host_state_bytes=sum(s.nbytes for states in self._states.values() for s in states
                                         if s.on_host))
         return out
@@ -311,6 +362,10 @@ class Engine:
             return
         try:
             self._worker.close()
+            for block in self.blocks:
+                if block.index in self._needs_upload:
+                    self._upload(block)
+            self._streamer.restore_all()
         finally:
             self._closed = True
             self._hooks.remove()

@@ -71,3 +71,12 @@ def make_batches(steps: int, micro: int, batch: int = 4, context: int = 16, voca
     gen = torch.Generator().manual_seed(seed)
     return [[(torch.randint(0, vocab, (batch, context), generator=gen),
               torch.randint(0, vocab, (batch, context), generator=gen)) for _ in range(micro)] for _ in range(steps)]
+
+
+def one_intraop_thread():
+    """Generator for an autouse fixture: these models are too small to gain from intra-op threads, and on
+    a shared 2-core machine an OpenMP team spinning against other processes makes tests 5-10x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -9,7 +9,9 @@ from torch import nn
 import offload
 from offload.errors import OffloadConfigError, OffloadError
 from offload.policy import OffloadPolicy, Tier, parse_bytes
-from tests.models import TinyGPT
+from tests.models import TinyGPT, one_intraop_thread
+
+_threads = pytest.fixture(autouse=True, scope="module")(one_intraop_thread)
 
 
 def _wrap(model=None, **kw):

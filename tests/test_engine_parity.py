@@ -15,11 +15,13 @@ import pytest
 import torch
 
 import offload
-from tests.models import TinyGPT, make_batches
+from tests.models import TinyGPT, make_batches, one_intraop_thread
 
 TOL = 1e-5
 STEPS = 4
 LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
+
+_threads = pytest.fixture(autouse=True, scope="module")(one_intraop_thread)
 
 
 def _reference(model, batches, accum, max_norm, schedule, eval_batch):
@@ -44,9 +46,10 @@ def _reference(model, batches, accum, max_norm, schedule, eval_batch):
     return losses, evals, model.state_dict()
 
 
-def _engine(model, batches, accum, max_norm, schedule, eval_batch, tier, declared):
+def _engine(model, batches, accum, max_norm, schedule, eval_batch, tier, declared, device_memory):
     engine = offload.wrap(model, tier=tier, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_grad_norm=max_norm,
-                          dtype=torch.float32, device="cpu", grad_accumulation_steps=accum if declared else None)
+                          dtype=torch.float32, device="cpu", grad_accumulation_steps=accum if declared else None,
+                          device_memory=device_memory)
     sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5) if schedule else None
     losses, evals = [], []
     with engine:
@@ -67,7 +70,8 @@ def _engine(model, batches, accum, max_norm, schedule, eval_batch, tier, declare
     return losses, evals, state, stats
 
 
-def _compare(tier, accum=1, declared=False, max_norm=None, schedule=False, checkpointing=None, evaluate=False):
+def _compare(tier, accum=1, declared=False, max_norm=None, schedule=False, checkpointing=None, evaluate=False,
+             device_memory=None):
     torch.manual_seed(0)
     model = TinyGPT(checkpointing=checkpointing)
     twin = copy.deepcopy(model)
@@ -75,7 +79,8 @@ def _compare(tier, accum=1, declared=False, max_norm=None, schedule=False, check
     batches = make_batches(STEPS, accum)
     eval_batch = make_batches(1, 1, seed=99)[0][0] if evaluate else None
     ref_losses, ref_evals, ref_state = _reference(twin, batches, accum, max_norm, schedule, eval_batch)
-    losses, evals, state, stats = _engine(model, batches, accum, max_norm, schedule, eval_batch, tier, declared)
+    losses, evals, state, stats = _engine(model, batches, accum, max_norm, schedule, eval_batch, tier, declared,
+                                          device_memory)
     assert len(losses) == len(ref_losses)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL, (losses, ref_losses)
     if evaluate:

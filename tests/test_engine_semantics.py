@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 import offload
-from tests.models import TinyGPT, make_batches
+from tests.models import TinyGPT, make_batches, one_intraop_thread
+
+_threads = pytest.fixture(autouse=True, scope="module")(one_intraop_thread)
 
 
 class Pair(nn.Module):

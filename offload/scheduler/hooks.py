@@ -25,8 +25,8 @@ class HookSet:
         self._handles: List[RemovableHandle] = []
 
     def attach(self, root: nn.Module, blocks: List[Block], owners: Dict[int, List[nn.Module]],
-               ensure_blocks: Callable[[List[Block]], None], on_backward_begin: Callable[[], None],
-               on_grad: Callable[[nn.Parameter], None]) -> None:
+               ensure_blocks: Callable[[List[Block]], None], leave_blocks: Callable[[List[Block]], None],
+               on_backward_begin: Callable[[], None], on_grad: Callable[[nn.Parameter], None]) -> None:
         blocks_of_module: Dict[int, List[Block]] = {}
         modules: Dict[int, nn.Module] = {}
         for block in blocks:
@@ -41,6 +41,8 @@ class HookSet:
         for key, module in modules.items():
             needed = blocks_of_module[key]
             self._handles.append(module.register_forward_pre_hook(lambda _m, _a, needed=needed: ensure_blocks(needed)))
+            self._handles.append(module.register_forward_hook(
+                lambda _m, _a, _o, needed=needed: leave_blocks(needed), always_call=True))
 
         def hook_outputs(_module: nn.Module, _args: object, output: object) -> None:
             if not torch.is_grad_enabled():
@@ -50,6 +52,13 @@ class HookSet:
                     leaf.register_hook(lambda _grad: on_backward_begin())
 
         self._handles.append(root.register_forward_hook(hook_outputs))
+
+    def attach_root_context(self, root: nn.Module, enter: Callable[[], None], exit_: Callable[[], None]) -> None:
+        """Run `enter` before the root module's forward and `exit_` after it, even when it raises.
+
+        Registered before nothing else on the root, so the output hook sees the same context."""
+        self._handles.append(root.register_forward_pre_hook(lambda _m, _a: enter(), prepend=True))
+        self._handles.append(root.register_forward_hook(lambda _m, _a, _o: exit_(), always_call=True))
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from offload.optim.functional import adam_step_flat, sum_of_squares
+from offload.optim.functional import adam_step_flat
 from offload.scheduler.block import FlatGroup
 
 
@@ -85,14 +85,18 @@ class GroupState:
                 if self.has_grad[index]:
                     self.grad[slot.offset:slot.offset + slot.numel].zero_()
 
-    def sum_of_squares(self) -> float:
-        """Squared L2 norm of the accumulated gradients (only of parameters that have one)."""
-        total = 0.0
+    def grad_norms(self) -> List[Tuple[nn.Parameter, float]]:
+        """L2 norm of each accumulated gradient (parameters without one are left out).
+
+        Computed with torch.linalg.vector_norm in fp32, the reduction torch.nn.utils.clip_grad_norm_ uses:
+        a more exact fp64 sum differs in the last bit, and Adam amplifies that in elements whose gradient
+        is rounding noise (e.g. attention key biases). See docs/design.md [Note: clipping parity]."""
+        norms = []
         for index, slot in enumerate(self.group.trainable_slots):
             if self.has_grad[index]:
                 piece = self.grad[slot.offset:slot.offset + slot.numel]
-                total += sum_of_squares(piece) if self.on_host else float(piece.double().square().sum())
-        return total
+                norms.append((slot.param, float(torch.linalg.vector_norm(piece, 2, dtype=torch.float32))))
+        return norms
 
     def ready_indices(self) -> List[int]:
         """Trainable parameters that have a gradient now: taken when an update is scheduled, because
@@ -124,6 +128,14 @@ class GroupState:
             _adamw_on_device(*args, step, hyper, grad_scale, target)
 
 
+def clip_scale(norms: List[float], max_norm: float) -> Tuple[float, float]:
+    """(total norm, gradient scale) exactly as torch.nn.utils.clip_grad_norm_ computes them in fp32: the
+    norm of the per-parameter norms, then min(max_norm / (total + 1e-6), 1)."""
+    total = torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float32), 2)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return float(total), float(coef)
+
+
 def _adamw_on_device(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int,
                      hyper: AdamHyper, grad_scale: float, out: Optional[Tensor]) -> None:
     """torch.optim.AdamW's single-tensor maths, for state kept on the compute device (the GPU tier)."""
@@ -144,13 +156,17 @@ def _adamw_on_device(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: T
 class StepWorker:
     """One background thread that runs block updates in submission order; one future per block.
 
-    A single thread keeps updates ordered and leaves the other cores to compute; the native Adam kernel
-    releases the GIL and parallelises inside. Every wait goes through `wait(block_index)`, so an
-    exception raised in an update surfaces at the next use of that block.
+    A single thread keeps updates ordered; the native Adam kernel releases the GIL and parallelises
+    inside. `num_threads` caps torch's intra-op threads *of this thread only* (OpenMP's thread count is
+    per thread): when the CPU also computes, two full OpenMP teams spinning on the same cores slow both
+    down several-fold. Every wait goes through `wait(block_index)`, so an exception raised in an update
+    surfaces at the next use of that block.
     """
 
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-step")
+    def __init__(self, num_threads: int) -> None:
+        self.num_threads = num_threads
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-step",
+                                        initializer=torch.set_num_threads, initargs=(num_threads,))
         self._pending: Dict[int, Future] = {}
         self._lock = threading.Lock()
 

@@ -1,0 +1,181 @@
+"""Weight streaming: blocks whose weights do not stay on the device are fetched for each use.
+
+The host copy of a streamed block's compute weights is the authoritative one (the update writes there).
+Its device buffer keeps its tensor object and the parameter views into it; fetching re-grows the storage
+and copies the host copy in, releasing shrinks the storage to zero bytes (parameters keep their identity).
+Autograd never holds a streamed weight directly: a saved-tensor hook packs it as a handle, and unpacking
+in backward fetches the block again. See docs/design.md [Note: weight streaming].
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from typing import Callable, Dict, Iterable, NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from offload.scheduler.block import Block, FlatGroup, Residency
+from offload.scheduler.streams import CopyContext
+from offload.tiers.device import DeviceTier
+
+
+class PackedWeight(NamedTuple):
+    """What autograd keeps instead of a streamed weight: where to find it again after a fetch."""
+
+    block_index: int
+    group: FlatGroup
+    storage_offset: int
+    shape: Tuple[int, ...]
+    stride: Tuple[int, ...]
+
+
+class WeightStreamer:
+    """Fetches, pins and evicts (least recently used first) the streamed blocks within the device budget.
+
+    A block is pinned while a module that owns it runs, while an unpacked saved weight of it is alive,
+    and, when fetched during backward for a checkpoint recompute, until that backward ends. Pinned blocks
+    are never evicted; when nothing can be evicted the fetch goes over budget (counted, never wrong).
+    """
+
+    def __init__(self, device_tier: DeviceTier, copies: CopyContext,
+                 next_block: Callable[[Block], Optional[Block]]) -> None:
+        self._device = device_tier
+        self._copies = copies
+        self._next_block = next_block
+        self._blocks: Dict[int, Block] = {}
+        self._host: Dict[int, Tensor] = {}          # id(group) -> host copy of the group's compute weights
+        self._lru: "OrderedDict[int, None]" = OrderedDict()  # resident streamed blocks, oldest first
+        self._pins: Dict[int, int] = {}
+        self._by_storage: Dict[int, Tuple[int, FlatGroup]] = {}  # device storage address -> (block, group)
+        self.fetches = 0
+        self.evictions = 0
+        self.prefetches = 0
+
+    @property
+    def active(self) -> bool:
+        return bool(self._blocks)
+
+    def is_streamed(self, block: Block) -> bool:
+        return block.index in self._blocks
+
+    def adopt(self, block: Block) -> None:
+        """Take a block whose device buffers hold its weights: keep a host copy, then release the device."""
+        self._blocks[block.index] = block
+        for group in block.groups:
+            assert group.device_buffer is not None
+            self._host[id(group)] = group.device_buffer.to("cpu", copy=True)
+            self._by_storage[group.device_buffer.untyped_storage().data_ptr()] = (block.index, group)
+        self._lru[block.index] = None
+        self._release(block)
+
+    def host_copy(self, group: FlatGroup) -> Tensor:
+        """The host copy the optimizer writes new weights into (and a fetch reads)."""
+        return self._host[id(group)]
+
+    # ----- use ---------------------------------------------------------------------------------------
+    def ensure(self, block: Block, *, pin: bool, prefetch: bool) -> None:
+        """Make a streamed block resident (fetching, evicting others if needed); optionally pin it."""
+        if block.index not in self._blocks:
+            return
+        if block.residency is Residency.RELEASED:
+            self._make_room(block.weight_bytes, keep=block.index)
+            self._fetch(block)
+        self._lru.move_to_end(block.index)
+        if pin:
+            self.pin(block.index)
+        if prefetch:
+            self._prefetch_after(block)
+
+    def pin(self, block_index: int) -> None:
+        if block_index in self._blocks:
+            self._pins[block_index] = self._pins.get(block_index, 0) + 1
+
+    def unpin(self, block_index: int) -> None:
+        if self._pins.get(block_index, 0) > 0:
+            self._pins[block_index] -= 1
+
+    def upload(self, block: Block, group: FlatGroup) -> None:
+        """Send the updated trainable weights of a resident streamed block to the device."""
+        if block.residency is Residency.RESIDENT:
+            assert group.device_buffer is not None
+            n = group.trainable_numel
+            self._copies.to_device(group.device_buffer[:n], self._host[id(group)][:n])
+
+    def restore_all(self) -> None:
+        """Fetch every streamed block (budget ignored) so the model works as plain PyTorch after close()."""
+        for block in self._blocks.values():
+            if block.residency is Residency.RELEASED:
+                self._fetch(block)
+        self._blocks.clear()
+
+    def host_weights_of(self) -> Iterable[Tuple[FlatGroup, Tensor]]:
+        for block in self._blocks.values():
+            for group in block.groups:
+                yield group, self._host[id(group)]
+
+    # ----- saved-tensor hooks ------------------------------------------------------------------------
+    def pack(self, tensor: Tensor) -> object:
+        """Saved-tensor pack hook: a streamed weight becomes a handle, anything else stays as it is."""
+        if tensor.layout is not torch.strided or tensor.is_meta:
+            return tensor
+        owner = self._by_storage.get(tensor.untyped_storage().data_ptr())
+        if owner is None:
+            return tensor
+        return PackedWeight(owner[0], owner[1], tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+
+    def unpack(self, packed: object) -> Tensor:
+        """Saved-tensor unpack hook: fetch the block again and pin it while the returned view lives."""
+        if not isinstance(packed, PackedWeight):
+            return packed  # type: ignore[return-value]
+        block = self._blocks[packed.block_index]
+        self.ensure(block, pin=True, prefetch=False)
+        buffer = packed.group.device_buffer
+        assert buffer is not None
+        view = buffer.as_strided(packed.shape, packed.stride, packed.storage_offset)
+        weakref.finalize(view, self.unpin, block.index)
+        return view
+
+    # ----- moves -------------------------------------------------------------------------------------
+    def _fetch(self, block: Block) -> None:
+        self._device.reserve(block.weight_bytes, f"block {block.name!r}", over_budget_ok=True)
+        for group in block.groups:
+            assert group.device_buffer is not None
+            storage = group.device_buffer.untyped_storage()
+            storage.resize_(group.nbytes)
+            with torch.no_grad():
+                self._copies.to_device(group.device_buffer, self._host[id(group)])
+            self._by_storage[storage.data_ptr()] = (block.index, group)
+        block.move_to(Residency.RESIDENT)
+        self._lru[block.index] = None
+        self.fetches += 1
+
+    def _release(self, block: Block) -> None:
+        for group in block.groups:
+            assert group.device_buffer is not None
+            storage = group.device_buffer.untyped_storage()
+            self._by_storage.pop(storage.data_ptr(), None)
+            storage.resize_(0)
+        self._device.unreserve(block.weight_bytes)
+        block.move_to(Residency.RELEASED)
+        self._lru.pop(block.index, None)
+
+    def _make_room(self, nbytes: int, keep: int) -> None:
+        for index in list(self._lru):
+            if self._device.fits(nbytes):
+                return
+            if index != keep and self._pins.get(index, 0) == 0:
+                self._release(self._blocks[index])
+                self.evictions += 1
+
+    def _prefetch_after(self, block: Block) -> None:
+        following = self._next_block(block)
+        if following is None or following.index not in self._blocks:
+            return
+        if following.residency is not Residency.RELEASED:
+            return
+        self._make_room(following.weight_bytes, keep=block.index)
+        if self._device.fits(following.weight_bytes):
+            self._fetch(following)
+            self.prefetches += 1

@@ -1,0 +1,62 @@
+"""Weights streamed from the host under a small device_memory: same results, device bytes within budget."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import offload
+from offload.planner import Location
+from tests.models import TinyGPT, make_batches, one_intraop_thread
+from tests.test_engine_parity import _compare
+
+LAYER_BYTES = 50_816  # one TinyGPT layer in fp32
+BUDGET = 120_000      # room for the small blocks and a window of two layers: the three layers stream
+
+_threads = pytest.fixture(autouse=True, scope="module")(one_intraop_thread)
+
+
+def test_plan_streams_the_layers():
+    with offload.wrap(TinyGPT(), tier="cpu", dtype=torch.float32, device="cpu", device_memory=BUDGET) as engine:
+        assert engine.plan.streamed_blocks == ("h.0", "h.1", "h.2")
+        assert {b.name: b.weight_bytes for b in engine.blocks}["h.0"] == LAYER_BYTES
+        assert all(b.weights is Location.DEVICE for b in engine.plan.blocks if b.name in ("wte", "wpe", "ln_f"))
+        assert engine.stats()["device_bytes"] <= BUDGET
+
+
+@pytest.mark.parametrize("accum,declared", [(1, False), (2, True)])
+def test_streaming_parity_and_budget(accum, declared):
+    stats = _compare("cpu", accum=accum, declared=declared, evaluate=True, device_memory=BUDGET)
+    assert stats["block_fetches"] > 3 * STEPS_AT_LEAST and stats["block_evictions"] > 0
+    assert stats["device_peak_bytes"] <= BUDGET
+    assert stats["device_over_budget_events"] == 0
+
+
+STEPS_AT_LEAST = 2
+
+
+@pytest.mark.parametrize("checkpointing", ["reentrant", "non_reentrant"])
+def test_streaming_with_activation_checkpointing(checkpointing):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stats = _compare("cpu", accum=2, declared=False, checkpointing=checkpointing, device_memory=BUDGET)
+    assert stats["block_fetches"] > 0
+
+
+def test_streaming_with_clipping_and_declared_accumulation():
+    _compare("cpu", accum=2, declared=True, max_norm=0.05, device_memory=BUDGET)
+
+
+def test_close_brings_streamed_weights_back():
+    model = TinyGPT()
+    engine = offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", device_memory=BUDGET)
+    (idx, tgt), = make_batches(1, 1)[0]
+    engine(idx, tgt).backward()
+    engine.step()
+    state = engine.state_dict()
+    engine.close()
+    for name, value in model.state_dict().items():
+        assert value.equal(state[name]), name
+    model(idx, tgt).backward()  # a plain model again
