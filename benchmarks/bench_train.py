@@ -106,6 +106,9 @@ def main(argv: List[str] = None) -> None:
                                                       grad_accumulation_steps=1),
         "offload cpu tier, GA unset": offload.wrap(twin(), tier="cpu", dtype=dtype, device="cpu"),
     }
+    weight_bytes = sum(p.numel() for p in base.parameters()) * torch.empty((), dtype=dtype).element_size()
+    engines["offload cpu tier, weights streamed (budget 50%)"] = offload.wrap(
+        twin(), tier="cpu", dtype=dtype, device="cpu", grad_accumulation_steps=1, device_memory=weight_bytes // 2)
 
     def compute_only():
         for idx, tgt in batches:
@@ -160,6 +163,7 @@ def main(argv: List[str] = None) -> None:
         if name in engines:
             row["d2h_MB_step"] = (after[name]["bytes_device_to_host"] - before[name]["bytes_device_to_host"]) / steps_measured / 1e6
             row["h2d_MB_step"] = (after[name]["bytes_host_to_device"] - before[name]["bytes_host_to_device"]) / steps_measured / 1e6
+            row["device_peak_MB"] = after[name]["device_peak_bytes"] / 1e6
         if name != "fwd+bwd only (T_compute)":
             row["efficiency"] = bound / median
         rows.append(row)
@@ -169,7 +173,8 @@ def main(argv: List[str] = None) -> None:
           f"native core: {offload.native_available()}")
     print(f"bound = T_compute {t_compute * 1e3:.1f} ms + T_cpu {t_cpu * 1e3:.1f} ms "
           f"({bytes_per_param} B/param at DRAM {bw / 1e9:.1f} GB/s measured) = {bound * 1e3:.1f} ms")
-    columns = ["rival", "step_ms", "p20_p80_ms", "tokens_per_s", "vs_torch", "d2h_MB_step", "h2d_MB_step", "efficiency"]
+    columns = ["rival", "step_ms", "p20_p80_ms", "tokens_per_s", "vs_torch", "d2h_MB_step", "h2d_MB_step",
+               "device_peak_MB", "efficiency"]
     print_table(rows, columns)
     if not args.quick:
         append_csv("bench_train", [dict(r, layers=args.layers, dim=args.dim, dtype=args.dtype, bound_ms=bound * 1e3)

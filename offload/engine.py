@@ -19,7 +19,7 @@ from torch import nn
 
 from offload._system import usable_cores
 from offload.errors import OffloadConfigError, OffloadError
-from offload.planner import BlockSpec, Location, Plan, make_plan
+from offload.planner import BlockSpec, Plan, make_plan
 from offload.policy import OffloadPolicy, Tier
 from offload.scheduler.block import Block, build_blocks, param_owners
 from offload.scheduler.grads import BackwardTracker
@@ -399,4 +399,4 @@ def _spec(block: Block, policy: OffloadPolicy) -> BlockSpec:
     return BlockSpec(block.name, block.weight_bytes, state)
 
 
-__all__ = ["Engine", "Location"]
+__all__ = ["Engine"]

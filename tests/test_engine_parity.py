@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Optional
-
 import pytest
 import torch
 

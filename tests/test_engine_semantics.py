@@ -141,3 +141,22 @@ def test_grads_leave_the_device_and_stats_count_them():
         engine.step()
         engine.synchronize()
         assert engine.stats()["block_updates"] == 5  # every block with trainable parameters
+
+
+def test_non_finite_gradient_norm_skips_the_step_with_a_warning():
+    torch.manual_seed(0)
+    model = Net()
+    with offload.wrap(model, tier="cpu", lr=1e-2, max_grad_norm=1.0, dtype=torch.float32, device="cpu") as engine:
+        before = engine.state_dict()
+        loss = model(torch.full((4, 8), float("inf")))
+        loss.backward()
+        with pytest.warns(RuntimeWarning, match="step 1 skipped: the gradient norm is (nan|inf)"):
+            engine.step()
+        engine.zero_grad()
+        after = engine.state_dict()
+        assert all(after[k].equal(v) for k, v in before.items())
+        assert engine.stats()["skipped_steps"] == 1
+        model(torch.ones(4, 8)).backward()  # the next step trains normally
+        engine.step()
+        assert not engine.state_dict()["layers.0.a.weight"].equal(before["layers.0.a.weight"])
+        assert engine.stats()["skipped_steps"] == 1
