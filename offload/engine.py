@@ -136,13 +136,13 @@ class Engine:
                 self._stats["wait_seconds"] += time.perf_counter() - start
             else:
                 self._worker.wait(block.index)  # surfaces an exception of a finished update
+            if block.index in self._needs_upload:
+                self._upload(block)  # before a fetch, which reads the updated host copy anyway
             self._streamer.ensure(block, pin=True, prefetch=self._order_known and not in_backward)
             if in_backward and self._streamer.is_streamed(block):
                 self._streamer.pin(block.index)
                 torch.autograd.Variable._execution_engine.queue_callback(
                     lambda index=block.index: self._streamer.unpin(index))
-            if block.index in self._needs_upload:
-                self._upload(block)
             if block.index not in self._seen:
                 self._seen.add(block.index)
                 self._forward_order.append(block.index)
@@ -356,23 +356,28 @@ class Engine:
         return out
 
     def close(self) -> None:
-        """Finish pending updates, remove every hook and free the optimizer state. The module stays usable
-        as a plain PyTorch model with its trained weights. Idempotent."""
+        """Finish pending updates, remove every hook, bring streamed weights back and free the optimizer
+        state: the module stays usable as a plain PyTorch model with its trained weights. Idempotent.
+        An update that failed and was not reported yet is raised after the cleanup."""
         if self._closed:
             return
+        failure: Optional[BaseException] = None
         try:
             self._worker.close()
-            for block in self.blocks:
-                if block.index in self._needs_upload:
-                    self._upload(block)
-            self._streamer.restore_all()
-        finally:
-            self._closed = True
-            self._hooks.remove()
-            self._states.clear()
-            self._where.clear()
-            if getattr(self.module, _MARKER, None) is not None:
-                delattr(self.module, _MARKER)
+        except Exception as exc:  # still clean up; report it at the end
+            failure = exc
+        self._closed = True
+        for block in self.blocks:
+            if block.index in self._needs_upload:
+                self._upload(block)
+        self._streamer.restore_all()
+        self._hooks.remove()
+        self._states.clear()
+        self._where.clear()
+        if getattr(self.module, _MARKER, None) is not None:
+            delattr(self.module, _MARKER)
+        if failure is not None:
+            raise failure
 
     def __enter__(self) -> "Engine":
         return self

@@ -160,3 +160,37 @@ def test_non_finite_gradient_norm_skips_the_step_with_a_warning():
         engine.step()
         assert not engine.state_dict()["layers.0.a.weight"].equal(before["layers.0.a.weight"])
         assert engine.stats()["skipped_steps"] == 1
+
+
+def test_an_update_that_fails_surfaces_at_the_next_use_of_its_block(monkeypatch):
+    from offload.scheduler.step import GroupState
+
+    model = Net()
+    engine = offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu")
+    model(torch.ones(4, 8)).backward()
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("update failed on purpose")
+
+    monkeypatch.setattr(GroupState, "update", broken)
+    engine.step()  # returns before the updates run
+    with pytest.raises(RuntimeError, match="update failed on purpose"):
+        model(torch.ones(4, 8))  # block layers.0
+    with pytest.raises(RuntimeError, match="update failed on purpose"):
+        engine.close()  # block layers.1 failed too: reported, after the cleanup
+    assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+def test_changing_lr_after_an_early_update_warns():
+    model = Net()
+    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", grad_accumulation_steps=1) as engine:
+        for _ in range(2):  # the second step has a profile, so blocks update during backward
+            model(torch.ones(4, 8)).backward()
+            if engine.stats()["early_block_updates"]:
+                engine.optimizer.param_groups[0]["lr"] = 0.5
+                with pytest.warns(RuntimeWarning, match="hyperparameters changed"):
+                    engine.step()
+            else:
+                engine.step()
+            engine.zero_grad()
+        assert engine.stats()["early_block_updates"] > 0

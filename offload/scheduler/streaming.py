@@ -1,8 +1,10 @@
 """Weight streaming: blocks whose weights do not stay on the device are fetched for each use.
 
 The host copy of a streamed block's compute weights is the authoritative one (the update writes there).
-Its device buffer keeps its tensor object and the parameter views into it; fetching re-grows the storage
-and copies the host copy in, releasing shrinks the storage to zero bytes (parameters keep their identity).
+Its device buffer keeps its tensor object; fetching re-grows its storage, copies the host copy in and
+points the parameters at views of it; releasing points them at an empty placeholder (reading a view of a
+zero-byte storage would crash the process) and shrinks the storage to zero bytes. Parameters keep their
+identity throughout.
 Autograd never holds a streamed weight directly: a saved-tensor hook packs it as a handle, and unpacking
 in backward fetches the block again. See docs/design.md [Note: weight streaming].
 """
@@ -147,6 +149,7 @@ class WeightStreamer:
             with torch.no_grad():
                 self._copies.to_device(group.device_buffer, self._host[id(group)])
             self._by_storage[storage.data_ptr()] = (block.index, group)
+            group.point_params_at(group.device_buffer)
         block.move_to(Residency.RESIDENT)
         self._lru[block.index] = None
         self.fetches += 1
@@ -156,6 +159,9 @@ class WeightStreamer:
             assert group.device_buffer is not None
             storage = group.device_buffer.untyped_storage()
             self._by_storage.pop(storage.data_ptr(), None)
+            placeholder = group.device_buffer.new_empty(0)
+            for slot in group.slots:
+                slot.param.data = placeholder
             storage.resize_(0)
         self._device.unreserve(block.weight_bytes)
         block.move_to(Residency.RELEASED)
