@@ -15,6 +15,7 @@ descriptor: still correct, only slower. Coherence between the two descriptors: s
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
@@ -95,7 +96,8 @@ class AsyncIO:
         self._backend: Optional[IOBackend] = None
         self._files: List[SwapFile] = []
         self._by_path: Dict[str, SwapFile] = {}
-        self._in_flight: List[IOFuture] = []
+        self._in_flight: List[IOFuture] = []  # keeps tensors alive even if callers drop their futures
+        self._in_flight_lock = threading.Lock()
         self._warned_file_systems: Set[str] = set()
         self._closed = False
 
@@ -193,16 +195,18 @@ class AsyncIO:
         segments = split_request(swap, tensor.data_ptr(), size, offset)
         request = self._engine.submit(write, segments, self._chunk_bytes)
         future = IOFuture(request, tensor, swap.path, offset, size, op)
-        if len(self._in_flight) >= 64:
-            self._in_flight = [f for f in self._in_flight if not f.done()]
-        self._in_flight.append(future)
+        with self._in_flight_lock:
+            if len(self._in_flight) >= 64:
+                self._in_flight = [f for f in self._in_flight if not f.done()]
+            self._in_flight.append(future)
         return future
 
     def wait_all(self) -> None:
         """Wait for every request submitted so far (errors stay with their futures)."""
-        for future in self._in_flight:
+        with self._in_flight_lock:
+            pending, self._in_flight = self._in_flight, []
+        for future in pending:
             future._request.wait(-1.0)
-        self._in_flight = []
 
     def close(self) -> None:
         """Wait for in-flight requests, stop the engine and close the files opened here. Idempotent."""
