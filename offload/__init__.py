@@ -6,9 +6,10 @@ buffers and the async file I/O; every part has a pure-PyTorch fallback.
 """
 
 from offload._native import native_available, warn_if_unavailable
+from offload.optim import CPUAdam
 
 warn_if_unavailable()
 
 __version__ = "0.1.0"
 
-__all__ = ["native_available", "__version__"]
+__all__ = ["CPUAdam", "native_available", "__version__"]

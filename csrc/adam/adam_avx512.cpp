@@ -1,4 +1,4 @@
-// AVX-512 (F, BW, VL) kernels; bf16 results rounded with integer arithmetic.
+// AVX-512 (F, BW, VL, DQ) kernels: 16 lanes, masked tails, streaming stores for the write-only copy-out.
 // Headers with templates are included before the target pragma, so their instantiations stay baseline x86-64.
 #include <cstring>
 #include <immintrin.h>
@@ -12,7 +12,6 @@
 // No contraction of a*b+c into fma beyond the ones written: results must match torch bit for bit.
 #pragma GCC optimize("fp-contract=off")
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
-#define OFFLOAD_ADAM_BF16_INSN 0
 #include "adam/adam_avx512_impl.h"
 
 namespace offload {

@@ -1,7 +1,5 @@
-// The AVX-512 kernel body. Included only by adam_avx512.cpp and adam_avx512bf16.cpp, after their
-// `#pragma GCC target(...)` and with OFFLOAD_ADAM_BF16_INSN set to 0 or 1: the same loop is compiled twice,
-// once converting to bf16 with integer rounding, once with the avx512bf16 instruction.
-// Everything here sits in an unnamed namespace: each copy keeps its own target flags.
+// The AVX-512 kernel body, included only by adam_avx512.cpp after its `#pragma GCC target(...)`.
+// Everything here sits in an unnamed namespace, so no instantiation compiled for AVX-512 leaks to other files.
 #include <immintrin.h>
 
 #include "adam/scalar_math.h"
@@ -41,11 +39,10 @@ inline __m512 load16(const void* base, int64_t i, __mmask16 k) {
   }
 }
 
+// Round to nearest even with integer arithmetic. Not vcvtneps2bf16 (AVX512_BF16): that instruction flushes
+// denormal inputs to zero, where torch's .to(torch.bfloat16) keeps them; and in a loop bound by memory
+// bandwidth these few integer operations cost nothing measurable.
 inline __m256i to_bf16(__m512 x) {
-#if OFFLOAD_ADAM_BF16_INSN
-  __m256bh h = _mm512_cvtneps_pbh(x);
-  return reinterpret_cast<__m256i&>(h);
-#else
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i upper = _mm512_srli_epi32(bits, 16);
   const __m512i lsb = _mm512_and_si512(upper, _mm512_set1_epi32(1));
@@ -53,7 +50,6 @@ inline __m256i to_bf16(__m512 x) {
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(upper, _mm512_set1_epi32(0x40)));
   return _mm512_cvtepi32_epi16(rounded);
-#endif
 }
 
 // Stores 16 results to `out` at element i: masked when k is partial, non-temporal when kStream (the caller
@@ -133,7 +129,6 @@ void adam_range(const AdamBuffers& b, const AdamConstants& c, int64_t begin, int
   }
 }
 
-#if !OFFLOAD_ADAM_BF16_INSN
 template <DType T>
 double sum_squares_loop(const void* x, int64_t begin, int64_t end) {
   __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd();
@@ -155,7 +150,6 @@ double sum_squares(const void* x, DType dtype, int64_t begin, int64_t end) {
     default: return sum_squares_loop<DType::kFloat32>(x, begin, end);
   }
 }
-#endif
 
 }  // namespace
 }  // namespace offload

@@ -1,6 +1,7 @@
 // Picks the kernel for this CPU once, and spreads a flat buffer over threads in cache-friendly chunks.
 #include <cmath>
 #include <memory>
+#include <stdexcept>
 #include <vector>
 
 #include "adam/adam_kernels.h"
@@ -16,24 +17,20 @@ constexpr int64_t kChunk = int64_t{1} << 16;
 // Below this, threads cost more than they save (waking workers is several microseconds).
 constexpr int64_t kParallelThreshold = int64_t{1} << 18;
 
-struct Kernels {
-  AdamRangeFn adam;
-  SumSquaresFn sum_squares;
-  const char* name;
-};
+constexpr AdamKernels kAvx512{adam_range_avx512, sum_squares_avx512, "avx512"};
+constexpr AdamKernels kAvx2{adam_range_avx2, sum_squares_avx2, "avx2"};
+constexpr AdamKernels kScalar{adam_range_scalar, sum_squares_scalar, "scalar"};
 
-Kernels select_kernels() {
+const AdamKernels& select_kernels() {
   switch (best_isa()) {
-    case Isa::kAvx512:
-      if (cpu_features().avx512bf16) return {adam_range_avx512bf16, sum_squares_avx512, "avx512bf16"};
-      return {adam_range_avx512, sum_squares_avx512, "avx512"};
-    case Isa::kAvx2: return {adam_range_avx2, sum_squares_avx2, "avx2"};
-    default: return {adam_range_scalar, sum_squares_scalar, "scalar"};
+    case Isa::kAvx512: return kAvx512;
+    case Isa::kAvx2: return kAvx2;
+    default: return kScalar;
   }
 }
 
-const Kernels& kernels() {
-  static const Kernels selected = select_kernels();  // immutable after first use
+const AdamKernels& best_kernels() {
+  static const AdamKernels& selected = select_kernels();  // immutable after first use
   return selected;
 }
 
@@ -73,16 +70,30 @@ AdamConstants make_adam_constants(int64_t step, double lr, double beta1, double 
   return c;
 }
 
-const char* adam_isa_name() { return kernels().name; }
+const char* adam_isa_name() { return best_kernels().name; }
+
+const AdamKernels& adam_kernels_for(const std::string& isa) {
+  if (isa.empty()) return best_kernels();
+  const Isa best = best_isa();
+  const AdamKernels* found = nullptr;
+  bool supported = false;
+  if (isa == "avx512") found = &kAvx512, supported = best == Isa::kAvx512;
+  else if (isa == "avx2") found = &kAvx2, supported = best != Isa::kScalar;
+  else if (isa == "scalar") found = &kScalar, supported = true;
+  if (!found) throw std::invalid_argument("unknown kernel variant '" + isa + "': use avx512, avx2 or scalar");
+  if (!supported) throw std::invalid_argument("this CPU cannot run the '" + isa + "' kernels");
+  return *found;
+}
 
 void adam_step(const AdamBuffers& buffers, const AdamConstants& constants, int64_t n, ThreadPool* pool,
-               int num_threads) {
-  const AdamRangeFn fn = kernels().adam;
+               int num_threads, const AdamKernels& kernels) {
+  const AdamRangeFn fn = kernels.adam;
   for_chunks(n, pool, num_threads, [&](int64_t begin, int64_t end) { fn(buffers, constants, begin, end); });
 }
 
-double sum_of_squares(const void* x, DType dtype, int64_t n, ThreadPool* pool, int num_threads) {
-  const SumSquaresFn fn = kernels().sum_squares;
+double sum_of_squares(const void* x, DType dtype, int64_t n, ThreadPool* pool, int num_threads,
+                      const AdamKernels& kernels) {
+  const SumSquaresFn fn = kernels.sum_squares;
   if (n < kParallelThreshold) return fn(x, dtype, 0, n);
   // One partial per chunk, added in chunk order: the result does not depend on the thread count.
   std::vector<double> partials(static_cast<size_t>((n + kChunk - 1) / kChunk), 0.0);

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "common/thread_pool.h"
 
@@ -49,12 +50,11 @@ struct AdamBuffers {
   DType out_dtype;
 };
 
-// One ISA's kernel over elements [begin, end). The *_avx512bf16 variant needs the avx512bf16 extension too.
+// One ISA's kernel over elements [begin, end).
 using AdamRangeFn = void (*)(const AdamBuffers&, const AdamConstants&, int64_t begin, int64_t end);
 void adam_range_scalar(const AdamBuffers&, const AdamConstants&, int64_t begin, int64_t end);
 void adam_range_avx2(const AdamBuffers&, const AdamConstants&, int64_t begin, int64_t end);
 void adam_range_avx512(const AdamBuffers&, const AdamConstants&, int64_t begin, int64_t end);
-void adam_range_avx512bf16(const AdamBuffers&, const AdamConstants&, int64_t begin, int64_t end);
 
 // Sum of x[i]^2 over [begin, end) with fp64 accumulation; inf and nan propagate.
 using SumSquaresFn = double (*)(const void* x, DType dtype, int64_t begin, int64_t end);
@@ -62,15 +62,25 @@ double sum_squares_scalar(const void* x, DType dtype, int64_t begin, int64_t end
 double sum_squares_avx2(const void* x, DType dtype, int64_t begin, int64_t end);
 double sum_squares_avx512(const void* x, DType dtype, int64_t begin, int64_t end);
 
-// The variant used on this CPU: "avx512bf16", "avx512", "avx2" or "scalar". Chosen once (cpu_features()).
+// The variant used on this CPU: "avx512", "avx2" or "scalar". Chosen once (cpu_features()).
 const char* adam_isa_name();
+
+// The kernels of one named variant ("avx512", "avx2", "scalar"; "" = the best for this CPU), so
+// tests can run every variant the CPU supports. Throws std::invalid_argument for an unknown or unsupported name.
+struct AdamKernels {
+  AdamRangeFn adam;
+  SumSquaresFn sum_squares;
+  const char* name;
+};
+const AdamKernels& adam_kernels_for(const std::string& isa);
 
 // Updates all n elements. pool may be null (then the call creates threads only when n is large and
 // num_threads > 1); otherwise the pool's threads are used and num_threads is ignored.
 void adam_step(const AdamBuffers& buffers, const AdamConstants& constants, int64_t n, ThreadPool* pool,
-               int num_threads);
+               int num_threads, const AdamKernels& kernels);
 
-double sum_of_squares(const void* x, DType dtype, int64_t n, ThreadPool* pool, int num_threads);
+double sum_of_squares(const void* x, DType dtype, int64_t n, ThreadPool* pool, int num_threads,
+                      const AdamKernels& kernels);
 
 // x *= factor over n fp32 elements, with the same threading as adam_step: the in-place DRAM bandwidth probe
 // benchmarks compare the Adam step against (1 read + 1 write per element, no arithmetic to speak of).
