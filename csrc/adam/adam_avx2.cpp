@@ -6,7 +6,7 @@
 #include "adam/adam_kernels.h"
 
 #pragma GCC push_options
-// No contraction of a*b+c into fma beyond the ones written: results must match torch bit for bit.
+// No contraction of a*b+c into fma beyond the ones written: keep the rounding steps torch's kernels take.
 #pragma GCC optimize("fp-contract=off")
 #pragma GCC target("avx2,fma,f16c")
 #include "adam/scalar_math.h"

@@ -9,7 +9,7 @@
 // gcc 12 warns inside its own avx512 intrinsics (their _mm512_undefined_* placeholders): a false positive.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-// No contraction of a*b+c into fma beyond the ones written: results must match torch bit for bit.
+// No contraction of a*b+c into fma beyond the ones written: keep the rounding steps torch's kernels take.
 #pragma GCC optimize("fp-contract=off")
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
 #include "adam/adam_avx512_impl.h"

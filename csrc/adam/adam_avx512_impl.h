@@ -93,8 +93,9 @@ template <DType G, DType O, bool kHasOut>
 void adam_loop(const AdamBuffers& b, const AdamConstants& constants, int64_t begin, int64_t end) {
   const Constants512 c(constants);
   int64_t i = begin;
-  // Streaming stores for `out`, which is only written: they skip reading its lines into the cache first
-  // (a 2-byte-per-element saving for bf16). They need 32/64-byte alignment, so peel elements until then.
+  // Streaming stores for `out`, which is only written: they spare reading its lines into the cache first
+  // (2 bytes per element for bf16). They need 32/64-byte alignment, so peel elements until then. Measured on
+  // an AMD EPYC (Zen 4) at 200M elements: no difference either way within noise; kept as they never add traffic.
   constexpr int64_t elem = (O == DType::kFloat32) ? 4 : 2;
   constexpr uintptr_t align = kLanes * elem;
   const bool stream = kHasOut && (reinterpret_cast<uintptr_t>(b.out) % elem == 0) && (end - begin) >= 4 * kLanes;
