@@ -46,6 +46,8 @@ void bind_adam(py::module_& m) {
            py::arg("num_threads"))
       .def_property_readonly("size", &ThreadPool::size);
 
+  m.attr("PARALLEL_THRESHOLD") = kParallelThreshold;  // fewer elements: one thread, whatever num_threads says
+
   m.def("adam_isa", [] { return std::string(adam_isa_name()); },
         "The Adam kernel variant in use: 'avx512', 'avx2' or 'scalar'.");
 

@@ -14,8 +14,6 @@ namespace {
 // 64K elements: 256 KiB of each fp32 array per task, so the four streams of one task stay in L2 and the
 // shared task counter is touched rarely. A multiple of 64 keeps every chunk start equally aligned.
 constexpr int64_t kChunk = int64_t{1} << 16;
-// Below this, threads cost more than they save (waking workers is several microseconds).
-constexpr int64_t kParallelThreshold = int64_t{1} << 18;
 
 constexpr AdamKernels kAvx512{adam_range_avx512, sum_squares_avx512, "avx512"};
 constexpr AdamKernels kAvx2{adam_range_avx2, sum_squares_avx2, "avx2"};

@@ -74,6 +74,9 @@ struct AdamKernels {
 };
 const AdamKernels& adam_kernels_for(const std::string& isa);
 
+// Below this many elements the kernels run on the calling thread: waking workers costs more than it saves.
+constexpr int64_t kParallelThreshold = int64_t{1} << 18;
+
 // Updates all n elements. pool may be null (then the call creates threads only when n is large and
 // num_threads > 1); otherwise the pool's threads are used and num_threads is ignored.
 void adam_step(const AdamBuffers& buffers, const AdamConstants& constants, int64_t n, ThreadPool* pool,

@@ -68,7 +68,15 @@ def adam_step_flat(
         raise OffloadConfigError(f"step must be >= 1 (the count after this update), got {step}")
     _adam_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale, out=out,
-               num_threads=_resolve_threads(num_threads), pool=None)
+               num_threads=_threads_for(n, num_threads), pool=None)
+
+
+def _threads_for(numel: int, num_threads: Optional[int]) -> int:
+    """Small buffers run on the calling thread anyway: skip asking the OS for the core count (~10 us)."""
+    native = _native._C
+    if num_threads is None and native is not None and numel < native.PARALLEL_THRESHOLD:
+        return 1
+    return _resolve_threads(num_threads)
 
 
 def _resolve_threads(num_threads: Optional[int]) -> int:
@@ -124,4 +132,4 @@ def sum_of_squares(t: Tensor, num_threads: Optional[int] = None) -> float:
     native = _native._C
     if native is None:
         return float(t.view(-1).double().square().sum())
-    return native.sum_of_squares(t.data_ptr(), _DTYPE_CODES[t.dtype], t.numel(), _resolve_threads(num_threads))
+    return native.sum_of_squares(t.data_ptr(), _DTYPE_CODES[t.dtype], t.numel(), _threads_for(t.numel(), num_threads))
