@@ -14,27 +14,29 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def machine_header() -> str:
-    """One line naming the CPU, cores, memory, kernel and library versions the numbers come from."""
+    """Lines naming what the numbers depend on: CPU, usable cores, memory, kernel, versions, kernel ISA."""
+    import torch
+
+    from offload import _native
+    from offload._system import mem_available, usable_cores
+
     cpu = platform.processor() or "unknown cpu"
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    try:
-        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError):
-        mem_gib = float("nan")
-    try:
-        import torch
-
-        torch_version = torch.__version__
-    except ImportError:
-        torch_version = "absent"
-    return (
-        f"{cpu} | {len(os.sched_getaffinity(0))} usable cores | {mem_gib:.0f} GiB RAM | "
-        f"Linux {platform.release()} | Python {platform.python_version()} | torch {torch_version}"
-    )
+    total_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    avail = mem_available()
+    native = _native._C
+    isa = native.adam_isa() if native is not None and hasattr(native, "adam_isa") else "n/a (no native core)"
+    return "\n".join([
+        f"# {cpu}; {usable_cores()} usable cores (os.cpu_count {os.cpu_count()}); {total_gib:.0f} GiB RAM"
+        + (f", {avail / 2**30:.1f} GiB available" if avail else ""),
+        f"# Linux {platform.release()}; Python {platform.python_version()}; torch {torch.__version__}; "
+        f"offload kernel ISA {isa}",
+        f"# {time.strftime('%Y-%m-%dT%H:%M:%S')}",
+    ])
 
 
 def summarize(samples: Sequence[float]) -> Tuple[float, float, float]:

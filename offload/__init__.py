@@ -8,6 +8,7 @@ buffers and the async file I/O; every part has a pure-PyTorch fallback.
 from offload._native import native_available, warn_if_unavailable
 from offload.errors import OffloadConfigError, OffloadError, OffloadIOError, OffloadMemoryError
 from offload.io import AsyncIO
+from offload.optim import CPUAdam
 from offload.tiers.host import HostBuffer, StagingPool
 
 warn_if_unavailable()
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncIO",
+    "CPUAdam",
     "HostBuffer",
     "OffloadConfigError",
     "OffloadError",
