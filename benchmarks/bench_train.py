@@ -175,7 +175,7 @@ def main(argv: List[str] = None) -> None:
           f"({bytes_per_param} B/param at DRAM {bw / 1e9:.1f} GB/s measured) = {bound * 1e3:.1f} ms")
     columns = ["rival", "step_ms", "p20_p80_ms", "tokens_per_s", "vs_torch", "d2h_MB_step", "h2d_MB_step",
                "device_peak_MB", "efficiency"]
-    print_table(rows, columns)
+    print_table([{k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows], columns)
     if not args.quick:
         append_csv("bench_train", [dict(r, layers=args.layers, dim=args.dim, dtype=args.dtype, bound_ms=bound * 1e3)
                                    for r in rows])

@@ -1,4 +1,4 @@
-"""Helpers every benchmark shares: the machine header, timing summaries, a printed table, CSV rows."""
+"""Helpers shared by the benchmarks: machine header, timing summary, table printing, CSV rows."""
 
 from __future__ import annotations
 
@@ -6,65 +6,77 @@ import csv
 import os
 import platform
 import statistics
+import time
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def machine_header() -> str:
-    """One line naming the machine: CPU model, usable cores, memory, torch and Python versions."""
+    """Lines naming what the numbers depend on: CPU, usable cores, memory, kernel, versions, kernel ISA."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
+    from offload import _native
+    from offload._system import mem_available, usable_cores
+
+    cpu = platform.processor() or "unknown cpu"
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return (f"{cpu} | {cores} cores | {mem:.0f} GiB | {gpu} | torch {torch.__version__} "
-            f"| python {platform.python_version()}")
+    total_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    avail = mem_available()
+    native = _native._C
+    isa = native.adam_isa() if native is not None and hasattr(native, "adam_isa") else "n/a (no native core)"
+    return "\n".join([
+        f"# {cpu}; {usable_cores()} usable cores (os.cpu_count {os.cpu_count()}); {total_gib:.0f} GiB RAM"
+        + (f", {avail / 2**30:.1f} GiB available" if avail else ""),
+        f"# Linux {platform.release()}; Python {platform.python_version()}; torch {torch.__version__}; "
+        f"offload kernel ISA {isa}",
+        f"# {time.strftime('%Y-%m-%dT%H:%M:%S')}",
+    ])
 
 
 def summarize(samples: Sequence[float]) -> Tuple[float, float, float]:
-    """(median, p20, p80) of the samples."""
-    ordered = sorted(samples)
-    if len(ordered) == 1:
-        return ordered[0], ordered[0], ordered[0]
-    q = statistics.quantiles(ordered, n=10, method="inclusive")
-    return statistics.median(ordered), q[1], q[7]
+    """(median, p20, p80) of the samples; with fewer than two, all three are the one value."""
+    values = sorted(samples)
+    if not values:
+        return float("nan"), float("nan"), float("nan")
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    cuts = statistics.quantiles(values, n=10, method="inclusive")
+    return statistics.median(values), cuts[1], cuts[7]
 
 
 def print_table(rows: List[Dict[str, object]], columns: List[str]) -> None:
-    """A plain-text table with one row per dict, columns in the given order."""
-    cells = [[_fmt(row.get(c, "")) for c in columns] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    """Print rows as an aligned text table with the given columns (missing cells are blank)."""
+    cells = [[str(row.get(c, "")) for c in columns] for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
     print("  ".join("-" * w for w in widths))
     for r in cells:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
 
 
-def append_csv(name: str, rows: List[Dict[str, object]]) -> Path:
-    """Append rows to benchmarks/results/<name>.csv (header written once)."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def append_csv(name: str, rows: Iterable[Dict[str, object]]) -> Path:
+    """Append rows (with a timestamp) to benchmarks/results/<name>.csv, writing the header when new."""
+    rows = list(rows)
     path = RESULTS / f"{name}.csv"
-    fields = list(rows[0]) if rows else []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    fields = ["timestamp"] + sorted({k for row in rows for k in row})
     new = not path.exists()
-    with path.open("a", newline="") as f:
+    if not new:
+        with open(path, newline="", encoding="utf-8") as f:
+            existing = next(csv.reader(f), None)
+        if existing:
+            fields = existing  # keep the file's columns; new keys are dropped rather than misaligned
+    with open(path, "a", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         if new:
             writer.writeheader()
-        writer.writerows(rows)
+        for row in rows:
+            writer.writerow({"timestamp": stamp, **row})
     return path
-
-
-def _fmt(value: object) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)

@@ -7,6 +7,8 @@ buffers and the async file I/O; every part has a pure-PyTorch fallback.
 
 from offload._native import native_available, warn_if_unavailable
 from offload.errors import OffloadConfigError, OffloadError, OffloadIOError, OffloadMemoryError
+from offload.io import AsyncIO
+from offload.optim import CPUAdam
 from offload.tiers.host import HostBuffer, StagingPool
 
 warn_if_unavailable()
@@ -18,6 +20,8 @@ from offload.policy import OffloadPolicy, Tier  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncIO",
+    "CPUAdam",
     "Engine",
     "HostBuffer",
     "OffloadConfigError",

@@ -28,9 +28,9 @@ def native_rows() -> List[Row]:
         return [("native core (offload._C)", "MISSING", f"{reason}; pure-PyTorch fallbacks in use. "
                  "Rebuild with `pip install -v .` to see the compiler's error.")]
     rows = [("native core (offload._C)", "ok", str(Path(C.__file__).name))]
-    isa = C.best_isa()
     if hasattr(C, "adam_step"):
-        rows.append(("fused CPU Adam", "ok", f"{isa} kernels, up to {usable_cores()} threads"))
+        rows.append(("fused CPU Adam", "ok", f"{C.adam_isa()} kernel (chosen at run time), "
+                     f"up to {usable_cores()} threads"))
     else:
         rows.append(("fused CPU Adam", "fallback", "this build has no native Adam; torch maths in use"))
     rows.append(("staging buffers", "ok" if hasattr(C, "HostArena") else "fallback",

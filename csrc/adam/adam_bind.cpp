@@ -1,4 +1,97 @@
+// Python bindings of the fused Adam step, the sum of squares, the bandwidth probe and the thread pool.
+// Arguments are raw addresses and sizes: offload/optim/functional.py checks dtype, device, contiguity and
+// sizes before calling. Every call releases the GIL.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "adam/adam_kernels.h"
 #include "bindings.h"
+#include "common/thread_pool.h"
+
 namespace offload {
-void bind_adam(pybind11::module_&) {}  // filled in by the Adam kernel work
+
+namespace py = pybind11;
+
+namespace {
+
+DType parse_dtype(int code, const char* what) {
+  if (code < 0 || code > 2) {
+    throw std::invalid_argument(std::string(what) + ": dtype code must be 0 (fp32), 1 (bf16) or 2 (fp16), got " +
+                                std::to_string(code));
+  }
+  return static_cast<DType>(code);
 }
+
+template <typename T>
+T* address(uintptr_t ptr) {
+  return reinterpret_cast<T*>(ptr);
+}
+
+void check_numel(int64_t numel) {
+  if (numel < 0) throw std::invalid_argument("numel must be >= 0, got " + std::to_string(numel));
+}
+
+}  // namespace
+
+void bind_adam(py::module_& m) {
+  py::class_<ThreadPool>(m, "ThreadPool",
+                         "A persistent pool of worker threads for the CPU kernels; num_threads counts the caller.")
+      .def(py::init([](int num_threads) {
+             if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
+             return new ThreadPool(num_threads);
+           }),
+           py::arg("num_threads"))
+      .def_property_readonly("size", &ThreadPool::size);
+
+  m.attr("PARALLEL_THRESHOLD") = kParallelThreshold;  // fewer elements: one thread, whatever num_threads says
+
+  m.def("adam_isa", [] { return std::string(adam_isa_name()); },
+        "The Adam kernel variant in use: 'avx512', 'avx2' or 'scalar'.");
+
+  m.def(
+      "adam_step",
+      [](uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq, int64_t numel,
+         uintptr_t out, int out_dtype, int64_t step, double lr, double beta1, double beta2, double eps,
+         double weight_decay, bool adamw, double grad_scale, int num_threads, ThreadPool* pool,
+         const std::string& isa) {
+        check_numel(numel);
+        if (step < 1) throw std::invalid_argument("step must be >= 1");
+        AdamBuffers b{address<float>(param), address<float>(exp_avg), address<float>(exp_avg_sq),
+                      address<const void>(grad), parse_dtype(grad_dtype, "grad"), address<void>(out),
+                      parse_dtype(out_dtype, "out")};
+        adam_step(b, make_adam_constants(step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale), numel, pool,
+                  num_threads, adam_kernels_for(isa));
+      },
+      py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+      py::arg("numel"), py::arg("out"), py::arg("out_dtype"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
+      py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"), py::arg("grad_scale"),
+      py::arg("num_threads"), py::arg("pool") = nullptr, py::arg("isa") = "", py::call_guard<py::gil_scoped_release>(),
+      "Fused Adam/AdamW step over flat buffers given by address (out=0: none). dtype codes: 0 fp32, 1 bf16, 2 fp16.\n"
+      "isa: '' for the best variant on this CPU, or one of avx512/avx2/scalar (tests).");
+
+  m.def(
+      "sum_of_squares",
+      [](uintptr_t data, int dtype, int64_t numel, int num_threads, ThreadPool* pool, const std::string& isa) {
+        check_numel(numel);
+        return sum_of_squares(address<const void>(data), parse_dtype(dtype, "data"), numel, pool, num_threads,
+                              adam_kernels_for(isa));
+      },
+      py::arg("data"), py::arg("dtype"), py::arg("numel"), py::arg("num_threads"), py::arg("pool") = nullptr,
+      py::arg("isa") = "",
+      py::call_guard<py::gil_scoped_release>(), "Sum of squares with fp64 accumulation; inf/nan propagate.");
+
+  m.def(
+      "scale_inplace",
+      [](uintptr_t data, int64_t numel, float factor, int num_threads, ThreadPool* pool) {
+        check_numel(numel);
+        scale_inplace(address<float>(data), numel, factor, pool, num_threads);
+      },
+      py::arg("data"), py::arg("numel"), py::arg("factor"), py::arg("num_threads"), py::arg("pool") = nullptr,
+      py::call_guard<py::gil_scoped_release>(),
+      "x *= factor over fp32 memory: the in-place DRAM bandwidth probe the Adam benchmark compares against.");
+}
+
+}  // namespace offload

@@ -10,10 +10,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from offload import _native
+from offload._system import usable_cores
 from offload.errors import OffloadConfigError
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The dtype codes the native kernels take (csrc/adam/adam_kernels.h: DType).
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _check(name: str, t: Tensor, dtypes: tuple, numel: Optional[int]) -> None:
@@ -62,8 +66,42 @@ def adam_step_flat(
         _check("out", out, OUT_DTYPES, n)
     if step < 1:
         raise OffloadConfigError(f"step must be >= 1 (the count after this update), got {step}")
-    _adam_step_torch(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, adamw,
-                     grad_scale, out)
+    _adam_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+               weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale, out=out,
+               num_threads=_threads_for(n, num_threads), pool=None)
+
+
+def _threads_for(numel: int, num_threads: Optional[int]) -> int:
+    """Small buffers run on the calling thread anyway: skip asking the OS for the core count (~10 us)."""
+    native = _native._C
+    if num_threads is None and native is not None and numel < native.PARALLEL_THRESHOLD:
+        return 1
+    return _resolve_threads(num_threads)
+
+
+def _resolve_threads(num_threads: Optional[int]) -> int:
+    if num_threads is None:
+        return usable_cores()
+    if int(num_threads) < 1:
+        raise OffloadConfigError(f"num_threads must be >= 1 or None (all usable cores), got {num_threads}")
+    return int(num_threads)
+
+
+def _adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale,
+               out, num_threads, pool) -> None:
+    """The validated step: native when `offload._C` is importable, else torch. `pool` is a `_C.ThreadPool`
+    owned by the caller (CPUAdam keeps one), or None to use `num_threads` for this call only."""
+    native = _native._C  # looked up per call, so a test can force the fallback
+    if native is None:
+        _adam_step_torch(param, grad, exp_avg, exp_avg_sq, step, float(lr), beta1, beta2, eps, weight_decay, adamw,
+                         grad_scale, out)
+        return
+    native.adam_step(
+        param.data_ptr(), grad.data_ptr(), _DTYPE_CODES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+        param.numel(), 0 if out is None else out.data_ptr(), 0 if out is None else _DTYPE_CODES[out.dtype],
+        int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw),
+        float(grad_scale), num_threads, pool,
+    )
 
 
 def _adam_step_torch(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, adamw,
@@ -91,4 +129,7 @@ def _adam_step_torch(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, e
 def sum_of_squares(t: Tensor, num_threads: Optional[int] = None) -> float:
     """Sum of squares of a fp32/bf16/fp16 CPU tensor, accumulated in fp64; inf/nan propagate."""
     _check("t", t, GRAD_DTYPES, None)
-    return float(t.view(-1).double().square().sum())
+    native = _native._C
+    if native is None:
+        return float(t.view(-1).double().square().sum())
+    return native.sum_of_squares(t.data_ptr(), _DTYPE_CODES[t.dtype], t.numel(), _threads_for(t.numel(), num_threads))

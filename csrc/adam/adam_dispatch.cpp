@@ -1,0 +1,112 @@
+// Picks the kernel for this CPU once, and spreads a flat buffer over threads in cache-friendly chunks.
+#include <cmath>
+#include <memory>
+#include <stdexcept>
+#include <vector>
+
+#include "adam/adam_kernels.h"
+#include "common/cpu_features.h"
+
+namespace offload {
+
+namespace {
+
+// 64K elements: 256 KiB of each fp32 array per task, so the four streams of one task stay in L2 and the
+// shared task counter is touched rarely. A multiple of 64 keeps every chunk start equally aligned.
+constexpr int64_t kChunk = int64_t{1} << 16;
+
+constexpr AdamKernels kAvx512{adam_range_avx512, sum_squares_avx512, "avx512"};
+constexpr AdamKernels kAvx2{adam_range_avx2, sum_squares_avx2, "avx2"};
+constexpr AdamKernels kScalar{adam_range_scalar, sum_squares_scalar, "scalar"};
+
+const AdamKernels& select_kernels() {
+  switch (best_isa()) {
+    case Isa::kAvx512: return kAvx512;
+    case Isa::kAvx2: return kAvx2;
+    default: return kScalar;
+  }
+}
+
+const AdamKernels& best_kernels() {
+  static const AdamKernels& selected = select_kernels();  // immutable after first use
+  return selected;
+}
+
+// Runs body(begin, end) over [0, n) in chunks: inline when small or single-threaded, otherwise on `pool`,
+// or on a pool made for this call when the caller owns none.
+template <typename Body>
+void for_chunks(int64_t n, ThreadPool* pool, int num_threads, const Body& body) {
+  const int threads = pool ? pool->size() : num_threads;
+  if (n < kParallelThreshold || threads <= 1) {
+    body(0, n);
+    return;
+  }
+  const int64_t tasks = (n + kChunk - 1) / kChunk;
+  std::unique_ptr<ThreadPool> own;
+  if (!pool) {
+    own = std::make_unique<ThreadPool>(static_cast<int>(std::min<int64_t>(threads, tasks)));
+    pool = own.get();
+  }
+  pool->parallel_for(tasks, [&](int64_t t) { body(t * kChunk, std::min(n, (t + 1) * kChunk)); });
+}
+
+}  // namespace
+
+AdamConstants make_adam_constants(int64_t step, double lr, double beta1, double beta2, double eps,
+                                  double weight_decay, bool adamw, double grad_scale) {
+  AdamConstants c;
+  c.grad_scale = static_cast<float>(grad_scale);
+  c.decay_factor = adamw ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
+  c.l2_weight = adamw ? 0.0f : static_cast<float>(weight_decay);
+  c.use_l2 = !adamw && weight_decay != 0.0;
+  c.lerp_weight = static_cast<float>(1.0 - beta1);
+  c.beta2 = static_cast<float>(beta2);
+  c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  c.bias_correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step))));
+  c.eps = static_cast<float>(eps);
+  c.neg_step_size = static_cast<float>(-(lr / (1.0 - std::pow(beta1, static_cast<double>(step)))));
+  return c;
+}
+
+const char* adam_isa_name() { return best_kernels().name; }
+
+const AdamKernels& adam_kernels_for(const std::string& isa) {
+  if (isa.empty()) return best_kernels();
+  const Isa best = best_isa();
+  const AdamKernels* found = nullptr;
+  bool supported = false;
+  if (isa == "avx512") found = &kAvx512, supported = best == Isa::kAvx512;
+  else if (isa == "avx2") found = &kAvx2, supported = best != Isa::kScalar;
+  else if (isa == "scalar") found = &kScalar, supported = true;
+  if (!found) throw std::invalid_argument("unknown kernel variant '" + isa + "': use avx512, avx2 or scalar");
+  if (!supported) throw std::invalid_argument("this CPU cannot run the '" + isa + "' kernels");
+  return *found;
+}
+
+void adam_step(const AdamBuffers& buffers, const AdamConstants& constants, int64_t n, ThreadPool* pool,
+               int num_threads, const AdamKernels& kernels) {
+  const AdamRangeFn fn = kernels.adam;
+  for_chunks(n, pool, num_threads, [&](int64_t begin, int64_t end) { fn(buffers, constants, begin, end); });
+}
+
+double sum_of_squares(const void* x, DType dtype, int64_t n, ThreadPool* pool, int num_threads,
+                      const AdamKernels& kernels) {
+  const SumSquaresFn fn = kernels.sum_squares;
+  if (n < kParallelThreshold) return fn(x, dtype, 0, n);
+  // One partial per chunk, added in chunk order: the result does not depend on the thread count.
+  std::vector<double> partials(static_cast<size_t>((n + kChunk - 1) / kChunk), 0.0);
+  for_chunks(n, pool, num_threads, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; b += kChunk) partials[b / kChunk] = fn(x, dtype, b, std::min(end, b + kChunk));
+  });
+  double total = 0.0;
+  for (double part : partials) total += part;
+  return total;
+}
+
+void scale_inplace(float* x, int64_t n, float factor, ThreadPool* pool, int num_threads) {
+  for_chunks(n, pool, num_threads, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) x[i] *= factor;
+  });
+}
+
+}  // namespace offload

@@ -1,0 +1,92 @@
+// The fused CPU Adam/AdamW step over flat buffers, and the fp64 sum of squares used for gradient clipping.
+//
+// Contract (offload/optim/functional.py validates all of this before calling):
+//   * p, m, v: fp32, n elements each, no alignment required, not overlapping each other or g/out.
+//   * g: n elements of fp32, bf16 or fp16; multiplied by grad_scale after the upcast.
+//   * out: null, or n elements of fp32/bf16/fp16 that receive the new p (bf16 and fp16 rounded to nearest even).
+// One pass over memory: each element of p, m, v, g is read once and p, m, v (and out) written once.
+// The maths follows torch's single-tensor Adam/AdamW in order of operations, in fp32:
+//   g = g * grad_scale;  adamw: p = p * (1 - lr*wd)  |  L2: g = fma(wd, p, g)
+//   m = fma(1-b1, g - m, m);  v = fma((1-b2)*g, g, v*b2)
+//   p = p + (-step_size * m) / (sqrt(v) / bc2_sqrt + eps)   with step_size = lr / (1 - b1^step)
+// which is what torch's CPU kernels compute (its lerp and add-with-alpha use fma; addcdiv multiplies by the
+// scalar before dividing), so fp32 results are bit-identical to torch.optim.Adam/AdamW (foreach=False).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/thread_pool.h"
+
+namespace offload {
+
+enum class DType { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// Hyper-parameters as the kernel uses them: every scalar torch computes in double is computed here in double,
+// then rounded once to fp32, as torch does when it hands a Python float to an fp32 kernel.
+struct AdamConstants {
+  float grad_scale;
+  float decay_factor;   // 1 - lr*wd (adamw), else 1
+  float l2_weight;      // wd (Adam with L2), else 0
+  bool use_l2;          // Adam with L2 and wd != 0 (skipping the fma keeps an inf param from making a NaN)
+  float lerp_weight;    // 1 - beta1
+  float beta2;
+  float one_minus_beta2;
+  float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
+  float eps;
+  float neg_step_size;  // -lr / (1 - beta1^step)
+};
+
+AdamConstants make_adam_constants(int64_t step, double lr, double beta1, double beta2, double eps,
+                                  double weight_decay, bool adamw, double grad_scale);
+
+struct AdamBuffers {
+  float* p;
+  float* m;
+  float* v;
+  const void* g;
+  DType g_dtype;
+  void* out;  // may be null
+  DType out_dtype;
+};
+
+// One ISA's kernel over elements [begin, end).
+using AdamRangeFn = void (*)(const AdamBuffers&, const AdamConstants&, int64_t begin, int64_t end);
+void adam_range_scalar(const AdamBuffers&, const AdamConstants&, int64_t begin, int64_t end);
+void adam_range_avx2(const AdamBuffers&, const AdamConstants&, int64_t begin, int64_t end);
+void adam_range_avx512(const AdamBuffers&, const AdamConstants&, int64_t begin, int64_t end);
+
+// Sum of x[i]^2 over [begin, end) with fp64 accumulation; inf and nan propagate.
+using SumSquaresFn = double (*)(const void* x, DType dtype, int64_t begin, int64_t end);
+double sum_squares_scalar(const void* x, DType dtype, int64_t begin, int64_t end);
+double sum_squares_avx2(const void* x, DType dtype, int64_t begin, int64_t end);
+double sum_squares_avx512(const void* x, DType dtype, int64_t begin, int64_t end);
+
+// The variant used on this CPU: "avx512", "avx2" or "scalar". Chosen once (cpu_features()).
+const char* adam_isa_name();
+
+// The kernels of one named variant ("avx512", "avx2", "scalar"; "" = the best for this CPU), so
+// tests can run every variant the CPU supports. Throws std::invalid_argument for an unknown or unsupported name.
+struct AdamKernels {
+  AdamRangeFn adam;
+  SumSquaresFn sum_squares;
+  const char* name;
+};
+const AdamKernels& adam_kernels_for(const std::string& isa);
+
+// Below this many elements the kernels run on the calling thread: waking workers costs more than it saves.
+constexpr int64_t kParallelThreshold = int64_t{1} << 18;
+
+// Updates all n elements. pool may be null (then the call creates threads only when n is large and
+// num_threads > 1); otherwise the pool's threads are used and num_threads is ignored.
+void adam_step(const AdamBuffers& buffers, const AdamConstants& constants, int64_t n, ThreadPool* pool,
+               int num_threads, const AdamKernels& kernels);
+
+double sum_of_squares(const void* x, DType dtype, int64_t n, ThreadPool* pool, int num_threads,
+                      const AdamKernels& kernels);
+
+// x *= factor over n fp32 elements, with the same threading as adam_step: the in-place DRAM bandwidth probe
+// benchmarks compare the Adam step against (1 read + 1 write per element, no arithmetic to speak of).
+void scale_inplace(float* x, int64_t n, float factor, ThreadPool* pool, int num_threads);
+
+}  // namespace offload

@@ -1,0 +1,20 @@
+// The portable kernel: any x86-64 (or other) CPU; also the reference the SIMD kernels are tested against.
+#include "adam/adam_kernels.h"
+
+#pragma GCC push_options
+// No contraction of a*b+c into fma beyond the ones written: keep the rounding steps torch's kernels take.
+#pragma GCC optimize("fp-contract=off")
+#include "adam/scalar_math.h"
+
+namespace offload {
+
+void adam_range_scalar(const AdamBuffers& b, const AdamConstants& c, int64_t begin, int64_t end) {
+  scalar::adam_elements(b, c, begin, end);
+}
+
+double sum_squares_scalar(const void* x, DType dtype, int64_t begin, int64_t end) {
+  return scalar::sum_squares(x, dtype, begin, end);
+}
+
+}  // namespace offload
+#pragma GCC pop_options

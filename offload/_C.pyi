@@ -1,0 +1,63 @@
+"""Typed stub of the native core `offload._C` (csrc/bindings.cpp). Pointers are plain ints: the Python
+layer (offload.optim, offload.tiers.host, offload.io) validates dtype, device and contiguity first."""
+
+from typing import Optional, Sequence, Tuple
+
+built_with_cuda: bool
+cuda_runtime_version: int  # only when built_with_cuda
+PARALLEL_THRESHOLD: int
+
+# --- CPU features (csrc/common/cpu_features.cpp) ------------------------------------------------------
+def cpu_features() -> dict[str, bool]: ...
+def best_isa() -> str: ...  # 'avx512' | 'avx2' | 'scalar'
+
+# --- fused Adam (csrc/adam/) ----------------------------------------------------------------------------
+class ThreadPool:
+    size: int
+    def __init__(self, num_threads: int) -> None: ...
+
+def adam_isa() -> str: ...
+def adam_step(param: int, grad: int, grad_dtype: int, exp_avg: int, exp_avg_sq: int, numel: int, out: int,
+              out_dtype: int, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+              adamw: bool, grad_scale: float, num_threads: int, pool: Optional[ThreadPool] = None,
+              isa: str = "") -> None: ...
+def sum_of_squares(data: int, dtype: int, numel: int, num_threads: int, pool: Optional[ThreadPool] = None,
+                   isa: str = "") -> float: ...
+def scale_inplace(data: int, numel: int, factor: float, num_threads: int,
+                  pool: Optional[ThreadPool] = None) -> None: ...
+
+# --- staging arena (csrc/buffers/) ----------------------------------------------------------------------
+class ArenaExhausted(MemoryError): ...
+
+class Lease:  # exports the buffer protocol (writable bytes)
+    ptr: int
+    nbytes: int
+    offset: int
+
+class HostArena:
+    base_ptr: int
+    capacity: int
+    def __init__(self, capacity: int) -> None: ...
+    def lease(self, nbytes: int, wait: bool = False, timeout: float = -1.0) -> Lease: ...
+    def stats(self) -> dict[str, int]: ...
+
+# --- async file I/O (csrc/io/) --------------------------------------------------------------------------
+class IoRequest:
+    bytes: int
+    error: int
+    error_offset: int
+    error_size: int
+    def done(self) -> bool: ...
+    def wait(self, timeout_s: float = -1.0) -> bool: ...
+
+class IoEngine:
+    name: str
+    def __init__(self, kind: str, queue_depth: int = 32, num_threads: int = 4) -> None: ...
+    def submit(self, write: bool, segments: Sequence[Tuple[int, bool, int, int, int]],
+               chunk_bytes: int) -> IoRequest: ...
+    def close(self) -> None: ...
+
+# --- CUDA host registration (csrc/cuda/, only when built_with_cuda) -------------------------------------
+def cuda_host_register(ptr: int, nbytes: int) -> Tuple[bool, str]: ...
+def cuda_host_unregister(ptr: int) -> Tuple[bool, str]: ...
+def cuda_device_count() -> int: ...

@@ -1,0 +1,20 @@
+"""Every benchmark's --quick mode runs to the end and prints each rival (timings are never asserted)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(args, tmp_path=None):
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_bench_io_quick(tmp_path):
+    out = _run(["benchmarks/bench_io.py", "--quick", "--dir", str(tmp_path)])
+    for rival in ("offload", "plain python", "aiofiles", "torch.save/load", "fio", "deepspeed"):
+        assert rival in out
+    assert list(tmp_path.iterdir()) == []  # the benchmark cleans up its files
