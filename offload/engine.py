@@ -230,13 +230,13 @@ class Engine:
         jobs = [(state, state.ready_indices(), self._host_weights(state)) for state in self._states[block.index]]
         if not any(ready for _s, ready, _o in jobs):
             return
-        stats = self._stats
+        stats, threads = self._stats, self._worker.num_threads
 
         def work() -> None:
             start = time.perf_counter()
             with torch.profiler.record_function("offload::cpu_step"):
                 for state, ready, out in jobs:
-                    state.update(ready, hyper, grad_scale, out)
+                    state.update(ready, hyper, grad_scale, out, threads)
             stats["update_seconds"] += time.perf_counter() - start
 
         self._worker.submit(block.index, work)

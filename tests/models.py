@@ -27,7 +27,9 @@ class Layer(nn.Module):
         super().__init__()
         self.heads = heads
         self.ln1, self.ln2 = FP32LayerNorm(dim), FP32LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        # No qkv bias: the key bias has an exactly zero true gradient (softmax is shift-invariant), so its
+        # gradient is rounding noise that Adam scales up to +-lr; any two correct Adam kernels differ there.
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
         self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -103,27 +103,32 @@ class GroupState:
         `zero_grad()` may clear the flags before the background update runs."""
         return [i for i, has in enumerate(self.has_grad) if has]
 
-    def update(self, ready: List[int], hyper: AdamHyper, grad_scale: float, out: Optional[Tensor]) -> None:
-        """One AdamW step of the parameters in `ready`; new compute weights written to `out` when given."""
+    def update(self, ready: List[int], hyper: AdamHyper, grad_scale: float, out: Optional[Tensor],
+               num_threads: Optional[int] = None) -> None:
+        """One AdamW step of the parameters in `ready`; new compute weights written to `out` when given.
+        `num_threads` caps the native kernel's threads (None: all usable cores)."""
         if not ready:
             return
         if not self.writes_compute_copy:
             out = None
         if len(ready) == len(self.steps) and len(set(self.steps)) == 1:
             self.steps = [self.steps[0] + 1] * len(self.steps)
-            self._adam(slice(0, self.group.trainable_numel), self.steps[0], hyper, grad_scale, out)
+            self._adam(slice(0, self.group.trainable_numel), self.steps[0], hyper, grad_scale, out, num_threads)
             return
         for i in ready:
             slot = self.group.trainable_slots[i]
             self.steps[i] += 1
-            self._adam(slice(slot.offset, slot.offset + slot.numel), self.steps[i], hyper, grad_scale, out)
+            self._adam(slice(slot.offset, slot.offset + slot.numel), self.steps[i], hyper, grad_scale, out,
+                       num_threads)
 
-    def _adam(self, span: slice, step: int, hyper: AdamHyper, grad_scale: float, out: Optional[Tensor]) -> None:
+    def _adam(self, span: slice, step: int, hyper: AdamHyper, grad_scale: float, out: Optional[Tensor],
+              num_threads: Optional[int]) -> None:
         args = (self.master[span], self.grad[span], self.exp_avg[span], self.exp_avg_sq[span])
         target = None if out is None else out[span]
         if self.on_host:
             adam_step_flat(*args, step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps,
-                           weight_decay=hyper.weight_decay, adamw=True, grad_scale=grad_scale, out=target)
+                           weight_decay=hyper.weight_decay, adamw=True, grad_scale=grad_scale, out=target,
+                           num_threads=num_threads)
         else:
             _adamw_on_device(*args, step, hyper, grad_scale, target)
 
