@@ -25,7 +25,7 @@ def test_plan_streams_the_layers():
         assert all(b.weights is Location.DEVICE for b in engine.plan.blocks if b.name in ("wte", "wpe", "ln_f"))
         assert engine.stats()["device_bytes"] <= BUDGET
         weight = engine.module.h[1].fc.weight
-        assert weight.numel() == 0 and str(weight)  # released: an empty placeholder, safe to print
+        assert weight.shape == (128, 32) and torch.isnan(weight).all() and str(weight)  # released: a placeholder
         assert engine.state_dict()["h.1.fc.weight"].shape == (128, 32)
 
 
@@ -50,6 +50,12 @@ def test_streaming_with_activation_checkpointing(checkpointing):
 
 def test_streaming_with_clipping_and_declared_accumulation():
     _compare("cpu", accum=2, declared=True, max_norm=0.05, device_memory=BUDGET)
+
+
+def test_streamed_tied_embedding():
+    """The tied embedding streams too: its gradient lands (AccumulateGrad) while the block is released."""
+    stats = _compare("cpu", accum=1, declared=True, device_memory=2 * LAYER_BYTES + 4_000)
+    assert stats["block_evictions"] > 0
 
 
 def test_close_brings_streamed_weights_back():

@@ -2,9 +2,11 @@
 
 The host copy of a streamed block's compute weights is the authoritative one (the update writes there).
 Its device buffer keeps its tensor object; fetching re-grows its storage, copies the host copy in and
-points the parameters at views of it; releasing points them at an empty placeholder (reading a view of a
-zero-byte storage would crash the process) and shrinks the storage to zero bytes. Parameters keep their
-identity throughout.
+points the parameters at views of it; releasing points them at a placeholder and shrinks the storage to zero
+bytes. The placeholder is one NaN expanded to the parameter's shape: the shape must stay (autograd's
+AccumulateGrad shapes a new gradient after the parameter, possibly while its block is released), a view of
+a zero-byte storage would crash the process when read, and NaN makes an accidental read obvious.
+Parameters keep their identity throughout.
 Autograd never holds a streamed weight directly: a saved-tensor hook packs it as a handle, and unpacking
 in backward fetches the block again. See docs/design.md [Note: weight streaming].
 """
@@ -159,9 +161,10 @@ class WeightStreamer:
             assert group.device_buffer is not None
             storage = group.device_buffer.untyped_storage()
             self._by_storage.pop(storage.data_ptr(), None)
-            placeholder = group.device_buffer.new_empty(0)
+            fill = float("nan") if group.dtype.is_floating_point else 0
+            one = group.device_buffer.new_full((1,), fill)
             for slot in group.slots:
-                slot.param.data = placeholder
+                slot.param.data = one.reshape([1] * len(slot.shape)).expand(slot.shape)
             storage.resize_(0)
         self._device.unreserve(block.weight_bytes)
         block.move_to(Residency.RELEASED)
