@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Dict, List
@@ -79,6 +81,7 @@ def main(argv: List[str] = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="training steps per timed sample")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--nvme-path", default=None, help="directory for the nvme tier's swap file (default: tmp)")
     parser.add_argument("--quick", action="store_true", help="a tiny model and 2 rounds (a smoke run)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -106,6 +109,9 @@ def main(argv: List[str] = None) -> None:
                                                       grad_accumulation_steps=1),
         "offload cpu tier, GA unset": offload.wrap(twin(), tier="cpu", dtype=dtype, device="cpu"),
     }
+    swap_dir = tempfile.mkdtemp(prefix="offload-bench-", dir=args.nvme_path)
+    engines["offload nvme tier, GA declared"] = offload.wrap(
+        twin(), tier="nvme", nvme_path=swap_dir, dtype=dtype, device="cpu", grad_accumulation_steps=1)
     weight_bytes = sum(p.numel() for p in base.parameters()) * torch.empty((), dtype=dtype).element_size()
     engines["offload cpu tier, weights streamed (budget 50%)"] = offload.wrap(
         twin(), tier="cpu", dtype=dtype, device="cpu", grad_accumulation_steps=1, device_memory=weight_bytes // 2)
@@ -147,6 +153,7 @@ def main(argv: List[str] = None) -> None:
     after = {name: e.stats() for name, e in engines.items()}
     for engine in engines.values():
         engine.close()
+    os.rmdir(swap_dir)
 
     bw = summarize(bandwidths)[0]
     t_compute = summarize(samples["fwd+bwd only (T_compute)"])[0]
@@ -164,6 +171,8 @@ def main(argv: List[str] = None) -> None:
             row["d2h_MB_step"] = (after[name]["bytes_device_to_host"] - before[name]["bytes_device_to_host"]) / steps_measured / 1e6
             row["h2d_MB_step"] = (after[name]["bytes_host_to_device"] - before[name]["bytes_host_to_device"]) / steps_measured / 1e6
             row["device_peak_MB"] = after[name]["device_peak_bytes"] / 1e6
+            row["disk_MB_step"] = (after[name]["bytes_disk_read"] + after[name]["bytes_disk_written"]
+                                   - before[name]["bytes_disk_read"] - before[name]["bytes_disk_written"]) / steps_measured / 1e6
         if name != "fwd+bwd only (T_compute)":
             row["efficiency"] = bound / median
         rows.append(row)
@@ -174,7 +183,7 @@ def main(argv: List[str] = None) -> None:
     print(f"bound = T_compute {t_compute * 1e3:.1f} ms + T_cpu {t_cpu * 1e3:.1f} ms "
           f"({bytes_per_param} B/param at DRAM {bw / 1e9:.1f} GB/s measured) = {bound * 1e3:.1f} ms")
     columns = ["rival", "step_ms", "p20_p80_ms", "tokens_per_s", "vs_torch", "d2h_MB_step", "h2d_MB_step",
-               "device_peak_MB", "efficiency"]
+               "device_peak_MB", "disk_MB_step", "efficiency"]
     print_table([{k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows], columns)
     if not args.quick:
         append_csv("bench_train", [dict(r, layers=args.layers, dim=args.dim, dtype=args.dtype, bound_ms=bound * 1e3)

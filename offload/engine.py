@@ -25,10 +25,12 @@ from offload.scheduler.block import Block, build_blocks, param_owners
 from offload.scheduler.grads import BackwardTracker
 from offload.scheduler.hooks import HookSet
 from offload.scheduler.optimizer_view import EngineOptimizer
-from offload.scheduler.step import AdamHyper, GroupState, StepWorker, clip_scale
+from offload.scheduler.step import AdamHyper, DiskGroupState, GroupState, StepWorker, clip_scale
 from offload.scheduler.streaming import WeightStreamer
 from offload.scheduler.streams import CopyContext
 from offload.tiers.device import DeviceTier
+from offload.tiers.disk import SwapStore, plan_swap_layout
+from offload.tiers.host import StagingPool
 
 _MARKER = "_offload_engine"
 
@@ -54,8 +56,15 @@ class Engine:
         self.blocks: List[Block] = build_blocks(module, policy.dtype)
         self.plan: Plan = make_plan([_spec(b, policy) for b in self.blocks], policy.tier,
                                     policy.device_memory, policy.host_memory)
+        self._swap: Optional[SwapStore] = None
+        self._staging: Optional[StagingPool] = None
         if policy.tier is Tier.NVME:
-            raise OffloadConfigError("tier='nvme' is not available yet in this build; use tier='cpu'")
+            assert policy.nvme_path is not None
+            records, size = plan_swap_layout(self.blocks)
+            largest = max((r.nbytes for r in records.values()), default=0)
+            self._swap = SwapStore(policy.nvme_path, records, size)
+            # Two record buffers: one block being updated while the next one is read (the ring grows later).
+            self._staging = StagingPool(max(2 * _round_up(largest, 4096), 4096))
         self._device_tier = DeviceTier(policy.device, policy.device_memory)
         self._copies = CopyContext(policy.device)
         self._forward_order: List[int] = []
@@ -106,7 +115,8 @@ class Engine:
                 for slot in group.slots:
                     slot.param.grad = None
                 if group.trainable_numel:
-                    state = GroupState(group, state_device, on_host=state_on_host)
+                    state = (DiskGroupState(group, self._swap, self._staging) if self._swap is not None
+                             else GroupState(group, state_device, on_host=state_on_host))
                     states.append(state)
                     if state_on_host and self.policy.device.type != "cpu":
                         self._upload_sources[id(state)] = torch.empty(
@@ -351,6 +361,8 @@ class Engine:
                    device_over_budget_events=self._device_tier.over_budget_events,
                    block_fetches=self._streamer.fetches, block_evictions=self._streamer.evictions,
                    block_prefetches=self._streamer.prefetches,
+                   bytes_disk_read=0 if self._swap is None else self._swap.bytes_read,
+                   bytes_disk_written=0 if self._swap is None else self._swap.bytes_written,
                    host_state_bytes=sum(s.nbytes for states in self._states.values() for s in states
                                         if s.on_host))
         return out
@@ -373,6 +385,10 @@ class Engine:
         self._streamer.restore_all()
         self._hooks.remove()
         self._states.clear()
+        if self._swap is not None:
+            self._swap.close()
+        if self._staging is not None:
+            self._staging.close()
         self._where.clear()
         if getattr(self.module, _MARKER, None) is not None:
             delattr(self.module, _MARKER)
@@ -391,6 +407,10 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"Engine(tier={self.policy.tier.value}, blocks={len(self.blocks)}, device={self.policy.device})"
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
 
 
 def _spec(block: Block, policy: OffloadPolicy) -> BlockSpec:

@@ -8,6 +8,8 @@ and the final weights (max abs diff <= 1e-5).
 from __future__ import annotations
 
 import copy
+import os
+import tempfile
 import warnings
 import pytest
 import torch
@@ -45,7 +47,8 @@ def _reference(model, batches, accum, max_norm, schedule, eval_batch):
 
 
 def _engine(model, batches, accum, max_norm, schedule, eval_batch, tier, declared, device_memory):
-    engine = offload.wrap(model, tier=tier, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_grad_norm=max_norm,
+    nvme_path = tempfile.mkdtemp(prefix="offload-test-") if tier == "nvme" else None
+    engine = offload.wrap(model, tier=tier, nvme_path=nvme_path, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_grad_norm=max_norm,
                           dtype=torch.float32, device="cpu", grad_accumulation_steps=accum if declared else None,
                           device_memory=device_memory)
     sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5) if schedule else None
@@ -65,6 +68,9 @@ def _engine(model, batches, accum, max_norm, schedule, eval_batch, tier, declare
                     evals.append(engine(*eval_batch).item())
         state = engine.state_dict()
         stats = engine.stats()
+    if nvme_path is not None:
+        assert os.listdir(nvme_path) == []  # close() removed the swap file and its layout
+        os.rmdir(nvme_path)
     return losses, evals, state, stats
 
 
@@ -98,7 +104,7 @@ def _initial_fc(checkpointing):
     return TinyGPT(checkpointing=checkpointing).state_dict()["h.0.fc.weight"]
 
 
-TIERS = ["gpu", "cpu"]
+TIERS = ["gpu", "cpu", "nvme"]
 
 
 @pytest.mark.parametrize("tier", TIERS)

@@ -8,16 +8,23 @@ in one flat call.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from offload.optim.functional import adam_step_flat
+from offload.tiers.disk import state_views
 from offload.scheduler.block import FlatGroup
+
+if TYPE_CHECKING:
+    from offload.tiers.disk import SwapStore
+    from offload.tiers.host import StagingPool
 
 
 @dataclass(frozen=True)
@@ -131,6 +138,75 @@ class GroupState:
                            num_threads=num_threads)
         else:
             _adamw_on_device(*args, step, hyper, grad_scale, target)
+
+
+class DiskGroupState(GroupState):
+    """A GroupState whose master weights and moments live in the swap file (the NVME tier).
+
+    Only the gradient accumulator and the step counts stay in host memory. An update leases one
+    record-sized staging buffer, reads the record, runs the same AdamW, writes the record back and returns
+    the buffer: host memory holds the staging buffers, never the whole state.
+    """
+
+    def __init__(self, group: FlatGroup, store: "SwapStore", pool: "StagingPool") -> None:
+        assert group.device_buffer is not None, "allocate the device buffer first"
+        n = group.trainable_numel
+        self.group = group
+        self.on_host = True
+        self.writes_compute_copy = True
+        self.grad = torch.zeros(n, dtype=group.dtype)
+        self.steps = [0] * len(group.trainable_slots)
+        self.has_grad = [False] * len(group.trainable_slots)
+        self._store = store
+        self._pool = pool
+        with self._staged() as (master, exp_avg, exp_avg_sq):
+            master.copy_(group.device_buffer[:n])
+            exp_avg.zero_()
+            exp_avg_sq.zero_()
+
+    @property
+    def nbytes(self) -> int:
+        return self.grad.nbytes  # host bytes; the state itself is on disk
+
+    def update(self, ready: List[int], hyper: AdamHyper, grad_scale: float, out: Optional[Tensor],
+               num_threads: Optional[int] = None) -> None:
+        if not ready:
+            return
+        with self._staged(load=True) as views:
+            self.master, self.exp_avg, self.exp_avg_sq = views
+            del views
+            try:
+                super().update(ready, hyper, grad_scale, out, num_threads)
+            finally:
+                del self.master, self.exp_avg, self.exp_avg_sq
+
+    @contextlib.contextmanager
+    def _staged(self, load: bool = False):
+        """Views of a leased record buffer; written back to disk when the block exits without error.
+
+        A lease returns to the pool only when its last view is gone (docs/design.md [Note: a lease lives
+        as long as its views]); a failure's traceback would keep views alive in its frames and the next
+        lease would wait forever, so the frames are cleared before the error travels on."""
+        n = self.group.trainable_numel
+        lease = self._pool.lease(3 * 4 * n, wait=True, timeout=LEASE_TIMEOUT_S)
+        buffer: Optional[Tensor] = lease.view(torch.float32, (3 * n,))
+        try:
+            if load:
+                self._store.read(self.group, buffer)
+            yield state_views(buffer, n)
+            self._store.write(self.group, buffer)
+        except BaseException as exc:
+            buffer = None
+            traceback.clear_frames(exc.__traceback__)
+            raise
+        finally:
+            buffer = None
+            lease.release()
+
+
+# A staging lease waits for an update in flight to return its buffer; longer than this means a bug or a
+# stalled disk, reported as OffloadMemoryError rather than a hang.
+LEASE_TIMEOUT_S = 120.0
 
 
 def clip_scale(norms: List[float], max_norm: float) -> Tuple[float, float]:
