@@ -76,7 +76,12 @@ class Engine:
         self._where: Dict[int, Tuple[Block, GroupState, int]] = {}
         self._trainable_ids: Dict[int, List[int]] = {}
         self._upload_sources: Dict[int, torch.Tensor] = {}
-        self._materialize()
+        try:
+            self._materialize()
+        except BaseException:
+            if self._swap is not None:  # nothing of a failed wrap() stays on disk
+                self._swap.close()
+            raise
         trainable = [s.param for b in self.blocks for s in b.slots if s.trainable]
         defaults = dict(lr=policy.lr, betas=policy.betas, eps=policy.eps, weight_decay=policy.weight_decay)
         self.optimizer = EngineOptimizer(trainable, defaults, self._step, self._zero_grad)
