@@ -103,10 +103,10 @@ double sum_of_squares(const void* x, DType dtype, int64_t n, ThreadPool* pool, i
   return total;
 }
 
-void scale_inplace(float* x, int64_t n, float factor, ThreadPool* pool, int num_threads) {
-  for_chunks(n, pool, num_threads, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) x[i] *= factor;
-  });
+void memory_traffic_probe(float* p, float* m, float* v, const float* g, int64_t n, ThreadPool* pool,
+                          int num_threads) {
+  for_chunks(n, pool, num_threads,
+             [&](int64_t begin, int64_t end) { traffic_range(p, m, v, g, 1.0f, 0.0f, begin, end); });
 }
 
 }  // namespace offload

@@ -85,8 +85,12 @@ void adam_step(const AdamBuffers& buffers, const AdamConstants& constants, int64
 double sum_of_squares(const void* x, DType dtype, int64_t n, ThreadPool* pool, int num_threads,
                       const AdamKernels& kernels);
 
-// x *= factor over n fp32 elements, with the same threading as adam_step: the in-place DRAM bandwidth probe
-// benchmarks compare the Adam step against (1 read + 1 write per element, no arithmetic to speak of).
-void scale_inplace(float* x, int64_t n, float factor, ThreadPool* pool, int num_threads);
+// The DRAM bound benchmarks compare the step against: the fp32-mode kernel's memory traffic (read p, m, v, g;
+// write p, m, v: 28 bytes per element) in one pass with next to no arithmetic (csrc/adam/bandwidth_probe.cpp),
+// threaded like adam_step. Values are unchanged.
+void traffic_range(float* p, float* m, float* v, const float* g, float scale, float zero, int64_t begin,
+                   int64_t end);
+void memory_traffic_probe(float* p, float* m, float* v, const float* g, int64_t n, ThreadPool* pool,
+                          int num_threads);
 
 }  // namespace offload
