@@ -22,6 +22,7 @@ from offload.errors import OffloadConfigError, OffloadError
 from offload.planner import BlockSpec, Plan, make_plan
 from offload.policy import OffloadPolicy, Tier
 from offload.scheduler.block import Block, build_blocks, param_owners
+from offload.scheduler.disk_ring import DiskRing, ring_size_for
 from offload.scheduler.grads import BackwardTracker
 from offload.scheduler.hooks import HookSet
 from offload.scheduler.optimizer_view import EngineOptimizer
@@ -54,17 +55,18 @@ class Engine:
         self.policy = policy
         self._closed = False
         self.blocks: List[Block] = build_blocks(module, policy.dtype)
+        records, swap_size = plan_swap_layout(self.blocks) if policy.tier is Tier.NVME else ({}, 0)
+        ring = ring_size_for(max((r.numel for r in records.values()), default=0)) if records else None
         self.plan: Plan = make_plan([_spec(b, policy) for b in self.blocks], policy.tier,
-                                    policy.device_memory, policy.host_memory)
+                                    policy.device_memory, policy.host_memory, ring)
         self._swap: Optional[SwapStore] = None
         self._staging: Optional[StagingPool] = None
+        self._ring: Optional[DiskRing] = None
         if policy.tier is Tier.NVME:
             assert policy.nvme_path is not None
-            records, size = plan_swap_layout(self.blocks)
-            largest = max((r.nbytes for r in records.values()), default=0)
-            self._swap = SwapStore(policy.nvme_path, records, size)
-            # Two record buffers: one block being updated while the next one is read (the ring grows later).
-            self._staging = StagingPool(max(2 * _round_up(largest, 4096), 4096))
+            self._swap = SwapStore(policy.nvme_path, records, swap_size)
+            self._staging = StagingPool(max(_round_up(self.plan.ring_bytes, 4096), 4096))
+            self._ring = DiskRing(self._swap, self._staging, self.plan.ring_bytes)
         self._device_tier = DeviceTier(policy.device, policy.device_memory)
         self._copies = CopyContext(policy.device)
         self._forward_order: List[int] = []
@@ -78,6 +80,8 @@ class Engine:
         self._upload_sources: Dict[int, torch.Tensor] = {}
         try:
             self._materialize()
+            if self._ring is not None:
+                self._ring.drain()
         except BaseException:
             if self._swap is not None:  # nothing of a failed wrap() stays on disk
                 self._swap.close()
@@ -120,7 +124,7 @@ class Engine:
                 for slot in group.slots:
                     slot.param.grad = None
                 if group.trainable_numel:
-                    state = (DiskGroupState(group, self._swap, self._staging) if self._swap is not None
+                    state = (DiskGroupState(group, self._ring) if self._ring is not None
                              else GroupState(group, state_device, on_host=state_on_host))
                     states.append(state)
                     if state_on_host and self.policy.device.type != "cpu":
@@ -245,6 +249,9 @@ class Engine:
         jobs = [(state, state.ready_indices(), self._host_weights(state)) for state in self._states[block.index]]
         if not any(ready for _s, ready, _o in jobs):
             return
+        for state, ready, _out in jobs:
+            if ready and isinstance(state, DiskGroupState):
+                state.announce()  # its disk reads start now, ahead of the worker reaching it
         stats, threads = self._stats, self._worker.num_threads
 
         def work() -> None:
@@ -343,6 +350,8 @@ class Engine:
         """Wait for every pending block update, so that the module's weights are the current ones."""
         self._check_open()
         self._worker.wait_all()
+        if self._ring is not None:
+            self._ring.drain()
         for block in self.blocks:
             if block.index in self._needs_upload:
                 self._upload(block)
@@ -370,6 +379,8 @@ class Engine:
                    bytes_disk_written=0 if self._swap is None else self._swap.bytes_written,
                    host_state_bytes=sum(s.nbytes for states in self._states.values() for s in states
                                         if s.on_host))
+        if self._ring is not None:
+            out.update(self._ring.stats())
         return out
 
     def close(self) -> None:
@@ -381,6 +392,8 @@ class Engine:
         failure: Optional[BaseException] = None
         try:
             self._worker.close()
+            if self._ring is not None:
+                self._ring.drain()
         except Exception as exc:  # still clean up; report it at the end
             failure = exc
         self._closed = True
@@ -420,13 +433,15 @@ def _round_up(value: int, multiple: int) -> int:
 
 def _spec(block: Block, policy: OffloadPolicy) -> BlockSpec:
     """Bytes of a block's weights and optimizer state (fp32 master unless aliased, m, v, gradient)."""
-    state = 0
+    state = grads = 0
     for group in block.groups:
         n = group.trainable_numel
         master = 0 if (policy.tier is Tier.GPU and group.dtype == torch.float32) else 4 * n
-        grad = n * torch.empty((), dtype=group.dtype).element_size()
-        state += master + 8 * n + grad
-    return BlockSpec(block.name, block.weight_bytes, state)
+        grads += n * torch.empty((), dtype=group.dtype).element_size()
+        state += master + 8 * n
+    if policy.tier is Tier.NVME:  # the accumulator stays on the host while the state is on disk
+        return BlockSpec(block.name, block.weight_bytes, state, grads)
+    return BlockSpec(block.name, block.weight_bytes, state + grads)
 
 
 __all__ = ["Engine"]

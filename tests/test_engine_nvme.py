@@ -68,3 +68,21 @@ def test_truncated_swap_file_is_a_clear_error_not_garbage(tmp_path):
         engine.close()  # the other blocks' failed reads are reported too, after cleanup
     after = {k: v for k, v in engine.module.state_dict().items()}
     assert all(after[k].equal(v) for k, v in before.items())  # no garbage reached the weights
+
+
+def test_host_memory_too_small_for_one_block_names_it_and_the_fix(tmp_path):
+    with pytest.raises(OffloadConfigError, match=r"block 'h.0'.*raise host_memory to at least \d+ bytes"):
+        offload.wrap(TinyGPT(), tier="nvme", nvme_path=tmp_path, dtype=torch.float32, device="cpu",
+                     host_memory=16 << 10)
+    assert os.listdir(tmp_path) == []
+
+
+def test_plan_shows_the_staging_ring_within_host_memory(tmp_path):
+    with offload.wrap(TinyGPT(), tier="nvme", nvme_path=tmp_path, dtype=torch.float32, device="cpu",
+                      host_memory=300 << 10) as engine:
+        assert "staging ring" in str(engine.plan)
+        assert engine.plan.bytes_on(offload.planner.Location.HOST) <= 300 << 10
+        assert engine._staging.budget_bytes <= engine.plan.ring_bytes + 4096
+        _train_step(engine)
+        engine.synchronize()
+        assert engine.stats()["nvme_chunks_moved"] > 0

@@ -8,9 +8,7 @@ in one flat call.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
@@ -19,12 +17,10 @@ import torch
 from torch import Tensor, nn
 
 from offload.optim.functional import adam_step_flat
-from offload.tiers.disk import state_views
 from offload.scheduler.block import FlatGroup
 
 if TYPE_CHECKING:
-    from offload.tiers.disk import SwapStore
-    from offload.tiers.host import StagingPool
+    from offload.scheduler.disk_ring import DiskRing
 
 
 @dataclass(frozen=True)
@@ -143,12 +139,12 @@ class GroupState:
 class DiskGroupState(GroupState):
     """A GroupState whose master weights and moments live in the swap file (the NVME tier).
 
-    Only the gradient accumulator and the step counts stay in host memory. An update leases one
-    record-sized staging buffer, reads the record, runs the same AdamW, writes the record back and returns
-    the buffer: host memory holds the staging buffers, never the whole state.
+    Only the gradient accumulator and the step counts stay in host memory. An update streams the record
+    through the engine's `DiskRing` chunk by chunk (read ahead, update, write behind), running the same
+    AdamW on each chunk: host memory holds the ring, never the whole state.
     """
 
-    def __init__(self, group: FlatGroup, store: "SwapStore", pool: "StagingPool") -> None:
+    def __init__(self, group: FlatGroup, ring: "DiskRing") -> None:
         assert group.device_buffer is not None, "allocate the device buffer first"
         n = group.trainable_numel
         self.group = group
@@ -157,56 +153,60 @@ class DiskGroupState(GroupState):
         self.grad = torch.zeros(n, dtype=group.dtype)
         self.steps = [0] * len(group.trainable_slots)
         self.has_grad = [False] * len(group.trainable_slots)
-        self._store = store
-        self._pool = pool
-        with self._staged() as (master, exp_avg, exp_avg_sq):
-            master.copy_(group.device_buffer[:n])
+        self._ring = ring
+        weights = group.device_buffer
+
+        def fill(start: int, stop: int, sections: Tuple[Tensor, Tensor, Tensor]) -> None:
+            master, exp_avg, exp_avg_sq = sections
+            master.copy_(weights[start:stop])
             exp_avg.zero_()
             exp_avg_sq.zero_()
+
+        ring.write_fresh(group, fill)
 
     @property
     def nbytes(self) -> int:
         return self.grad.nbytes  # host bytes; the state itself is on disk
 
+    def announce(self) -> None:
+        """Start reading this group's state ahead of its update (called when the update is scheduled)."""
+        self._ring.announce(self.group)
+
     def update(self, ready: List[int], hyper: AdamHyper, grad_scale: float, out: Optional[Tensor],
                num_threads: Optional[int] = None) -> None:
         if not ready:
             return
-        with self._staged(load=True) as views:
-            self.master, self.exp_avg, self.exp_avg_sq = views
-            del views
+        spans = self._advance_steps(ready)
+        for start, stop in self._ring.chunks(self.group):
+            sections = self._ring.load(self.group, start, stop)
             try:
-                super().update(ready, hyper, grad_scale, out, num_threads)
-            finally:
-                del self.master, self.exp_avg, self.exp_avg_sq
+                for a, b, step in spans:
+                    lo, hi = max(a, start), min(b, stop)
+                    if lo < hi:
+                        self._adam_chunk(sections, start, lo, hi, step, hyper, grad_scale, out, num_threads)
+            except BaseException:
+                self._ring.abandon(sections)
+                raise
+            self._ring.store(self.group, start, stop, sections)
 
-    @contextlib.contextmanager
-    def _staged(self, load: bool = False):
-        """Views of a leased record buffer; written back to disk when the block exits without error.
+    def _advance_steps(self, ready: List[int]) -> List[Tuple[int, int, int]]:
+        """Count the step of every ready parameter; (start, stop, step) element spans to update."""
+        if len(ready) == len(self.steps) and len(set(self.steps)) == 1:
+            self.steps = [self.steps[0] + 1] * len(self.steps)
+            return [(0, self.group.trainable_numel, self.steps[0])]
+        spans = []
+        for i in ready:
+            slot = self.group.trainable_slots[i]
+            self.steps[i] += 1
+            spans.append((slot.offset, slot.offset + slot.numel, self.steps[i]))
+        return spans
 
-        A lease returns to the pool only when its last view is gone (docs/design.md [Note: a lease lives
-        as long as its views]); a failure's traceback would keep views alive in its frames and the next
-        lease would wait forever, so the frames are cleared before the error travels on."""
-        n = self.group.trainable_numel
-        lease = self._pool.lease(3 * 4 * n, wait=True, timeout=LEASE_TIMEOUT_S)
-        buffer: Optional[Tensor] = lease.view(torch.float32, (3 * n,))
-        try:
-            if load:
-                self._store.read(self.group, buffer)
-            yield state_views(buffer, n)
-            self._store.write(self.group, buffer)
-        except BaseException as exc:
-            buffer = None
-            traceback.clear_frames(exc.__traceback__)
-            raise
-        finally:
-            buffer = None
-            lease.release()
-
-
-# A staging lease waits for an update in flight to return its buffer; longer than this means a bug or a
-# stalled disk, reported as OffloadMemoryError rather than a hang.
-LEASE_TIMEOUT_S = 120.0
+    def _adam_chunk(self, sections: Tuple[Tensor, Tensor, Tensor], base: int, lo: int, hi: int, step: int,
+                    hyper: AdamHyper, grad_scale: float, out: Optional[Tensor], num_threads: Optional[int]) -> None:
+        master, exp_avg, exp_avg_sq = (t[lo - base:hi - base] for t in sections)
+        adam_step_flat(master, self.grad[lo:hi], exp_avg, exp_avg_sq, step=step, lr=hyper.lr, beta1=hyper.beta1,
+                       beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay, adamw=True,
+                       grad_scale=grad_scale, out=None if out is None else out[lo:hi], num_threads=num_threads)
 
 
 def clip_scale(norms: List[float], max_norm: float) -> Tuple[float, float]:

@@ -1,8 +1,9 @@
 """The disk tier: optimizer state of every block in one preallocated swap file, laid out by name.
 
-Each flat group with trainable parameters owns one record: its fp32 master weights, then `exp_avg`, then
-`exp_avg_sq` (3 x 4 bytes per parameter, contiguous, so one read and one write per update), starting at a
-4 KiB-aligned offset. The layout is a pure function of the blocks and is written next to the swap file as
+Each flat group with trainable parameters owns one record: three sections, its fp32 master weights, then
+`exp_avg`, then `exp_avg_sq`, each 4 x numel bytes padded to a multiple of 4 KiB (`section_bytes`), the
+record starting at a 4 KiB-aligned offset: any element range of any section is one O_DIRECT request when
+the range starts at a multiple of 1024 elements, so the step pipeline can read and write records in chunks. The layout is a pure function of the blocks and is written next to the swap file as
 `layout.json`, keyed by block and fully-qualified parameter names, never by object ids, so a later process
 (checkpoint resume, issue 4) can find every parameter's state again. See docs/design.md
 [Note: the swap-file layout].
@@ -22,13 +23,14 @@ from torch import Tensor
 
 from offload.errors import OffloadConfigError
 from offload.io import AsyncIO, SwapFile
+from offload.io.future import IOFuture
 
 if TYPE_CHECKING:  # descriptions only: the tiers never call into the scheduler
     from offload.scheduler.block import Block, FlatGroup
 
 ALIGNMENT = 4096
 STATE_TENSORS = ("master", "exp_avg", "exp_avg_sq")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: sections padded to 4 KiB (section_bytes)
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,18 @@ class SwapRecord:
     params: Tuple[Tuple[str, Tuple[int, ...], int], ...]  # (name, shape, element offset in the group)
 
     @property
+    def section_bytes(self) -> int:
+        """Bytes of each of the three sections (4 x numel, padded to 4 KiB)."""
+        return section_bytes(self.numel)
+
+    @property
     def nbytes(self) -> int:
-        return 3 * 4 * self.numel
+        return 3 * self.section_bytes
+
+
+def section_bytes(numel: int) -> int:
+    """Bytes of one fp32 section of a record of `numel` elements: padded so every section starts aligned."""
+    return _round_up(4 * numel, ALIGNMENT)
 
 
 def plan_swap_layout(blocks: List["Block"]) -> Tuple[Dict[int, SwapRecord], int]:
@@ -87,23 +99,43 @@ class SwapStore:
         self._write_layout(size)
 
     def _write_layout(self, size: int) -> None:
+        records = [dict(r.__dict__, section_bytes=r.section_bytes) for r in self.records.values()]
         layout = {"version": LAYOUT_VERSION, "swap_file": os.path.basename(self.path), "size": size,
-                  "tensors": list(STATE_TENSORS), "records": [r.__dict__ for r in self.records.values()]}
+                  "tensors": list(STATE_TENSORS), "records": records}
         tmp = self.layout_path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(layout, f, indent=1)
         os.replace(tmp, self.layout_path)
 
     def read(self, group: "FlatGroup", into: Tensor) -> None:
-        """Fill `into` (3 x numel fp32, contiguous) with the group's state; raises on a short or failed read."""
-        record = self.records[id(group)]
-        self._io.pread(into, self._file, record.offset).result()
-        self.bytes_read += record.nbytes
+        """Fill `into` (a record-sized buffer, see `state_views`) with the group's state; raises on a short or
+        failed read."""
+        numel = self.records[id(group)].numel
+        for future in self.submit(False, group, 0, numel, state_views(into, numel)):
+            future.result()
 
     def write(self, group: "FlatGroup", source: Tensor) -> None:
+        numel = self.records[id(group)].numel
+        for future in self.submit(True, group, 0, numel, state_views(source, numel)):
+            future.result()
+
+    def submit(self, write: bool, group: "FlatGroup", start: int, stop: int,
+               sections: Tuple[Tensor, Tensor, Tensor]) -> List[IOFuture]:
+        """Start reading (or writing) elements [start, stop) of the group's three sections from (into) the
+        given fp32 tensors; returns one future per section. The caller keeps the tensors alive and orders
+        a read after any write of the same range."""
         record = self.records[id(group)]
-        self._io.pwrite(source, self._file, record.offset).result()
-        self.bytes_written += record.nbytes
+        futures = []
+        for index, tensor in enumerate(sections):
+            offset = record.offset + index * record.section_bytes + 4 * start
+            part = tensor[:stop - start]
+            futures.append(self._io.pwrite(part, self._file, offset) if write
+                           else self._io.pread(part, self._file, offset))
+        if write:
+            self.bytes_written += 12 * (stop - start)
+        else:
+            self.bytes_read += 12 * (stop - start)
+        return futures
 
     def close(self) -> None:
         """Close and delete the swap file and its layout (this run's state only)."""
@@ -122,6 +154,8 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def state_views(buffer: Tensor, numel: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """master, exp_avg, exp_avg_sq as views of one record-sized fp32 buffer."""
-    flat = buffer.view(torch.float32)[:3 * numel]
-    return flat[:numel], flat[numel:2 * numel], flat[2 * numel:]
+    """master, exp_avg, exp_avg_sq as views of one record-sized buffer (`SwapRecord.nbytes`): each section
+    starts at a multiple of `section_bytes(numel)`, as on disk."""
+    stride = section_bytes(numel) // 4
+    flat = buffer.view(torch.float32)
+    return flat[:numel], flat[stride:stride + numel], flat[2 * stride:2 * stride + numel]

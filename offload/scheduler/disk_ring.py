@@ -1,0 +1,266 @@
+"""The nvme step pipeline: a bounded ring of staging slots through which disk-resident optimizer state flows.
+
+An update of a disk-resident group goes chunk by chunk: `load` a chunk (its read usually issued earlier,
+while the previous chunk was being updated), update it in the slot, `store` it (the write is issued and
+left in flight). So the disk reads chunk i+1 and writes chunk i-1 while the CPU updates chunk i. Chunks
+are element ranges of a record, at most one slot long: a record larger than a slot is processed in pieces,
+never rejected. See docs/design.md [Note: the nvme step pipeline].
+
+Ordering rules that keep it correct: a read of a range waits for the in-flight write of that range; a slot
+is reused only after its write has completed; reads issued ahead never take the last slot that is neither
+read-ahead nor free, so the chunk the worker needs next can always get a slot (no deadlock when the
+announced order and the update order differ).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Deque, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from offload.errors import OffloadConfigError
+from offload.io.future import IOFuture
+
+if TYPE_CHECKING:
+    from offload.scheduler.block import FlatGroup
+    from offload.tiers.disk import SwapStore
+    from offload.tiers.host import HostBuffer, StagingPool
+
+ChunkKey = Tuple[int, int]  # (id of the group, first element)
+CHUNK_GRANULE = 1024  # elements: 4 KiB of fp32, so every chunk of every section is an aligned request
+STATE_BYTES_PER_ELEMENT = 12  # fp32 master, exp_avg, exp_avg_sq
+RING_DEPTH = 4  # read i+1, update i, write i-1, and one spare so a write can finish while the next read starts
+
+
+def min_ring_bytes(depth: int = RING_DEPTH) -> int:
+    """The smallest ring that works: `depth` slots of one granule each."""
+    return depth * CHUNK_GRANULE * STATE_BYTES_PER_ELEMENT
+
+
+@dataclass
+class _Slot:
+    index: int
+    buffer: "HostBuffer"
+    sections: Tuple[Tensor, Tensor, Tensor]  # fp32 views, `chunk_numel` elements each
+
+
+@dataclass
+class _InFlight:
+    slot: _Slot
+    group: "FlatGroup"
+    start: int
+    stop: int
+    futures: List[IOFuture]
+
+
+class DiskRing:
+    """`depth` slots leased once from `pool` (their total is the ring budget) and the I/O in flight over them.
+
+    Thread safety: the engine's thread announces and the step worker loads and stores; one lock guards the
+    bookkeeping, and waits on I/O happen outside it.
+    """
+
+    def __init__(self, store: "SwapStore", pool: "StagingPool", ring_bytes: int, depth: int = RING_DEPTH) -> None:
+        slot_bytes = ring_bytes // depth
+        chunk = slot_bytes // STATE_BYTES_PER_ELEMENT // CHUNK_GRANULE * CHUNK_GRANULE
+        if chunk <= 0:
+            raise OffloadConfigError(
+                f"the nvme staging ring needs at least {min_ring_bytes(depth)} bytes of host_memory, got "
+                f"{ring_bytes}; raise host_memory")
+        self.chunk_numel = chunk
+        self.depth = depth
+        self._store = store
+        self._slots: List[_Slot] = []
+        for index in range(depth):
+            buffer = pool.lease(3 * 4 * chunk)
+            flat = buffer.view(torch.float32, (3 * chunk,))
+            self._slots.append(_Slot(index, buffer, (flat[:chunk], flat[chunk:2 * chunk], flat[2 * chunk:])))
+        self._free: List[_Slot] = list(self._slots)
+        self._reads: Dict[ChunkKey, _InFlight] = {}
+        self._writes: Deque[_InFlight] = collections.deque()
+        self._announced: Deque[Tuple["FlatGroup", int, int]] = collections.deque()
+        self._lock = threading.Lock()
+        self._slot_returned = threading.Condition(self._lock)
+        self.io_wait_seconds = 0.0
+        self.chunks_loaded = 0
+        self.chunks_read_ahead = 0
+
+    # ----- chunks ------------------------------------------------------------------------------------
+    def chunks(self, group: "FlatGroup") -> List[Tuple[int, int]]:
+        """Element ranges [start, stop) covering the group's trainable range, each at most one slot."""
+        n = group.trainable_numel
+        return [(start, min(start + self.chunk_numel, n)) for start in range(0, n, self.chunk_numel)]
+
+    def announce(self, group: "FlatGroup") -> None:
+        """The group will be updated soon (in announcement order): read its first chunks ahead if slots allow."""
+        with self._lock:
+            self._announced.extend((group, a, b) for a, b in self.chunks(group))
+        self._read_ahead()
+
+    # ----- the worker's side -------------------------------------------------------------------------
+    def load(self, group: "FlatGroup", start: int, stop: int) -> Tuple[Tensor, Tensor, Tensor]:
+        """Views (master, exp_avg, exp_avg_sq) of elements [start, stop) in a slot, read from disk; hand the
+        slot back with `store` (or `abandon` on failure)."""
+        key = (id(group), start)
+        with self._lock:
+            entry = self._reads.pop(key, None)
+            self._drop_announced(key)
+        if entry is None:
+            slot = self._take_slot()
+            self._wait_writes_of(group, start, stop)
+            entry = _InFlight(slot, group, start, stop, self._store.submit(False, group, start, stop,
+                                                                           _cut(slot, stop - start)))
+        try:
+            self._wait(entry.futures)
+        except BaseException:
+            self._give_back(entry.slot)
+            raise
+        self.chunks_loaded += 1
+        self._read_ahead()
+        return _cut(entry.slot, stop - start)
+
+    def store(self, group: "FlatGroup", start: int, stop: int, sections: Tuple[Tensor, Tensor, Tensor]) -> None:
+        """Write the chunk `load` returned back to disk; the slot returns to the ring when the write is done."""
+        slot = self._slot_of(sections[0])
+        futures = self._store.submit(True, group, start, stop, _cut(slot, stop - start))
+        with self._lock:
+            self._writes.append(_InFlight(slot, group, start, stop, futures))
+        self._read_ahead()
+
+    def abandon(self, sections: Tuple[Tensor, Tensor, Tensor]) -> None:
+        """Return a loaded chunk's slot without writing it (its update failed: the disk keeps the old state)."""
+        self._give_back(self._slot_of(sections[0]))
+
+    def write_fresh(self, group: "FlatGroup", fill) -> None:
+        """Initialise the group's record chunk by chunk: `fill(start, stop, sections)` writes into the slot."""
+        for start, stop in self.chunks(group):
+            slot = self._take_slot()
+            sections = _cut(slot, stop - start)
+            try:
+                fill(start, stop, sections)
+            except BaseException:
+                self._give_back(slot)
+                raise
+            self.store(group, start, stop, sections)
+
+    def drain(self) -> None:
+        """Wait for every write in flight (their errors raise here) and drop reads issued ahead."""
+        with self._lock:
+            reads, self._reads = list(self._reads.values()), {}
+            self._announced.clear()
+        for entry in reads:
+            try:
+                self._wait(entry.futures)
+            finally:
+                self._give_back(entry.slot)
+        while True:
+            with self._lock:
+                if not self._writes:
+                    return
+                entry = self._writes.popleft()
+            self._finish_write(entry)
+
+    def stats(self) -> Dict[str, float]:
+        """Chunk size, chunks updated, how many were read ahead, seconds the worker waited on the disk."""
+        return {"nvme_chunk_numel": self.chunk_numel, "nvme_ring_slots": self.depth,
+                "nvme_chunks_moved": self.chunks_loaded, "nvme_chunks_read_ahead": self.chunks_read_ahead,
+                "nvme_io_wait_seconds": self.io_wait_seconds}
+
+    # ----- internals ---------------------------------------------------------------------------------
+    def _take_slot(self) -> _Slot:
+        """A free slot; retires the oldest write when none is free (always possible, see the module doc)."""
+        while True:
+            with self._lock:
+                if self._free:
+                    return self._free.pop()
+                oldest = self._writes.popleft() if self._writes else None
+                if oldest is None:  # only reads ahead hold slots: wait for one to be consumed
+                    self._slot_returned.wait(timeout=1.0)
+                    continue
+            self._finish_write(oldest)
+
+    def _finish_write(self, entry: _InFlight) -> None:
+        try:
+            self._wait(entry.futures)
+        finally:
+            self._give_back(entry.slot)
+
+    def _give_back(self, slot: _Slot) -> None:
+        with self._lock:
+            self._free.append(slot)
+            self._slot_returned.notify_all()
+
+    def _wait_writes_of(self, group: "FlatGroup", start: int, stop: int) -> None:
+        """A read of [start, stop) must see the last write of it: finish overlapping writes first."""
+        with self._lock:
+            overlapping = [w for w in self._writes if w.group is group and w.start < stop and start < w.stop]
+            for entry in overlapping:
+                self._writes.remove(entry)
+        for entry in overlapping:
+            self._finish_write(entry)
+
+    def _read_ahead(self) -> None:
+        """Issue reads of announced chunks while a free slot remains beyond the one kept for the worker."""
+        while True:
+            with self._lock:
+                if not self._announced or len(self._free) < 2:
+                    return
+                group, start, stop = self._announced[0]
+                if any(w.group is group and w.start < stop and start < w.stop for w in self._writes):
+                    return  # its previous write is still in flight; the worker will read it itself
+                self._announced.popleft()
+                slot = self._free.pop()
+                key = (id(group), start)
+                if key in self._reads:  # announced twice before being loaded: keep the first read
+                    self._free.append(slot)
+                    continue
+                try:  # submitting does not block; under the lock, `load` never sees a read without futures
+                    futures = self._store.submit(False, group, start, stop, _cut(slot, stop - start))
+                except BaseException:
+                    self._free.append(slot)
+                    raise
+                self._reads[key] = _InFlight(slot, group, start, stop, futures)
+                self.chunks_read_ahead += 1
+
+    def _drop_announced(self, key: ChunkKey) -> None:
+        for item in self._announced:
+            if (id(item[0]), item[1]) == key:
+                self._announced.remove(item)
+                return
+
+    def _slot_of(self, tensor: Tensor) -> _Slot:
+        for slot in self._slots:
+            if slot.sections[0].data_ptr() == tensor.data_ptr():
+                return slot
+        raise ValueError("not a view of a ring slot")
+
+    def _wait(self, futures: List[IOFuture]) -> None:
+        begin = time.perf_counter()
+        try:
+            for future in futures:
+                future.result()
+        finally:
+            self.io_wait_seconds += time.perf_counter() - begin
+
+
+def _cut(slot: _Slot, numel: int) -> Tuple[Tensor, Tensor, Tensor]:
+    master, exp_avg, exp_avg_sq = slot.sections
+    return master[:numel], exp_avg[:numel], exp_avg_sq[:numel]
+
+
+PREFERRED_SLOT_BYTES = 32 << 20  # large enough that per-chunk overhead vanishes, small enough to pipeline
+
+
+def ring_size_for(largest_record_numel: int) -> "RingSize":
+    """The least ring that works and the one worth having for records of up to `largest_record_numel`."""
+    from offload.planner import RingSize
+
+    granules = -(-max(largest_record_numel, 1) // CHUNK_GRANULE)
+    slot = min(granules * CHUNK_GRANULE * STATE_BYTES_PER_ELEMENT, PREFERRED_SLOT_BYTES)
+    slot = max(slot // (CHUNK_GRANULE * STATE_BYTES_PER_ELEMENT), 1) * CHUNK_GRANULE * STATE_BYTES_PER_ELEMENT
+    return RingSize(min_ring_bytes(), RING_DEPTH * slot)
