@@ -30,7 +30,7 @@ from offload.scheduler.step import AdamHyper, DiskGroupState, GroupState, StepWo
 from offload.scheduler.streaming import WeightStreamer
 from offload.scheduler.streams import CopyContext
 from offload.tiers.device import DeviceTier
-from offload.tiers.disk import SwapStore, plan_swap_layout
+from offload.tiers.disk import SwapStore, plan_swap_layout, plan_weight_layout
 from offload.tiers.host import StagingPool
 
 _MARKER = "_offload_engine"
@@ -64,7 +64,8 @@ class Engine:
         self._ring: Optional[DiskRing] = None
         if policy.tier is Tier.NVME:
             assert policy.nvme_path is not None
-            self._swap = SwapStore(policy.nvme_path, records, swap_size)
+            weights, swap_size = plan_weight_layout(self.blocks, self.plan.disk_weight_blocks, swap_size)
+            self._swap = SwapStore(policy.nvme_path, records, swap_size, weights)
             self._staging = StagingPool(max(_round_up(self.plan.ring_bytes, 4096), 4096))
             self._ring = DiskRing(self._swap, self._staging, self.plan.ring_bytes)
         self._device_tier = DeviceTier(policy.device, policy.device_memory)
@@ -134,7 +135,7 @@ class Engine:
                         self._where[id(slot.param)] = (block, state, index)
             self._states[block.index] = states
             if block.name in streamed:
-                self._streamer.adopt(block)
+                self._streamer.adopt(block, self._ring if block.name in self.plan.disk_weight_blocks else None)
             self._trainable_ids[block.index] = [id(s.param) for s in block.slots if s.trainable]
         for sub in self.module.modules():
             for key, buf in sub._buffers.items():
@@ -235,13 +236,14 @@ class Engine:
             self._copies.count_to_host(nbytes)
 
     # ----- updates ---------------------------------------------------------------------------------
-    def _host_weights(self, state: GroupState) -> torch.Tensor:
+    def _host_weights(self, state: GroupState) -> Optional[torch.Tensor]:
         """Where the update writes new compute weights: the device buffer itself when the CPU computes or
         the state is on the device, else a host copy that `_upload` sends to the device."""
         group = state.group
         assert group.device_buffer is not None
         if self._streamer.is_streamed(self._where[id(group.trainable_slots[0].param)][0]):
-            return self._streamer.host_copy(group)[:group.trainable_numel]
+            host = self._streamer.host_copy(group)  # None: weights on disk, the update writes them there
+            return None if host is None else host[:group.trainable_numel]
         copy = self._upload_sources.get(id(state))
         return group.device_buffer[:group.trainable_numel] if copy is None else copy
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import offload
+from offload.scheduler.disk_ring import CHUNK_GRANULE
 from tests.models import TinyGPT, make_batches, one_intraop_thread
 
 TOL = 1e-5
@@ -146,6 +147,6 @@ def test_parity_clipping_with_checkpointing_and_schedule():
 
 @pytest.mark.parametrize("accum,declared,max_norm", [(1, True, None), (2, False, 0.05)])
 def test_parity_nvme_records_in_chunks(accum, declared, max_norm):
-    """A host_memory so small that every record is read, updated and written in 1024-element chunks."""
+    """A host_memory so small that every record is read, updated and written in one-granule chunks."""
     stats = _compare("nvme", accum=accum, declared=declared, max_norm=max_norm, host_memory=256 << 10)
-    assert stats["nvme_chunk_numel"] == 1024 and stats["nvme_chunks_moved"] > stats["block_updates"]
+    assert stats["nvme_chunk_numel"] == CHUNK_GRANULE and stats["nvme_chunks_moved"] > stats["block_updates"]

@@ -18,7 +18,7 @@ import collections
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Deque, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -32,21 +32,28 @@ if TYPE_CHECKING:
     from offload.tiers.host import HostBuffer, StagingPool
 
 ChunkKey = Tuple[int, int]  # (id of the group, first element)
-CHUNK_GRANULE = 1024  # elements: 4 KiB of fp32, so every chunk of every section is an aligned request
-STATE_BYTES_PER_ELEMENT = 12  # fp32 master, exp_avg, exp_avg_sq
+CHUNK_GRANULE = 2048  # elements: 8 KiB of fp32 and 4 KiB of bf16, so every chunk is an aligned request
+SLOT_BYTES_PER_ELEMENT = 16  # the state, and room for compute weights (<= 4 bytes) of blocks whose weights are on disk
 RING_DEPTH = 4  # read i+1, update i, write i-1, and one spare so a write can finish while the next read starts
 
 
 def min_ring_bytes(depth: int = RING_DEPTH) -> int:
     """The smallest ring that works: `depth` slots of one granule each."""
-    return depth * CHUNK_GRANULE * STATE_BYTES_PER_ELEMENT
+    return depth * CHUNK_GRANULE * SLOT_BYTES_PER_ELEMENT
 
 
 @dataclass
 class _Slot:
     index: int
     buffer: "HostBuffer"
+    raw: Tensor  # all of the slot's bytes
     sections: Tuple[Tensor, Tensor, Tensor]  # fp32 views, `chunk_numel` elements each
+
+    def weights(self, dtype: torch.dtype, numel: int) -> Tensor:
+        """The slot's compute-weight area (after the three sections) as `numel` elements of `dtype`."""
+        start = 3 * 4 * self.sections[0].numel()
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return self.raw[start:start + numel * itemsize].view(dtype)
 
 
 @dataclass
@@ -67,7 +74,7 @@ class DiskRing:
 
     def __init__(self, store: "SwapStore", pool: "StagingPool", ring_bytes: int, depth: int = RING_DEPTH) -> None:
         slot_bytes = ring_bytes // depth
-        chunk = slot_bytes // STATE_BYTES_PER_ELEMENT // CHUNK_GRANULE * CHUNK_GRANULE
+        chunk = slot_bytes // SLOT_BYTES_PER_ELEMENT // CHUNK_GRANULE * CHUNK_GRANULE
         if chunk <= 0:
             raise OffloadConfigError(
                 f"the nvme staging ring needs at least {min_ring_bytes(depth)} bytes of host_memory, got "
@@ -77,9 +84,11 @@ class DiskRing:
         self._store = store
         self._slots: List[_Slot] = []
         for index in range(depth):
-            buffer = pool.lease(3 * 4 * chunk)
-            flat = buffer.view(torch.float32, (3 * chunk,))
-            self._slots.append(_Slot(index, buffer, (flat[:chunk], flat[chunk:2 * chunk], flat[2 * chunk:])))
+            buffer = pool.lease(SLOT_BYTES_PER_ELEMENT * chunk)
+            raw = buffer.view(torch.uint8, (SLOT_BYTES_PER_ELEMENT * chunk,))
+            flat = raw[:3 * 4 * chunk].view(torch.float32)
+            sections = (flat[:chunk], flat[chunk:2 * chunk], flat[2 * chunk:])
+            self._slots.append(_Slot(index, buffer, raw, sections))
         self._free: List[_Slot] = list(self._slots)
         self._reads: Dict[ChunkKey, _InFlight] = {}
         self._writes: Deque[_InFlight] = collections.deque()
@@ -105,7 +114,8 @@ class DiskRing:
     # ----- the worker's side -------------------------------------------------------------------------
     def load(self, group: "FlatGroup", start: int, stop: int) -> Tuple[Tensor, Tensor, Tensor]:
         """Views (master, exp_avg, exp_avg_sq) of elements [start, stop) in a slot, read from disk; hand the
-        slot back with `store` (or `abandon` on failure)."""
+        slot back with `store` (or `abandon` on failure). When the group's compute weights live on disk,
+        the slot's weight area (`weights_of`) is read too, and `store` writes it back."""
         key = (id(group), start)
         with self._lock:
             entry = self._reads.pop(key, None)
@@ -113,8 +123,7 @@ class DiskRing:
         if entry is None:
             slot = self._take_slot()
             self._wait_writes_of(group, start, stop)
-            entry = _InFlight(slot, group, start, stop, self._store.submit(False, group, start, stop,
-                                                                           _cut(slot, stop - start)))
+            entry = _InFlight(slot, group, start, stop, self._submit(False, slot, group, start, stop))
         try:
             self._wait(entry.futures)
         except BaseException:
@@ -127,10 +136,42 @@ class DiskRing:
     def store(self, group: "FlatGroup", start: int, stop: int, sections: Tuple[Tensor, Tensor, Tensor]) -> None:
         """Write the chunk `load` returned back to disk; the slot returns to the ring when the write is done."""
         slot = self._slot_of(sections[0])
-        futures = self._store.submit(True, group, start, stop, _cut(slot, stop - start))
+        futures = self._submit(True, slot, group, start, stop)
         with self._lock:
             self._writes.append(_InFlight(slot, group, start, stop, futures))
         self._read_ahead()
+
+    def weights_of(self, sections: Tuple[Tensor, Tensor, Tensor], group: "FlatGroup") -> Optional[Tensor]:
+        """The loaded chunk's compute weights (the update writes the new ones there), or None when the
+        group's weights do not live on disk."""
+        if id(group) not in self._store.weights:
+            return None
+        return self._slot_of(sections[0]).weights(group.dtype, sections[0].numel())
+
+    def read_weights(self, group: "FlatGroup", dst: Tensor, copy: Callable[[Tensor, Tensor], None]) -> None:
+        """Read the group's disk-resident compute weights, slot by slot, and `copy(dst_piece, staged)` each."""
+        self._move_weights(False, group, dst, copy)
+
+    def write_weights(self, group: "FlatGroup", src: Tensor) -> None:
+        """Write the group's compute weights (all of `src`) to its weight record, through the slots."""
+        self._move_weights(True, group, src, lambda staged, piece: staged.copy_(piece))
+
+    def _move_weights(self, write: bool, group: "FlatGroup", tensor: Tensor, copy) -> None:
+        self._wait_writes_of(group, 0, group.numel)
+        per_slot = self.chunk_numel * SLOT_BYTES_PER_ELEMENT // tensor.element_size()
+        for start in range(0, group.numel, per_slot):
+            stop = min(start + per_slot, group.numel)
+            slot = self._take_slot()
+            try:
+                staged = slot.raw[:(stop - start) * tensor.element_size()].view(tensor.dtype)
+                if write:
+                    copy(staged, tensor[start:stop])
+                future = self._store.submit_weights(write, group, start, staged)
+                self._wait([future])
+                if not write:
+                    copy(tensor[start:stop], staged)
+            finally:
+                self._give_back(slot)
 
     def abandon(self, sections: Tuple[Tensor, Tensor, Tensor]) -> None:
         """Return a loaded chunk's slot without writing it (its update failed: the disk keeps the old state)."""
@@ -172,6 +213,10 @@ class DiskRing:
                 "nvme_io_wait_seconds": self.io_wait_seconds}
 
     # ----- internals ---------------------------------------------------------------------------------
+    def _submit(self, write: bool, slot: _Slot, group: "FlatGroup", start: int, stop: int) -> List[IOFuture]:
+        weights = slot.weights(group.dtype, stop - start) if id(group) in self._store.weights else None
+        return self._store.submit(write, group, start, stop, _cut(slot, stop - start), weights)
+
     def _take_slot(self) -> _Slot:
         """A free slot; retires the oldest write when none is free (always possible, see the module doc)."""
         while True:
@@ -220,7 +265,7 @@ class DiskRing:
                     self._free.append(slot)
                     continue
                 try:  # submitting does not block; under the lock, `load` never sees a read without futures
-                    futures = self._store.submit(False, group, start, stop, _cut(slot, stop - start))
+                    futures = self._submit(False, slot, group, start, stop)
                 except BaseException:
                     self._free.append(slot)
                     raise
@@ -261,6 +306,6 @@ def ring_size_for(largest_record_numel: int) -> "RingSize":
     from offload.planner import RingSize
 
     granules = -(-max(largest_record_numel, 1) // CHUNK_GRANULE)
-    slot = min(granules * CHUNK_GRANULE * STATE_BYTES_PER_ELEMENT, PREFERRED_SLOT_BYTES)
-    slot = max(slot // (CHUNK_GRANULE * STATE_BYTES_PER_ELEMENT), 1) * CHUNK_GRANULE * STATE_BYTES_PER_ELEMENT
+    unit = CHUNK_GRANULE * SLOT_BYTES_PER_ELEMENT
+    slot = max(min(granules * unit, PREFERRED_SLOT_BYTES) // unit, 1) * unit
     return RingSize(min_ring_bytes(), RING_DEPTH * slot)

@@ -159,6 +159,9 @@ class DiskGroupState(GroupState):
         def fill(start: int, stop: int, sections: Tuple[Tensor, Tensor, Tensor]) -> None:
             master, exp_avg, exp_avg_sq = sections
             master.copy_(weights[start:stop])
+            on_disk = ring.weights_of(sections, group)
+            if on_disk is not None:
+                on_disk.copy_(weights[start:stop])
             exp_avg.zero_()
             exp_avg_sq.zero_()
 
@@ -179,11 +182,19 @@ class DiskGroupState(GroupState):
         spans = self._advance_steps(ready)
         for start, stop in self._ring.chunks(self.group):
             sections = self._ring.load(self.group, start, stop)
+            weights = self._ring.weights_of(sections, self.group)  # compute weights on disk: written back
+            target = out if weights is None else weights
+            base = 0 if weights is None else start
             try:
                 for a, b, step in spans:
                     lo, hi = max(a, start), min(b, stop)
                     if lo < hi:
-                        self._adam_chunk(sections, start, lo, hi, step, hyper, grad_scale, out, num_threads)
+                        master, exp_avg, exp_avg_sq = (t[lo - start:hi - start] for t in sections)
+                        adam_step_flat(master, self.grad[lo:hi], exp_avg, exp_avg_sq, step=step, lr=hyper.lr,
+                                       beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps,
+                                       weight_decay=hyper.weight_decay, adamw=True, grad_scale=grad_scale,
+                                       out=None if target is None else target[lo - base:hi - base],
+                                       num_threads=num_threads)
             except BaseException:
                 self._ring.abandon(sections)
                 raise
@@ -200,13 +211,6 @@ class DiskGroupState(GroupState):
             self.steps[i] += 1
             spans.append((slot.offset, slot.offset + slot.numel, self.steps[i]))
         return spans
-
-    def _adam_chunk(self, sections: Tuple[Tensor, Tensor, Tensor], base: int, lo: int, hi: int, step: int,
-                    hyper: AdamHyper, grad_scale: float, out: Optional[Tensor], num_threads: Optional[int]) -> None:
-        master, exp_avg, exp_avg_sq = (t[lo - base:hi - base] for t in sections)
-        adam_step_flat(master, self.grad[lo:hi], exp_avg, exp_avg_sq, step=step, lr=hyper.lr, beta1=hyper.beta1,
-                       beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay, adamw=True,
-                       grad_scale=grad_scale, out=None if out is None else out[lo:hi], num_threads=num_threads)
 
 
 def clip_scale(norms: List[float], max_norm: float) -> Tuple[float, float]:

@@ -16,7 +16,7 @@ import os
 import shutil
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -58,6 +58,40 @@ def section_bytes(numel: int) -> int:
     return _round_up(4 * numel, ALIGNMENT)
 
 
+@dataclass(frozen=True)
+class WeightRecord:
+    """Where the compute weights of one flat group live when the plan puts the block's weights on disk:
+    the whole group (trainable then frozen parameters) in its compute dtype, at a 4 KiB-aligned offset."""
+
+    block: str
+    dtype: str
+    offset: int
+    numel: int
+    itemsize: int
+    params: Tuple[Tuple[str, Tuple[int, ...], int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+def plan_weight_layout(blocks: List["Block"], names: Tuple[str, ...], start: int) -> Tuple[Dict[int, WeightRecord], int]:
+    """Weight records (keyed by id of the group) for the blocks named, placed from byte `start`; the new end."""
+    records: Dict[int, WeightRecord] = {}
+    offset = _round_up(start, ALIGNMENT)
+    for block in blocks:
+        if block.name not in names:
+            continue
+        for group in block.groups:
+            params = tuple((s.name, tuple(s.shape), s.offset) for s in group.slots)
+            itemsize = torch.empty((), dtype=group.dtype).element_size()
+            record = WeightRecord(block.name, str(group.dtype).replace("torch.", ""), offset, group.numel, itemsize,
+                                  params)
+            records[id(group)] = record
+            offset += _round_up(record.nbytes, ALIGNMENT)
+    return records, offset
+
+
 def plan_swap_layout(blocks: List["Block"]) -> Tuple[Dict[int, SwapRecord], int]:
     """Records for every group with trainable parameters (keyed by id of the group) and the file size."""
     records: Dict[int, SwapRecord] = {}
@@ -86,10 +120,12 @@ def check_room(directory: str, needed: int) -> None:
 class SwapStore:
     """The swap file of one engine: created at wrap(), preallocated, removed at close()."""
 
-    def __init__(self, directory: str, records: Dict[int, SwapRecord], size: int) -> None:
+    def __init__(self, directory: str, records: Dict[int, SwapRecord], size: int,
+                 weights: Optional[Dict[int, WeightRecord]] = None) -> None:
         check_room(directory, size)
         self.directory = directory
         self.records = records
+        self.weights: Dict[int, WeightRecord] = weights or {}
         self.path = os.path.join(directory, f"offload-{os.getpid()}-{uuid.uuid4().hex[:8]}.swap")
         self.layout_path = self.path + ".layout.json"
         self._io = AsyncIO()
@@ -101,7 +137,8 @@ class SwapStore:
     def _write_layout(self, size: int) -> None:
         records = [dict(r.__dict__, section_bytes=r.section_bytes) for r in self.records.values()]
         layout = {"version": LAYOUT_VERSION, "swap_file": os.path.basename(self.path), "size": size,
-                  "tensors": list(STATE_TENSORS), "records": records}
+                  "tensors": list(STATE_TENSORS), "records": records,
+                  "weights": [r.__dict__ for r in self.weights.values()]}
         tmp = self.layout_path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(layout, f, indent=1)
@@ -120,12 +157,15 @@ class SwapStore:
             future.result()
 
     def submit(self, write: bool, group: "FlatGroup", start: int, stop: int,
-               sections: Tuple[Tensor, Tensor, Tensor]) -> List[IOFuture]:
+               sections: Tuple[Tensor, Tensor, Tensor], weights: Optional[Tensor] = None) -> List[IOFuture]:
         """Start reading (or writing) elements [start, stop) of the group's three sections from (into) the
-        given fp32 tensors; returns one future per section. The caller keeps the tensors alive and orders
-        a read after any write of the same range."""
+        given fp32 tensors, and of its compute weights from (into) `weights` when given and the weights are
+        on disk; returns one future per piece. The caller keeps the tensors alive and orders a read after
+        any write of the same range."""
         record = self.records[id(group)]
         futures = []
+        if weights is not None and id(group) in self.weights:
+            futures.append(self.submit_weights(write, group, start, weights[:stop - start]))
         for index, tensor in enumerate(sections):
             offset = record.offset + index * record.section_bytes + 4 * start
             part = tensor[:stop - start]
@@ -136,6 +176,17 @@ class SwapStore:
         else:
             self.bytes_read += 12 * (stop - start)
         return futures
+
+    def submit_weights(self, write: bool, group: "FlatGroup", start: int, tensor: Tensor) -> IOFuture:
+        """Read (write) the group's compute weights from element `start` into (from) `tensor` (its dtype)."""
+        record = self.weights[id(group)]
+        offset = record.offset + start * record.itemsize
+        nbytes = tensor.numel() * tensor.element_size()
+        if write:
+            self.bytes_written += nbytes
+            return self._io.pwrite(tensor, self._file, offset)
+        self.bytes_read += nbytes
+        return self._io.pread(tensor, self._file, offset)
 
     def close(self) -> None:
         """Close and delete the swap file and its layout (this run's state only)."""
