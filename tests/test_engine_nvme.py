@@ -86,3 +86,30 @@ def test_plan_shows_the_staging_ring_within_host_memory(tmp_path):
         _train_step(engine)
         engine.synchronize()
         assert engine.stats()["nvme_chunks_moved"] > 0
+
+
+def test_nvme_path_on_tmpfs_works_with_one_warning():
+    import tempfile
+    import warnings
+
+    from offload.io.swap_file import file_system_of
+
+    if not os.path.isdir("/dev/shm") or not file_system_of("/dev/shm").startswith("tmpfs"):
+        pytest.skip("/dev/shm is not a tmpfs here")
+    directory = tempfile.mkdtemp(dir="/dev/shm", prefix="offload-test-")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine = offload.wrap(TinyGPT(), tier="nvme", nvme_path=directory, dtype=torch.float32, device="cpu")
+        ours = [w for w in caught if "offload" in str(w.message)]
+        assert len(ours) == 1 and "tmpfs" in str(ours[0].message) and "O_DIRECT" in str(ours[0].message)
+        with engine:
+            before = engine.state_dict()["h.0.fc.weight"].clone()
+            _train_step(engine)
+            _train_step(engine)
+            after = engine.state_dict()["h.0.fc.weight"]
+            assert not after.equal(before) and torch.isfinite(after).all()
+            assert engine.stats()["bytes_disk_read"] > 0
+        assert os.listdir(directory) == []
+    finally:
+        os.rmdir(directory)

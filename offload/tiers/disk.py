@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import uuid
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from offload.errors import OffloadConfigError
 from offload.io import AsyncIO, SwapFile
+from offload.io.swap_file import file_system_of
 from offload.io.future import IOFuture
 
 if TYPE_CHECKING:  # descriptions only: the tiers never call into the scheduler
@@ -117,6 +119,22 @@ def check_room(directory: str, needed: int) -> None:
             f"({needed / 2**30:.2f} GiB); free space or choose another directory")
 
 
+RAM_FILE_SYSTEMS = ("tmpfs", "ramfs")
+
+
+def warn_if_ram_backed(directory: str) -> bool:
+    """Warn once when the swap directory lives in RAM (tmpfs, /dev/shm): it works, with buffered I/O since
+    O_DIRECT is unsupported or pointless there, but the swap file then takes memory outside host_memory."""
+    fs = file_system_of(directory)
+    if fs.split(" ")[0] not in RAM_FILE_SYSTEMS:
+        return False
+    warnings.warn(
+        f"offload: nvme_path {directory!r} is on {fs}, which keeps files in RAM: the swap file works (buffered "
+        "I/O, O_DIRECT is unsupported or pointless there) but uses memory outside host_memory; use a directory "
+        "on a local NVMe disk to free RAM", RuntimeWarning, stacklevel=4)
+    return True
+
+
 class SwapStore:
     """The swap file of one engine: created at wrap(), preallocated, removed at close()."""
 
@@ -129,7 +147,9 @@ class SwapStore:
         self.path = os.path.join(directory, f"offload-{os.getpid()}-{uuid.uuid4().hex[:8]}.swap")
         self.layout_path = self.path + ".layout.json"
         self._io = AsyncIO()
-        self._file: SwapFile = self._io.open(self.path, size=max(size, ALIGNMENT))
+        ram_backed = warn_if_ram_backed(directory)
+        self._file: SwapFile = self._io.open(self.path, size=max(size, ALIGNMENT),
+                                             direct=False if ram_backed else None)
         self.bytes_read = 0
         self.bytes_written = 0
         self._write_layout(size)
