@@ -202,6 +202,13 @@ class Engine:
 
     def _on_backward_begin(self) -> None:
         self._tracker.begin_backward(torch._C._current_graph_task_id())
+        if (self._ring is not None and self._order_known and self._tracker.is_last_backward
+                and self.policy.max_grad_norm is None):
+            # Blocks update as their gradients complete, roughly in reverse forward order: start reading
+            # their state now, during backward, not when each block's gradients are in.
+            order = [self.blocks[i] for i in reversed(self._forward_order)]
+            self._ring.announce([s.group for b in order for s in self._states[b.index]
+                                 if isinstance(s, DiskGroupState)])
 
     def _on_grad(self, param: nn.Parameter) -> None:
         """Post-accumulate-grad hook. See [Note: when a block may update early]."""

@@ -93,6 +93,7 @@ class DiskRing:
         self._reads: Dict[ChunkKey, _InFlight] = {}
         self._writes: Deque[_InFlight] = collections.deque()
         self._announced: Deque[Tuple["FlatGroup", int, int]] = collections.deque()
+        self._announced_keys: set = set()
         self._lock = threading.Lock()
         self._slot_returned = threading.Condition(self._lock)
         self.io_wait_seconds = 0.0
@@ -105,10 +106,16 @@ class DiskRing:
         n = group.trainable_numel
         return [(start, min(start + self.chunk_numel, n)) for start in range(0, n, self.chunk_numel)]
 
-    def announce(self, group: "FlatGroup") -> None:
-        """The group will be updated soon (in announcement order): read its first chunks ahead if slots allow."""
+    def announce(self, groups: List["FlatGroup"]) -> None:
+        """These groups will be updated soon, in this order: read their chunks ahead as slots allow. A chunk
+        already announced or read ahead is not announced again."""
         with self._lock:
-            self._announced.extend((group, a, b) for a, b in self.chunks(group))
+            for group in groups:
+                for a, b in self.chunks(group):
+                    key = (id(group), a)
+                    if key not in self._announced_keys and key not in self._reads:
+                        self._announced.append((group, a, b))
+                        self._announced_keys.add(key)
         self._read_ahead()
 
     # ----- the worker's side -------------------------------------------------------------------------
@@ -194,6 +201,7 @@ class DiskRing:
         with self._lock:
             reads, self._reads = list(self._reads.values()), {}
             self._announced.clear()
+            self._announced_keys.clear()
         for entry in reads:
             try:
                 self._wait(entry.futures)
@@ -249,8 +257,19 @@ class DiskRing:
         for entry in overlapping:
             self._finish_write(entry)
 
+    def _reap_finished_writes(self) -> None:
+        """Return the slots of writes that have completed (oldest first, never blocking); a failed write
+        raises here, in whichever thread reaps it."""
+        while True:
+            with self._lock:
+                if not self._writes or not all(f.done() for f in self._writes[0].futures):
+                    return
+                entry = self._writes.popleft()
+            self._finish_write(entry)
+
     def _read_ahead(self) -> None:
         """Issue reads of announced chunks while a free slot remains beyond the one kept for the worker."""
+        self._reap_finished_writes()
         while True:
             with self._lock:
                 if not self._announced or len(self._free) < 2:
@@ -259,11 +278,9 @@ class DiskRing:
                 if any(w.group is group and w.start < stop and start < w.stop for w in self._writes):
                     return  # its previous write is still in flight; the worker will read it itself
                 self._announced.popleft()
-                slot = self._free.pop()
                 key = (id(group), start)
-                if key in self._reads:  # announced twice before being loaded: keep the first read
-                    self._free.append(slot)
-                    continue
+                self._announced_keys.discard(key)
+                slot = self._free.pop()
                 try:  # submitting does not block; under the lock, `load` never sees a read without futures
                     futures = self._submit(False, slot, group, start, stop)
                 except BaseException:
@@ -273,6 +290,9 @@ class DiskRing:
                 self.chunks_read_ahead += 1
 
     def _drop_announced(self, key: ChunkKey) -> None:
+        if key not in self._announced_keys:
+            return
+        self._announced_keys.discard(key)
         for item in self._announced:
             if (id(item[0]), item[1]) == key:
                 self._announced.remove(item)

@@ -173,7 +173,7 @@ class DiskGroupState(GroupState):
 
     def announce(self) -> None:
         """Start reading this group's state ahead of its update (called when the update is scheduled)."""
-        self._ring.announce(self.group)
+        self._ring.announce([self.group])
 
     def update(self, ready: List[int], hyper: AdamHyper, grad_scale: float, out: Optional[Tensor],
                num_threads: Optional[int] = None) -> None:
