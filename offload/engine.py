@@ -19,7 +19,7 @@ from torch import nn
 
 from offload._system import usable_cores
 from offload.errors import OffloadConfigError, OffloadError
-from offload.planner import BlockSpec, Plan, make_plan
+from offload.planner import BlockSpec, Plan, make_plan, spec_of
 from offload.policy import OffloadPolicy, Tier
 from offload.scheduler.block import Block, build_blocks, param_owners
 from offload.scheduler.disk_ring import DiskRing, ring_size_for
@@ -442,15 +442,7 @@ def _round_up(value: int, multiple: int) -> int:
 
 def _spec(block: Block, policy: OffloadPolicy) -> BlockSpec:
     """Bytes of a block's weights and optimizer state (fp32 master unless aliased, m, v, gradient)."""
-    state = grads = 0
-    for group in block.groups:
-        n = group.trainable_numel
-        master = 0 if (policy.tier is Tier.GPU and group.dtype == torch.float32) else 4 * n
-        grads += n * torch.empty((), dtype=group.dtype).element_size()
-        state += master + 8 * n
-    if policy.tier is Tier.NVME:  # the accumulator stays on the host while the state is on disk
-        return BlockSpec(block.name, block.weight_bytes, state, grads)
-    return BlockSpec(block.name, block.weight_bytes, state + grads)
+    return spec_of(block.name, block.weight_bytes, [(g.trainable_numel, g.dtype) for g in block.groups], policy.tier)
 
 
 __all__ = ["Engine"]

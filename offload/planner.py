@@ -10,6 +10,8 @@ import enum
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
+import torch
+
 from offload.errors import OffloadConfigError
 from offload.policy import Tier
 
@@ -180,6 +182,26 @@ def _reserve_nvme_host(blocks: Sequence[BlockSpec], host_left: Optional[int],
     return host_left - grads - ring_bytes, ring_bytes
 
 
+def group_bytes(trainable_numel: int, dtype: torch.dtype, tier: Tier) -> Tuple[int, int]:
+    """(optimizer state bytes, gradient accumulator bytes) of `trainable_numel` parameters computed in
+    `dtype`: fp32 master (none on the gpu tier when the weights are fp32 already), Adam m and v, gradient."""
+    master = 0 if (tier is Tier.GPU and dtype == torch.float32) else 4 * trainable_numel
+    grad = trainable_numel * torch.empty((), dtype=dtype).element_size()
+    return master + 8 * trainable_numel, grad
+
+
+def spec_of(name: str, weight_bytes: int, groups: Sequence[Tuple[int, torch.dtype]], tier: Tier) -> BlockSpec:
+    """The BlockSpec of a block from its (trainable numel, dtype) groups; the nvme tier keeps gradients on
+    the host apart from the state on disk, the other tiers count them with the state."""
+    state = grads = 0
+    for numel, dtype in groups:
+        s, g = group_bytes(numel, dtype, tier)
+        state, grads = state + s, grads + g
+    if tier is Tier.NVME:
+        return BlockSpec(name, weight_bytes, state, grads)
+    return BlockSpec(name, weight_bytes, state + grads)
+
+
 def _human(nbytes: Optional[int]) -> str:
     if nbytes is None:
         return "-"
@@ -189,6 +211,9 @@ def _human(nbytes: Optional[int]) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{nbytes} B"
+
+
+human_bytes = _human  # for the CLI
 
 
 def totals(plan: Plan) -> Dict[Location, int]:
