@@ -26,7 +26,8 @@ from offload.scheduler.disk_ring import DiskRing, ring_size_for
 from offload.scheduler.grads import BackwardTracker
 from offload.scheduler.hooks import HookSet
 from offload.scheduler.optimizer_view import EngineOptimizer
-from offload.scheduler.step import AdamHyper, DiskGroupState, GroupState, StepWorker, clip_scale
+from offload.scheduler.step import AdamHyper, DiskGroupState, GroupState, clip_scale
+from offload.scheduler.worker import StepWorker
 from offload.scheduler.streaming import WeightStreamer
 from offload.scheduler.streams import CopyContext
 from offload.tiers.device import DeviceTier
@@ -92,7 +93,8 @@ class Engine:
         self.optimizer = EngineOptimizer(trainable, defaults, self._step, self._zero_grad)
         self._tracker = BackwardTracker(policy.grad_accumulation_steps)
         cores = usable_cores()
-        self._worker = StepWorker(max(1, cores // 2) if policy.device.type == "cpu" else cores)
+        self._worker = StepWorker(max(1, cores // 2) if policy.device.type == "cpu" else cores,
+                                  on_next=self._read_ahead_of if self._ring is not None else None)
         self._needs_upload: set = set()
         self._updated_early: set = set()
         self._early_hyper: Optional[AdamHyper] = None
@@ -270,7 +272,7 @@ class Engine:
                     state.update(ready, hyper, grad_scale, out, threads)
             stats["update_seconds"] += time.perf_counter() - start
 
-        self._worker.submit(block.index, work)
+        self._worker.submit(block.index, work, self._priority(block))
         self._stats["block_updates"] += 1
         self._order_known = True
         if self._streamer.is_streamed(block) or any(id(state) in self._upload_sources for state, _r, _o in jobs):
@@ -283,7 +285,19 @@ class Engine:
         def work() -> None:
             norms[block.index] = [n for state in states for n in state.grad_norms()]
 
-        self._worker.submit(block.index, work)
+        self._worker.submit(block.index, work, self._priority(block))
+
+    def _priority(self, block: Block) -> int:
+        """Updates run in the order the next forward needs the blocks (see scheduler/worker.py)."""
+        if block.index in self._seen:
+            return self._forward_order.index(block.index)
+        return len(self.blocks) + block.index
+
+    def _read_ahead_of(self, block_indices: List[int]) -> None:
+        """Worker callback: the ring reads ahead the state of the queued updates, in the order they will run."""
+        assert self._ring is not None
+        self._ring.announce([s.group for i in block_indices for s in self._states.get(i, ())
+                             if isinstance(s, DiskGroupState)], replace=True)
 
     def _update_order(self) -> List[Block]:
         """Blocks in the order the forward used them first, then any never seen in a forward."""

@@ -106,10 +106,14 @@ class DiskRing:
         n = group.trainable_numel
         return [(start, min(start + self.chunk_numel, n)) for start in range(0, n, self.chunk_numel)]
 
-    def announce(self, groups: List["FlatGroup"]) -> None:
+    def announce(self, groups: List["FlatGroup"], replace: bool = False) -> None:
         """These groups will be updated soon, in this order: read their chunks ahead as slots allow. A chunk
-        already announced or read ahead is not announced again."""
+        already announced or read ahead is not announced again; `replace` drops earlier announcements not
+        yet read (the order changed)."""
         with self._lock:
+            if replace:
+                self._announced.clear()
+                self._announced_keys.clear()
             for group in groups:
                 for a, b in self.chunks(group):
                     key = (id(group), a)

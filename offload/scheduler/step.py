@@ -8,10 +8,8 @@ in one flat call.
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -236,51 +234,3 @@ def _adamw_on_device(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: T
     param.addcdiv_(exp_avg, denom, value=-hyper.lr / bias_correction1)
     if out is not None:
         out.copy_(param)
-
-
-class StepWorker:
-    """One background thread that runs block updates in submission order; one future per block.
-
-    A single thread keeps updates ordered; the native Adam kernel releases the GIL and parallelises
-    inside. `num_threads` caps torch's intra-op threads *of this thread only* (OpenMP's thread count is
-    per thread): when the CPU also computes, two full OpenMP teams spinning on the same cores slow both
-    down several-fold. Every wait goes through `wait(block_index)`, so an exception raised in an update
-    surfaces at the next use of that block.
-    """
-
-    def __init__(self, num_threads: int) -> None:
-        self.num_threads = num_threads
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-step",
-                                        initializer=torch.set_num_threads, initargs=(num_threads,))
-        self._pending: Dict[int, Future] = {}
-        self._lock = threading.Lock()
-
-    def submit(self, block_index: int, work: Callable[[], object]) -> Future:
-        with self._lock:
-            if block_index in self._pending and not self._pending[block_index].done():
-                previous = self._pending[block_index]
-                future = self._pool.submit(lambda: (previous.result(), work())[1])
-            else:
-                future = self._pool.submit(work)
-            self._pending[block_index] = future
-        return future
-
-    def is_pending(self, block_index: int) -> bool:
-        future = self._pending.get(block_index)
-        return future is not None and not future.done()
-
-    def wait(self, block_index: int) -> None:
-        """Block until the block's last submitted work is done; re-raise its exception here."""
-        future = self._pending.pop(block_index, None)
-        if future is not None:
-            future.result()
-
-    def wait_all(self) -> None:
-        for index in list(self._pending):
-            self.wait(index)
-
-    def close(self) -> None:
-        try:
-            self.wait_all()
-        finally:
-            self._pool.shutdown(wait=True)
