@@ -74,7 +74,8 @@ class Engine:
         self._forward_order: List[int] = []
         self._seen: set = set()
         self._order_known = False
-        self._streamer = WeightStreamer(self._device_tier, self._copies, self._next_in_forward_order)
+        self._streamer = WeightStreamer(self._device_tier, self._copies, self._next_in_forward_order,
+                                        settled=lambda block: not self._worker.is_pending(block.index))
         self._saved_tensor_hooks: List[object] = []
         self._states: Dict[int, List[GroupState]] = {}
         self._where: Dict[int, Tuple[Block, GroupState, int]] = {}
@@ -272,6 +273,8 @@ class Engine:
                     state.update(ready, hyper, grad_scale, out, threads)
             stats["update_seconds"] += time.perf_counter() - start
 
+        if self._streamer.is_streamed(block) and self._ring is not None:
+            self._streamer.invalidate(block)  # disk reads a prefetch started would be stale
         self._worker.submit(block.index, work, self._priority(block))
         self._stats["block_updates"] += 1
         self._order_known = True

@@ -167,6 +167,42 @@ class DiskRing:
         """Write the group's compute weights (all of `src`) to its weight record, through the slots."""
         self._move_weights(True, group, src, lambda staged, piece: staged.copy_(piece))
 
+    def start_weights_read(self, group: "FlatGroup", itemsize: int) -> Optional[list]:
+        """Issue reads of the group's disk-resident weights into free slots without blocking (a prefetch);
+        None when that would take the ring's last free slots or a write of the group is still in flight.
+        Complete it with `finish_weights_read`, or `cancel_weights_read`."""
+        self._reap_finished_writes()
+        per_slot = self.chunk_numel * SLOT_BYTES_PER_ELEMENT // itemsize
+        pieces = [(a, min(a + per_slot, group.numel)) for a in range(0, group.numel, per_slot)]
+        with self._lock:
+            if len(self._free) < len(pieces) + 2 or any(w.group is group for w in self._writes):
+                return None
+            taken = []
+            for start, stop in pieces:
+                slot = self._free.pop()
+                staged = slot.raw[:(stop - start) * itemsize].view(group.dtype)
+                taken.append((slot, start, stop, staged, self._store.submit_weights(False, group, start, staged)))
+        return taken
+
+    def finish_weights_read(self, handle: list, dst: Tensor, copy: Callable[[Tensor, Tensor], None]) -> None:
+        try:
+            for _slot, start, stop, staged, future in handle:
+                self._wait([future])
+                copy(dst[start:stop], staged)
+        finally:
+            self.cancel_weights_read(handle)
+
+    def cancel_weights_read(self, handle: list) -> None:
+        """Return a prefetch's slots (after its reads are done: the kernel writes into them)."""
+        for slot, _start, _stop, _staged, future in handle:
+            try:
+                future.result()
+            except Exception:
+                pass  # a failed prefetch is dropped; the synchronous read reports the error
+            finally:
+                self._give_back(slot)
+        handle.clear()
+
     def _move_weights(self, write: bool, group: "FlatGroup", tensor: Tensor, copy) -> None:
         self._wait_writes_of(group, 0, group.numel)
         per_slot = self.chunk_numel * SLOT_BYTES_PER_ELEMENT // tensor.element_size()

@@ -44,6 +44,12 @@ class DiskWeights(Protocol):
 
     def write_weights(self, group: FlatGroup, src: Tensor) -> None: ...
 
+    def start_weights_read(self, group: FlatGroup, itemsize: int) -> Optional[list]: ...
+
+    def finish_weights_read(self, handle: list, dst: Tensor, copy: Callable[[Tensor, Tensor], None]) -> None: ...
+
+    def cancel_weights_read(self, handle: list) -> None: ...
+
 
 class WeightStreamer:
     """Fetches, pins and evicts (least recently used first) the streamed blocks within the device budget.
@@ -54,9 +60,12 @@ class WeightStreamer:
     """
 
     def __init__(self, device_tier: DeviceTier, copies: CopyContext,
-                 next_block: Callable[[Block], Optional[Block]]) -> None:
+                 next_block: Callable[[Block], Optional[Block]],
+                 settled: Callable[[Block], bool] = lambda block: True) -> None:
         self._disk: Optional[DiskWeights] = None
         self._on_disk: set = set()  # ids of groups whose weights live on disk
+        self._reads_ahead: Dict[int, list] = {}  # id(group) -> disk reads started by a prefetch
+        self._settled = settled  # no update of the block pending: its weights on disk are final
         self._device = device_tier
         self._copies = copies
         self._next_block = next_block
@@ -132,6 +141,8 @@ class WeightStreamer:
     def restore_all(self) -> None:
         """Fetch every streamed block (budget ignored) so the model works as plain PyTorch after close()."""
         for block in self._blocks.values():
+            if self._disk is not None:
+                self.invalidate(block)
             if block.residency is Residency.RELEASED:
                 self._fetch(block)
         self._blocks.clear()
@@ -189,10 +200,35 @@ class WeightStreamer:
         self.fetches += 1
 
     def _read_disk(self, group: FlatGroup) -> None:
-        """disk -> host staging slot -> device, slot by slot."""
+        """disk -> host staging slot -> device, slot by slot (finishing a read a prefetch started)."""
         assert self._disk is not None and group.device_buffer is not None
+        handle = self._reads_ahead.pop(id(group), None)
         with torch.no_grad():
-            self._disk.read_weights(group, group.device_buffer, self._copies.to_device)
+            if handle:
+                self._disk.finish_weights_read(handle, group.device_buffer, self._copies.to_device)
+            else:
+                self._disk.read_weights(group, group.device_buffer, self._copies.to_device)
+
+    def invalidate(self, block: Block) -> None:
+        """An update of the block was scheduled: disk reads a prefetch started are stale; drop them."""
+        assert self._disk is not None or not self._reads_ahead
+        for group in block.groups:
+            handle = self._reads_ahead.pop(id(group), None)
+            if handle and self._disk is not None:
+                self._disk.cancel_weights_read(handle)
+
+    def _start_disk_reads(self, block: Block) -> None:
+        """Prefetch of a block whose weights are on disk: start its reads now, copy to the device at fetch."""
+        assert self._disk is not None
+        if not self._settled(block):
+            return
+        for group in block.groups:
+            if id(group) not in self._reads_ahead:
+                handle = self._disk.start_weights_read(group, group.device_buffer.element_size())
+                if handle is None:
+                    return
+                self._reads_ahead[id(group)] = handle
+        self.prefetches += 1
 
     def _release(self, block: Block) -> None:
         for group in block.groups:
@@ -221,6 +257,9 @@ class WeightStreamer:
         if following is None or following.index not in self._blocks:
             return
         if following.residency is not Residency.RELEASED:
+            return
+        if any(id(g) in self._on_disk for g in following.groups):
+            self._start_disk_reads(following)  # overlaps this block's compute; the fetch finishes it
             return
         self._make_room(following.weight_bytes, keep=block.index)
         if self._device.fits(following.weight_bytes):
