@@ -110,10 +110,10 @@ def main(argv: List[str] = None) -> None:
     weight_bytes = sum(p.numel() for p in base.parameters()) * torch.empty((), dtype=dtype).element_size()
     engines["offload cpu tier, weights streamed (budget 50%)"] = offload.wrap(
         twin(), tier="cpu", dtype=dtype, device="cpu", grad_accumulation_steps=1, device_memory=weight_bytes // 2)
-    # host_memory: the gradients and a small ring, no room for streamed weights: they live on disk
+    # host_memory: the gradients, a ring and 9 MiB of the 11.6 MiB streamed weights: the rest live on disk
     engines["offload nvme tier, weights on disk (device 50%)"] = offload.wrap(
         twin(), tier="nvme", nvme_path=swap_dir, dtype=dtype, device="cpu", grad_accumulation_steps=1,
-        device_memory=weight_bytes // 2, host_memory=weight_bytes + (2 << 20))
+        device_memory=weight_bytes // 2, host_memory=weight_bytes + (12 << 20))
 
     def compute_only():
         for idx, tgt in batches:
