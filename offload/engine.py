@@ -169,6 +169,8 @@ class Engine:
             if block.index not in self._seen:
                 self._seen.add(block.index)
                 self._forward_order.append(block.index)
+            elif not in_backward and block.index == self._forward_order[0] and self._tracker.next_is_last:
+                self._read_ahead_for_backward()  # the disk is otherwise idle during the forward
 
     def _leave_blocks(self, blocks: List[Block]) -> None:
         """Forward post-hook (also after an exception): the module no longer needs these blocks."""
@@ -205,10 +207,13 @@ class Engine:
 
     def _on_backward_begin(self) -> None:
         self._tracker.begin_backward(torch._C._current_graph_task_id())
-        if (self._ring is not None and self._order_known and self._tracker.is_last_backward
-                and self.policy.max_grad_norm is None):
-            # Blocks update as their gradients complete, roughly in reverse forward order: start reading
-            # their state now, during backward, not when each block's gradients are in.
+        if self._tracker.is_last_backward:
+            self._read_ahead_for_backward()
+
+    def _read_ahead_for_backward(self) -> None:
+        """Blocks update as their gradients complete, roughly in reverse forward order: start reading their
+        state as soon as slots allow (from the forward on), not when each block's gradients are in."""
+        if self._ring is not None and self._order_known and self.policy.max_grad_norm is None:
             order = [self.blocks[i] for i in reversed(self._forward_order)]
             self._ring.announce([s.group for b in order for s in self._states[b.index]
                                  if isinstance(s, DiskGroupState)])
