@@ -113,3 +113,28 @@ def test_nvme_path_on_tmpfs_works_with_one_warning():
         assert os.listdir(directory) == []
     finally:
         os.rmdir(directory)
+
+
+def test_whole_record_read_write_round_trip_and_short_buffer_refused(tmp_path):
+    from torch import nn
+
+    from offload.scheduler.block import build_blocks
+    from offload.tiers.disk import SwapStore, plan_swap_layout, state_views
+
+    blocks = build_blocks(nn.Linear(30, 50), torch.float32)
+    group = blocks[0].groups[0]
+    group.device_buffer = torch.zeros(group.numel)
+    records, size = plan_swap_layout(blocks)
+    store = SwapStore(str(tmp_path), records, size)
+    try:
+        record = records[id(group)]
+        assert record.section_bytes % 4096 == 0 and record.nbytes == 3 * record.section_bytes
+        source = torch.arange(record.nbytes // 4, dtype=torch.float32)
+        store.write(group, source)
+        back = torch.zeros_like(source)
+        store.read(group, back)
+        assert all(a.equal(b) for a, b in zip(state_views(source, group.numel), state_views(back, group.numel)))
+        with pytest.raises(ValueError, match="needs"):
+            store.read(group, torch.zeros(3 * group.numel))
+    finally:
+        store.close()

@@ -167,12 +167,12 @@ class SwapStore:
     def read(self, group: "FlatGroup", into: Tensor) -> None:
         """Fill `into` (a record-sized buffer, see `state_views`) with the group's state; raises on a short or
         failed read."""
-        numel = self.records[id(group)].numel
+        numel = _check_record_buffer(self.records[id(group)], into)
         for future in self.submit(False, group, 0, numel, state_views(into, numel)):
             future.result()
 
     def write(self, group: "FlatGroup", source: Tensor) -> None:
-        numel = self.records[id(group)].numel
+        numel = _check_record_buffer(self.records[id(group)], source)
         for future in self.submit(True, group, 0, numel, state_views(source, numel)):
             future.result()
 
@@ -218,6 +218,14 @@ class SwapStore:
                     os.unlink(path)
                 except FileNotFoundError:
                     pass
+
+
+def _check_record_buffer(record: SwapRecord, buffer: Tensor) -> int:
+    """A whole-record buffer must hold the padded sections (layout v2), or a section would be cut short."""
+    if buffer.numel() * buffer.element_size() < record.nbytes:
+        raise ValueError(f"buffer of {buffer.numel() * buffer.element_size()} bytes for the record of block "
+                         f"{record.block!r}, which needs {record.nbytes} (3 sections of {record.section_bytes})")
+    return record.numel
 
 
 def _round_up(value: int, multiple: int) -> int:
