@@ -5,9 +5,11 @@
 Rivals run in one process, interleaved round by round on their own copies of one model and the same token
 batches. A sample is `--steps` consecutive training steps (forward, backward, step, zero_grad) ending with
 all updates applied, divided by the step count. In the same rounds we time the plain forward+backward
-(T_compute) and a DRAM copy (bandwidth); on a machine without a GPU compute and the CPU Adam share cores
-and DRAM, so the bound is T_compute + T_cpu with T_cpu = trainable params x bytes/param / DRAM bandwidth
-(DESIGN.md section 2), and efficiency = bound / step.
+(T_compute), a DRAM copy (bandwidth) and O_DIRECT writes and reads of fresh regions of a file in the swap
+directory (offload.measure.DiskProbe). On a machine without a GPU compute and the CPU Adam share cores and
+DRAM, and reads and writes share the disk, so each row's bound is max(T_compute + T_cpu, T_read + T_write)
+with T_cpu = trainable params x bytes/param / DRAM bandwidth and T_read, T_write = that row's disk bytes
+per step / disk bandwidth (DESIGN.md section 2); efficiency = bound / step.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import offload  # noqa: E402
 from common import append_csv, machine_header, print_table, summarize  # noqa: E402
+from offload.measure import DiskProbe, dram_bandwidth, step_bound  # noqa: E402
 
 
 class Block(nn.Module):
@@ -61,14 +64,6 @@ class GPT(nn.Module):
             x = layer(x)
         logits = self.lm_head(self.ln_f(x))
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
-
-
-def dram_bandwidth(buffers) -> float:
-    """Bytes/s of one large copy (read + write counted)."""
-    src, dst = buffers
-    start = time.perf_counter()
-    dst.copy_(src)
-    return 2 * src.nbytes / (time.perf_counter() - start)
 
 
 def main(argv: List[str] = None) -> None:
@@ -115,6 +110,10 @@ def main(argv: List[str] = None) -> None:
     weight_bytes = sum(p.numel() for p in base.parameters()) * torch.empty((), dtype=dtype).element_size()
     engines["offload cpu tier, weights streamed (budget 50%)"] = offload.wrap(
         twin(), tier="cpu", dtype=dtype, device="cpu", grad_accumulation_steps=1, device_memory=weight_bytes // 2)
+    # host_memory: the gradients, a ring and 9 MiB of the 11.6 MiB streamed weights: the rest live on disk
+    engines["offload nvme tier, weights on disk (device 50%)"] = offload.wrap(
+        twin(), tier="nvme", nvme_path=swap_dir, dtype=dtype, device="cpu", grad_accumulation_steps=1,
+        device_memory=weight_bytes // 2, host_memory=weight_bytes + (12 << 20))
 
     def compute_only():
         for idx, tgt in batches:
@@ -139,13 +138,15 @@ def main(argv: List[str] = None) -> None:
     rivals: Dict[str, Callable[[], None]] = {"fwd+bwd only (T_compute)": compute_only, "torch AdamW": torch_step}
     rivals.update({name: engine_step(e) for name, e in engines.items()})
     copy_buffers = (torch.ones(32 * 2**20), torch.empty(32 * 2**20))
+    probe = DiskProbe(swap_dir, sample_bytes=(8 if args.quick else 64) << 20, samples=args.rounds)
     samples: Dict[str, List[float]] = {name: [] for name in rivals}
     bandwidths: List[float] = []
     for name, run in rivals.items():  # warm-up: first-step allocations, profiles
         run()
     before = {name: e.stats() for name, e in engines.items()}
     for _ in range(args.rounds):
-        bandwidths.append(dram_bandwidth(copy_buffers))
+        bandwidths.append(dram_bandwidth(*copy_buffers))
+        probe.sample()
         for name, run in rivals.items():
             start = time.perf_counter()
             run()
@@ -153,41 +154,51 @@ def main(argv: List[str] = None) -> None:
     after = {name: e.stats() for name, e in engines.items()}
     for engine in engines.values():
         engine.close()
+    disk = probe.result()
+    probe.close()
     os.rmdir(swap_dir)
 
     bw = summarize(bandwidths)[0]
     t_compute = summarize(samples["fwd+bwd only (T_compute)"])[0]
-    bytes_per_param = 32 if dtype == torch.float32 else 30
-    t_cpu = n_trainable * bytes_per_param / bw
-    bound = t_compute + t_cpu
-    t_torch = summarize(samples["torch AdamW"])[0]
     steps_measured = args.rounds * args.steps
+
+    def per_step(name: str, key: str) -> float:
+        return (after[name][key] - before[name][key]) / steps_measured
+
+    compute_bound = step_bound(t_compute, n_trainable, dtype, bw)
+    t_torch = summarize(samples["torch AdamW"])[0]
     rows = []
     for name, values in samples.items():
         median, p20, p80 = summarize(values)
         row = dict(rival=name, step_ms=median * 1e3, p20_p80_ms=f"{p20 * 1e3:.1f}-{p80 * 1e3:.1f}",
                    tokens_per_s=tokens / median, vs_torch=t_torch / median)
+        bound = compute_bound
         if name in engines:
-            row["d2h_MB_step"] = (after[name]["bytes_device_to_host"] - before[name]["bytes_device_to_host"]) / steps_measured / 1e6
-            row["h2d_MB_step"] = (after[name]["bytes_host_to_device"] - before[name]["bytes_host_to_device"]) / steps_measured / 1e6
+            row["d2h_MB_step"] = per_step(name, "bytes_device_to_host") / 1e6
+            row["h2d_MB_step"] = per_step(name, "bytes_host_to_device") / 1e6
             row["device_peak_MB"] = after[name]["device_peak_bytes"] / 1e6
-            row["disk_MB_step"] = (after[name]["bytes_disk_read"] + after[name]["bytes_disk_written"]
-                                   - before[name]["bytes_disk_read"] - before[name]["bytes_disk_written"]) / steps_measured / 1e6
+            read, written = per_step(name, "bytes_disk_read"), per_step(name, "bytes_disk_written")
+            row["disk_MB_step"] = (read + written) / 1e6
+            bound = step_bound(t_compute, n_trainable, dtype, bw, read, written, disk)
+            if "nvme_io_wait_seconds" in after[name]:
+                row["io_wait_ms"] = per_step(name, "nvme_io_wait_seconds") * 1e3
+            row["update_ms"] = per_step(name, "update_seconds") * 1e3
         if name != "fwd+bwd only (T_compute)":
-            row["efficiency"] = bound / median
+            row["bound_ms"] = bound.seconds * 1e3
+            row["efficiency"] = bound.efficiency(median)
         rows.append(row)
     print(machine_header())
     print(f"GPT layers={args.layers} dim={args.dim} vocab={args.vocab} context={args.context} batch={args.batch} "
           f"dtype={args.dtype} | {n_trainable / 1e6:.2f}M params | {args.rounds} rounds x {args.steps} steps | "
           f"native core: {offload.native_available()}")
-    print(f"bound = T_compute {t_compute * 1e3:.1f} ms + T_cpu {t_cpu * 1e3:.1f} ms "
-          f"({bytes_per_param} B/param at DRAM {bw / 1e9:.1f} GB/s measured) = {bound * 1e3:.1f} ms")
+    print(f"bound = max(T_compute + T_cpu, T_read + T_write): T_compute {t_compute * 1e3:.1f} ms, T_cpu "
+          f"{compute_bound.t_cpu * 1e3:.1f} ms (DRAM {bw / 1e9:.1f} GB/s measured); disk read {disk.read / 1e9:.2f} "
+          f"GB/s, write {disk.write / 1e9:.2f} GB/s measured ({disk.backend}, O_DIRECT {disk.direct}) in {swap_dir}")
     columns = ["rival", "step_ms", "p20_p80_ms", "tokens_per_s", "vs_torch", "d2h_MB_step", "h2d_MB_step",
-               "device_peak_MB", "disk_MB_step", "efficiency"]
+               "device_peak_MB", "disk_MB_step", "io_wait_ms", "update_ms", "bound_ms", "efficiency"]
     print_table([{k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows], columns)
     if not args.quick:
-        append_csv("bench_train", [dict(r, layers=args.layers, dim=args.dim, dtype=args.dtype, bound_ms=bound * 1e3)
-                                   for r in rows])
+        append_csv("bench_train", [dict(r, layers=args.layers, dim=args.dim, dtype=args.dtype) for r in rows])
 
 
 if __name__ == "__main__":

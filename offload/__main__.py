@@ -1,4 +1,5 @@
-"""`python -m offload <command>`: doctor (what is active and why)."""
+"""`python -m offload <command>`: doctor (what is active and why), estimate (memory per tier for a model
+size and budgets), demo (a short nvme-tier training run with its efficiency against the measured bound)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="print which native parts, CPU features, I/O backend and limits are active")
     doctor.add_argument("--dir", default=None, help="directory to choose the I/O backend for (default: the temp dir)")
+    from offload import demo as demo_module
+    from offload import estimate as estimate_module
+
+    demo_module.add_arguments(sub.add_parser("demo", help="a short nvme-tier training run and its efficiency"))
+
+    estimate_module.add_arguments(sub.add_parser("estimate", help="memory per tier for a model size and budgets"))
     args = parser.parse_args(argv)
+    if args.command == "demo":
+        return demo_module.run(args)
+    if args.command == "estimate":
+        return estimate_module.run(args)
     if args.command == "doctor":
         from offload import doctor as doctor_module
 

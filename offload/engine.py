@@ -19,17 +19,19 @@ from torch import nn
 
 from offload._system import usable_cores
 from offload.errors import OffloadConfigError, OffloadError
-from offload.planner import BlockSpec, Plan, make_plan
+from offload.planner import BlockSpec, Plan, make_plan, spec_of
 from offload.policy import OffloadPolicy, Tier
 from offload.scheduler.block import Block, build_blocks, param_owners
+from offload.scheduler.disk_ring import DiskRing, ring_size_for
 from offload.scheduler.grads import BackwardTracker
 from offload.scheduler.hooks import HookSet
 from offload.scheduler.optimizer_view import EngineOptimizer
-from offload.scheduler.step import AdamHyper, DiskGroupState, GroupState, StepWorker, clip_scale
+from offload.scheduler.step import AdamHyper, DiskGroupState, GroupState, clip_scale
+from offload.scheduler.worker import StepWorker
 from offload.scheduler.streaming import WeightStreamer
 from offload.scheduler.streams import CopyContext
 from offload.tiers.device import DeviceTier
-from offload.tiers.disk import SwapStore, plan_swap_layout
+from offload.tiers.disk import SwapStore, plan_swap_layout, plan_weight_layout
 from offload.tiers.host import StagingPool
 
 _MARKER = "_offload_engine"
@@ -54,23 +56,26 @@ class Engine:
         self.policy = policy
         self._closed = False
         self.blocks: List[Block] = build_blocks(module, policy.dtype)
+        records, swap_size = plan_swap_layout(self.blocks) if policy.tier is Tier.NVME else ({}, 0)
+        ring = ring_size_for(max((r.numel for r in records.values()), default=0)) if records else None
         self.plan: Plan = make_plan([_spec(b, policy) for b in self.blocks], policy.tier,
-                                    policy.device_memory, policy.host_memory)
+                                    policy.device_memory, policy.host_memory, ring)
         self._swap: Optional[SwapStore] = None
         self._staging: Optional[StagingPool] = None
+        self._ring: Optional[DiskRing] = None
         if policy.tier is Tier.NVME:
             assert policy.nvme_path is not None
-            records, size = plan_swap_layout(self.blocks)
-            largest = max((r.nbytes for r in records.values()), default=0)
-            self._swap = SwapStore(policy.nvme_path, records, size)
-            # Two record buffers: one block being updated while the next one is read (the ring grows later).
-            self._staging = StagingPool(max(2 * _round_up(largest, 4096), 4096))
+            weights, swap_size = plan_weight_layout(self.blocks, self.plan.disk_weight_blocks, swap_size)
+            self._swap = SwapStore(policy.nvme_path, records, swap_size, weights)
+            self._staging = StagingPool(max(_round_up(self.plan.ring_bytes, 4096), 4096))
+            self._ring = DiskRing(self._swap, self._staging, self.plan.ring_bytes)
         self._device_tier = DeviceTier(policy.device, policy.device_memory)
         self._copies = CopyContext(policy.device)
         self._forward_order: List[int] = []
         self._seen: set = set()
         self._order_known = False
-        self._streamer = WeightStreamer(self._device_tier, self._copies, self._next_in_forward_order)
+        self._streamer = WeightStreamer(self._device_tier, self._copies, self._next_in_forward_order,
+                                        settled=lambda block: not self._worker.is_pending(block.index))
         self._saved_tensor_hooks: List[object] = []
         self._states: Dict[int, List[GroupState]] = {}
         self._where: Dict[int, Tuple[Block, GroupState, int]] = {}
@@ -78,6 +83,8 @@ class Engine:
         self._upload_sources: Dict[int, torch.Tensor] = {}
         try:
             self._materialize()
+            if self._ring is not None:
+                self._ring.drain()
         except BaseException:
             if self._swap is not None:  # nothing of a failed wrap() stays on disk
                 self._swap.close()
@@ -87,7 +94,8 @@ class Engine:
         self.optimizer = EngineOptimizer(trainable, defaults, self._step, self._zero_grad)
         self._tracker = BackwardTracker(policy.grad_accumulation_steps)
         cores = usable_cores()
-        self._worker = StepWorker(max(1, cores // 2) if policy.device.type == "cpu" else cores)
+        self._worker = StepWorker(max(1, cores // 2) if policy.device.type == "cpu" else cores,
+                                  on_next=self._read_ahead_of if self._ring is not None else None)
         self._needs_upload: set = set()
         self._updated_early: set = set()
         self._early_hyper: Optional[AdamHyper] = None
@@ -120,7 +128,7 @@ class Engine:
                 for slot in group.slots:
                     slot.param.grad = None
                 if group.trainable_numel:
-                    state = (DiskGroupState(group, self._swap, self._staging) if self._swap is not None
+                    state = (DiskGroupState(group, self._ring) if self._ring is not None
                              else GroupState(group, state_device, on_host=state_on_host))
                     states.append(state)
                     if state_on_host and self.policy.device.type != "cpu":
@@ -130,7 +138,7 @@ class Engine:
                         self._where[id(slot.param)] = (block, state, index)
             self._states[block.index] = states
             if block.name in streamed:
-                self._streamer.adopt(block)
+                self._streamer.adopt(block, self._ring if block.name in self.plan.disk_weight_blocks else None)
             self._trainable_ids[block.index] = [id(s.param) for s in block.slots if s.trainable]
         for sub in self.module.modules():
             for key, buf in sub._buffers.items():
@@ -161,6 +169,8 @@ class Engine:
             if block.index not in self._seen:
                 self._seen.add(block.index)
                 self._forward_order.append(block.index)
+            elif not in_backward and block.index == self._forward_order[0] and self._tracker.next_is_last:
+                self._read_ahead_for_backward()  # the disk is otherwise idle during the forward
 
     def _leave_blocks(self, blocks: List[Block]) -> None:
         """Forward post-hook (also after an exception): the module no longer needs these blocks."""
@@ -197,6 +207,16 @@ class Engine:
 
     def _on_backward_begin(self) -> None:
         self._tracker.begin_backward(torch._C._current_graph_task_id())
+        if self._tracker.is_last_backward:
+            self._read_ahead_for_backward()
+
+    def _read_ahead_for_backward(self) -> None:
+        """Blocks update as their gradients complete, roughly in reverse forward order: start reading their
+        state as soon as slots allow (from the forward on), not when each block's gradients are in."""
+        if self._ring is not None and self._order_known and self.policy.max_grad_norm is None:
+            order = [self.blocks[i] for i in reversed(self._forward_order)]
+            self._ring.announce([s.group for b in order for s in self._states[b.index]
+                                 if isinstance(s, DiskGroupState)])
 
     def _on_grad(self, param: nn.Parameter) -> None:
         """Post-accumulate-grad hook. See [Note: when a block may update early]."""
@@ -231,13 +251,14 @@ class Engine:
             self._copies.count_to_host(nbytes)
 
     # ----- updates ---------------------------------------------------------------------------------
-    def _host_weights(self, state: GroupState) -> torch.Tensor:
+    def _host_weights(self, state: GroupState) -> Optional[torch.Tensor]:
         """Where the update writes new compute weights: the device buffer itself when the CPU computes or
         the state is on the device, else a host copy that `_upload` sends to the device."""
         group = state.group
         assert group.device_buffer is not None
         if self._streamer.is_streamed(self._where[id(group.trainable_slots[0].param)][0]):
-            return self._streamer.host_copy(group)[:group.trainable_numel]
+            host = self._streamer.host_copy(group)  # None: weights on disk, the update writes them there
+            return None if host is None else host[:group.trainable_numel]
         copy = self._upload_sources.get(id(state))
         return group.device_buffer[:group.trainable_numel] if copy is None else copy
 
@@ -245,6 +266,9 @@ class Engine:
         jobs = [(state, state.ready_indices(), self._host_weights(state)) for state in self._states[block.index]]
         if not any(ready for _s, ready, _o in jobs):
             return
+        for state, ready, _out in jobs:
+            if ready and isinstance(state, DiskGroupState):
+                state.announce()  # its disk reads start now, ahead of the worker reaching it
         stats, threads = self._stats, self._worker.num_threads
 
         def work() -> None:
@@ -254,7 +278,9 @@ class Engine:
                     state.update(ready, hyper, grad_scale, out, threads)
             stats["update_seconds"] += time.perf_counter() - start
 
-        self._worker.submit(block.index, work)
+        if self._streamer.is_streamed(block) and self._ring is not None:
+            self._streamer.invalidate(block)  # disk reads a prefetch started would be stale
+        self._worker.submit(block.index, work, self._priority(block))
         self._stats["block_updates"] += 1
         self._order_known = True
         if self._streamer.is_streamed(block) or any(id(state) in self._upload_sources for state, _r, _o in jobs):
@@ -267,7 +293,19 @@ class Engine:
         def work() -> None:
             norms[block.index] = [n for state in states for n in state.grad_norms()]
 
-        self._worker.submit(block.index, work)
+        self._worker.submit(block.index, work, self._priority(block))
+
+    def _priority(self, block: Block) -> int:
+        """Updates run in the order the next forward needs the blocks (see scheduler/worker.py)."""
+        if block.index in self._seen:
+            return self._forward_order.index(block.index)
+        return len(self.blocks) + block.index
+
+    def _read_ahead_of(self, block_indices: List[int]) -> None:
+        """Worker callback: the ring reads ahead the state of the queued updates, in the order they will run."""
+        assert self._ring is not None
+        self._ring.announce([s.group for i in block_indices for s in self._states.get(i, ())
+                             if isinstance(s, DiskGroupState)], replace=True)
 
     def _update_order(self) -> List[Block]:
         """Blocks in the order the forward used them first, then any never seen in a forward."""
@@ -343,6 +381,8 @@ class Engine:
         """Wait for every pending block update, so that the module's weights are the current ones."""
         self._check_open()
         self._worker.wait_all()
+        if self._ring is not None:
+            self._ring.drain()
         for block in self.blocks:
             if block.index in self._needs_upload:
                 self._upload(block)
@@ -370,6 +410,8 @@ class Engine:
                    bytes_disk_written=0 if self._swap is None else self._swap.bytes_written,
                    host_state_bytes=sum(s.nbytes for states in self._states.values() for s in states
                                         if s.on_host))
+        if self._ring is not None:
+            out.update(self._ring.stats())
         return out
 
     def close(self) -> None:
@@ -381,6 +423,8 @@ class Engine:
         failure: Optional[BaseException] = None
         try:
             self._worker.close()
+            if self._ring is not None:
+                self._ring.drain()
         except Exception as exc:  # still clean up; report it at the end
             failure = exc
         self._closed = True
@@ -420,13 +464,7 @@ def _round_up(value: int, multiple: int) -> int:
 
 def _spec(block: Block, policy: OffloadPolicy) -> BlockSpec:
     """Bytes of a block's weights and optimizer state (fp32 master unless aliased, m, v, gradient)."""
-    state = 0
-    for group in block.groups:
-        n = group.trainable_numel
-        master = 0 if (policy.tier is Tier.GPU and group.dtype == torch.float32) else 4 * n
-        grad = n * torch.empty((), dtype=group.dtype).element_size()
-        state += master + 8 * n + grad
-    return BlockSpec(block.name, block.weight_bytes, state)
+    return spec_of(block.name, block.weight_bytes, [(g.trainable_numel, g.dtype) for g in block.groups], policy.tier)
 
 
 __all__ = ["Engine"]

@@ -10,6 +10,8 @@ import enum
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
+import torch
+
 from offload.errors import OffloadConfigError
 from offload.policy import Tier
 
@@ -29,6 +31,7 @@ class BlockSpec:
     name: str
     weight_bytes: int
     state_bytes: int
+    grad_bytes: int = 0  # nvme tier: the gradient accumulator, which stays in host memory (not in state_bytes)
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,15 @@ class BlockPlacement:
     state: Location
     weight_bytes: int
     state_bytes: int
+    grad_bytes: int = 0  # on the host
+
+
+@dataclass(frozen=True)
+class RingSize:
+    """The nvme tier's staging ring: the least that works and what is worth having (bytes)."""
+
+    minimum: int
+    preferred: int
 
 
 @dataclass(frozen=True)
@@ -48,13 +60,20 @@ class Plan:
     blocks: Tuple[BlockPlacement, ...]
     device_budget: Optional[int]
     host_budget: Optional[int]
+    ring_bytes: int = 0  # nvme tier: host staging ring through which disk-resident state and weights flow
 
     def bytes_on(self, location: Location) -> int:
-        total = 0
+        total = self.ring_bytes if location is Location.HOST else 0
         for block in self.blocks:
             total += block.weight_bytes if block.weights is location else 0
             total += block.state_bytes if block.state is location else 0
+            total += block.grad_bytes if location is Location.HOST else 0
         return total
+
+    @property
+    def disk_weight_blocks(self) -> Tuple[str, ...]:
+        """Blocks whose compute weights live on disk (streamed disk -> host staging -> device)."""
+        return tuple(b.name for b in self.blocks if b.weights is Location.DISK)
 
     @property
     def streamed_blocks(self) -> Tuple[str, ...]:
@@ -75,12 +94,19 @@ class Plan:
                                  (Location.DISK, None)):
             limit = "no budget" if budget is None else f"budget {_human(budget)}"
             lines.append(f"total on {location.value}: {_human(self.bytes_on(location))} ({limit})")
+        if self.ring_bytes:
+            grads = sum(b.grad_bytes for b in self.blocks)
+            lines.append(f"  host holds: gradients {_human(grads)}, staging ring {_human(self.ring_bytes)}")
         return "\n".join(lines)
 
 
 def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[int],
-              host_budget: Optional[int]) -> Plan:
-    """Place each block; raises OffloadConfigError naming the block or budget that cannot work."""
+              host_budget: Optional[int], ring: Optional[RingSize] = None) -> Plan:
+    """Place each block; raises OffloadConfigError naming the block or budget that cannot work.
+
+    nvme tier (`ring` given): host memory holds the gradient accumulators, then the staging ring (at least
+    its minimum, up to its preferred size or a quarter of what is left), then streamed weights in forward
+    order; weights that do not fit go to disk. See docs/design.md [Note: the nvme step pipeline]."""
     if not blocks:
         raise OffloadConfigError("the model has no parameters to offload")
     if tier is Tier.GPU:
@@ -108,6 +134,10 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
                 f"tier='cpu' keeps the optimizer state in host memory: {_human(state_total)} needed, host_memory "
                 f"is {_human(host_budget)}; use tier='nvme' or raise host_memory")
         host_left = None if host_left is None else host_left - state_total
+    ring_bytes = 0
+    if tier is Tier.NVME:
+        ring = ring or RingSize(0, 0)
+        host_left, ring_bytes = _reserve_nvme_host(blocks, host_left, ring)
     device_left = device_budget
     total_weights = sum(b.weight_bytes for b in blocks)
     if device_left is not None and total_weights > device_left:
@@ -129,8 +159,47 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
             raise OffloadConfigError(
                 f"block {block.name!r} ({_human(block.weight_bytes)} of weights) fits neither the device nor "
                 "the host budget left after the optimizer state; use tier='nvme' or raise a budget")
-        placements.append(BlockPlacement(block.name, weights, state_home, block.weight_bytes, block.state_bytes))
-    return Plan(tier, tuple(placements), device_budget, host_budget)
+        placements.append(BlockPlacement(block.name, weights, state_home, block.weight_bytes, block.state_bytes,
+                                         block.grad_bytes))
+    return Plan(tier, tuple(placements), device_budget, host_budget, ring_bytes)
+
+
+def _reserve_nvme_host(blocks: Sequence[BlockSpec], host_left: Optional[int],
+                       ring: RingSize) -> Tuple[Optional[int], int]:
+    """Host bytes left for streamed weights after the gradients and the staging ring, and the ring size."""
+    if host_left is None:
+        return None, ring.preferred
+    grads = sum(b.grad_bytes for b in blocks)
+    need = grads + ring.minimum
+    if need > host_left:
+        biggest = max(blocks, key=lambda b: b.grad_bytes)
+        raise OffloadConfigError(
+            f"host_memory ({_human(host_left)}) is too small for tier='nvme': the gradient accumulators need "
+            f"{_human(grads)} (the largest, block {biggest.name!r}, {_human(biggest.grad_bytes)}) and the staging "
+            f"ring at least {_human(ring.minimum)}; raise host_memory to at least {need} bytes")
+    spare = host_left - need
+    ring_bytes = ring.minimum + min(max(ring.preferred - ring.minimum, 0), spare // 4)
+    return host_left - grads - ring_bytes, ring_bytes
+
+
+def group_bytes(trainable_numel: int, dtype: torch.dtype, tier: Tier) -> Tuple[int, int]:
+    """(optimizer state bytes, gradient accumulator bytes) of `trainable_numel` parameters computed in
+    `dtype`: fp32 master (none on the gpu tier when the weights are fp32 already), Adam m and v, gradient."""
+    master = 0 if (tier is Tier.GPU and dtype == torch.float32) else 4 * trainable_numel
+    grad = trainable_numel * torch.empty((), dtype=dtype).element_size()
+    return master + 8 * trainable_numel, grad
+
+
+def spec_of(name: str, weight_bytes: int, groups: Sequence[Tuple[int, torch.dtype]], tier: Tier) -> BlockSpec:
+    """The BlockSpec of a block from its (trainable numel, dtype) groups; the nvme tier keeps gradients on
+    the host apart from the state on disk, the other tiers count them with the state."""
+    state = grads = 0
+    for numel, dtype in groups:
+        s, g = group_bytes(numel, dtype, tier)
+        state, grads = state + s, grads + g
+    if tier is Tier.NVME:
+        return BlockSpec(name, weight_bytes, state, grads)
+    return BlockSpec(name, weight_bytes, state + grads)
 
 
 def _human(nbytes: Optional[int]) -> str:
@@ -142,6 +211,9 @@ def _human(nbytes: Optional[int]) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{nbytes} B"
+
+
+human_bytes = _human  # for the CLI
 
 
 def totals(plan: Plan) -> Dict[Location, int]:

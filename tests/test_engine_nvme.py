@@ -68,3 +68,73 @@ def test_truncated_swap_file_is_a_clear_error_not_garbage(tmp_path):
         engine.close()  # the other blocks' failed reads are reported too, after cleanup
     after = {k: v for k, v in engine.module.state_dict().items()}
     assert all(after[k].equal(v) for k, v in before.items())  # no garbage reached the weights
+
+
+def test_host_memory_too_small_for_one_block_names_it_and_the_fix(tmp_path):
+    with pytest.raises(OffloadConfigError, match=r"block 'h.0'.*raise host_memory to at least \d+ bytes"):
+        offload.wrap(TinyGPT(), tier="nvme", nvme_path=tmp_path, dtype=torch.float32, device="cpu",
+                     host_memory=16 << 10)
+    assert os.listdir(tmp_path) == []
+
+
+def test_plan_shows_the_staging_ring_within_host_memory(tmp_path):
+    with offload.wrap(TinyGPT(), tier="nvme", nvme_path=tmp_path, dtype=torch.float32, device="cpu",
+                      host_memory=300 << 10) as engine:
+        assert "staging ring" in str(engine.plan)
+        assert engine.plan.bytes_on(offload.planner.Location.HOST) <= 300 << 10
+        assert engine._staging.budget_bytes <= engine.plan.ring_bytes + 4096
+        _train_step(engine)
+        engine.synchronize()
+        assert engine.stats()["nvme_chunks_moved"] > 0
+
+
+def test_nvme_path_on_tmpfs_works_with_one_warning():
+    import tempfile
+    import warnings
+
+    from offload.io.swap_file import file_system_of
+
+    if not os.path.isdir("/dev/shm") or not file_system_of("/dev/shm").startswith("tmpfs"):
+        pytest.skip("/dev/shm is not a tmpfs here")
+    directory = tempfile.mkdtemp(dir="/dev/shm", prefix="offload-test-")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine = offload.wrap(TinyGPT(), tier="nvme", nvme_path=directory, dtype=torch.float32, device="cpu")
+        ours = [w for w in caught if "offload" in str(w.message)]
+        assert len(ours) == 1 and "tmpfs" in str(ours[0].message) and "O_DIRECT" in str(ours[0].message)
+        with engine:
+            before = engine.state_dict()["h.0.fc.weight"].clone()
+            _train_step(engine)
+            _train_step(engine)
+            after = engine.state_dict()["h.0.fc.weight"]
+            assert not after.equal(before) and torch.isfinite(after).all()
+            assert engine.stats()["bytes_disk_read"] > 0
+        assert os.listdir(directory) == []
+    finally:
+        os.rmdir(directory)
+
+
+def test_whole_record_read_write_round_trip_and_short_buffer_refused(tmp_path):
+    from torch import nn
+
+    from offload.scheduler.block import build_blocks
+    from offload.tiers.disk import SwapStore, plan_swap_layout, state_views
+
+    blocks = build_blocks(nn.Linear(30, 50), torch.float32)
+    group = blocks[0].groups[0]
+    group.device_buffer = torch.zeros(group.numel)
+    records, size = plan_swap_layout(blocks)
+    store = SwapStore(str(tmp_path), records, size)
+    try:
+        record = records[id(group)]
+        assert record.section_bytes % 4096 == 0 and record.nbytes == 3 * record.section_bytes
+        source = torch.arange(record.nbytes // 4, dtype=torch.float32)
+        store.write(group, source)
+        back = torch.zeros_like(source)
+        store.read(group, back)
+        assert all(a.equal(b) for a, b in zip(state_views(source, group.numel), state_views(back, group.numel)))
+        with pytest.raises(ValueError, match="needs"):
+            store.read(group, torch.zeros(3 * group.numel))
+    finally:
+        store.close()

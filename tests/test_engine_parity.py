@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import offload
+from offload.scheduler.disk_ring import CHUNK_GRANULE
 from tests.models import TinyGPT, make_batches, one_intraop_thread
 
 TOL = 1e-5
@@ -46,11 +47,11 @@ def _reference(model, batches, accum, max_norm, schedule, eval_batch):
     return losses, evals, model.state_dict()
 
 
-def _engine(model, batches, accum, max_norm, schedule, eval_batch, tier, declared, device_memory):
+def _engine(model, batches, accum, max_norm, schedule, eval_batch, tier, declared, device_memory, host_memory=None):
     nvme_path = tempfile.mkdtemp(prefix="offload-test-") if tier == "nvme" else None
     engine = offload.wrap(model, tier=tier, nvme_path=nvme_path, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_grad_norm=max_norm,
                           dtype=torch.float32, device="cpu", grad_accumulation_steps=accum if declared else None,
-                          device_memory=device_memory)
+                          device_memory=device_memory, host_memory=host_memory)
     sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5) if schedule else None
     losses, evals = [], []
     with engine:
@@ -75,7 +76,7 @@ def _engine(model, batches, accum, max_norm, schedule, eval_batch, tier, declare
 
 
 def _compare(tier, accum=1, declared=False, max_norm=None, schedule=False, checkpointing=None, evaluate=False,
-             device_memory=None):
+             device_memory=None, host_memory=None):
     torch.manual_seed(0)
     model = TinyGPT(checkpointing=checkpointing)
     twin = copy.deepcopy(model)
@@ -84,7 +85,7 @@ def _compare(tier, accum=1, declared=False, max_norm=None, schedule=False, check
     eval_batch = make_batches(1, 1, seed=99)[0][0] if evaluate else None
     ref_losses, ref_evals, ref_state = _reference(twin, batches, accum, max_norm, schedule, eval_batch)
     losses, evals, state, stats = _engine(model, batches, accum, max_norm, schedule, eval_batch, tier, declared,
-                                          device_memory)
+                                          device_memory, host_memory)
     assert len(losses) == len(ref_losses)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL, (losses, ref_losses)
     if evaluate:
@@ -142,3 +143,10 @@ def test_parity_activation_checkpointing(tier, checkpointing, accum, declared):
 def test_parity_clipping_with_checkpointing_and_schedule():
     _compare("cpu", accum=4, declared=False, max_norm=0.05, schedule=True, checkpointing="reentrant",
              evaluate=True)
+
+
+@pytest.mark.parametrize("accum,declared,max_norm", [(1, True, None), (2, False, 0.05)])
+def test_parity_nvme_records_in_chunks(accum, declared, max_norm):
+    """A host_memory so small that every record is read, updated and written in one-granule chunks."""
+    stats = _compare("nvme", accum=accum, declared=declared, max_norm=max_norm, host_memory=256 << 10)
+    assert stats["nvme_chunk_numel"] == CHUNK_GRANULE and stats["nvme_chunks_moved"] > stats["block_updates"]

@@ -62,6 +62,11 @@ class BackwardTracker:
         return self.declared_steps is not None and self.micro_batches < self.declared_steps
 
     @property
+    def next_is_last(self) -> bool:
+        """Whether the next backward (of the forward now starting) will be the last before step()."""
+        return self.declared_steps is not None and self.micro_batches + 1 == self.declared_steps
+
+    @property
     def is_last_backward(self) -> bool:
         return self.declared_steps is not None and self.micro_batches == self.declared_steps
 

@@ -8,23 +8,17 @@ in one flat call.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import traceback
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from offload.optim.functional import adam_step_flat
-from offload.tiers.disk import state_views
 from offload.scheduler.block import FlatGroup
 
 if TYPE_CHECKING:
-    from offload.tiers.disk import SwapStore
-    from offload.tiers.host import StagingPool
+    from offload.scheduler.disk_ring import DiskRing
 
 
 @dataclass(frozen=True)
@@ -143,12 +137,12 @@ class GroupState:
 class DiskGroupState(GroupState):
     """A GroupState whose master weights and moments live in the swap file (the NVME tier).
 
-    Only the gradient accumulator and the step counts stay in host memory. An update leases one
-    record-sized staging buffer, reads the record, runs the same AdamW, writes the record back and returns
-    the buffer: host memory holds the staging buffers, never the whole state.
+    Only the gradient accumulator and the step counts stay in host memory. An update streams the record
+    through the engine's `DiskRing` chunk by chunk (read ahead, update, write behind), running the same
+    AdamW on each chunk: host memory holds the ring, never the whole state.
     """
 
-    def __init__(self, group: FlatGroup, store: "SwapStore", pool: "StagingPool") -> None:
+    def __init__(self, group: FlatGroup, ring: "DiskRing") -> None:
         assert group.device_buffer is not None, "allocate the device buffer first"
         n = group.trainable_numel
         self.group = group
@@ -157,56 +151,64 @@ class DiskGroupState(GroupState):
         self.grad = torch.zeros(n, dtype=group.dtype)
         self.steps = [0] * len(group.trainable_slots)
         self.has_grad = [False] * len(group.trainable_slots)
-        self._store = store
-        self._pool = pool
-        with self._staged() as (master, exp_avg, exp_avg_sq):
-            master.copy_(group.device_buffer[:n])
+        self._ring = ring
+        weights = group.device_buffer
+
+        def fill(start: int, stop: int, sections: Tuple[Tensor, Tensor, Tensor]) -> None:
+            master, exp_avg, exp_avg_sq = sections
+            master.copy_(weights[start:stop])
+            on_disk = ring.weights_of(sections, group)
+            if on_disk is not None:
+                on_disk.copy_(weights[start:stop])
             exp_avg.zero_()
             exp_avg_sq.zero_()
+
+        ring.write_fresh(group, fill)
 
     @property
     def nbytes(self) -> int:
         return self.grad.nbytes  # host bytes; the state itself is on disk
 
+    def announce(self) -> None:
+        """Start reading this group's state ahead of its update (called when the update is scheduled)."""
+        self._ring.announce([self.group])
+
     def update(self, ready: List[int], hyper: AdamHyper, grad_scale: float, out: Optional[Tensor],
                num_threads: Optional[int] = None) -> None:
         if not ready:
             return
-        with self._staged(load=True) as views:
-            self.master, self.exp_avg, self.exp_avg_sq = views
-            del views
+        spans = self._advance_steps(ready)
+        for start, stop in self._ring.chunks(self.group):
+            sections = self._ring.load(self.group, start, stop)
+            weights = self._ring.weights_of(sections, self.group)  # compute weights on disk: written back
+            target = out if weights is None else weights
+            base = 0 if weights is None else start
             try:
-                super().update(ready, hyper, grad_scale, out, num_threads)
-            finally:
-                del self.master, self.exp_avg, self.exp_avg_sq
+                for a, b, step in spans:
+                    lo, hi = max(a, start), min(b, stop)
+                    if lo < hi:
+                        master, exp_avg, exp_avg_sq = (t[lo - start:hi - start] for t in sections)
+                        adam_step_flat(master, self.grad[lo:hi], exp_avg, exp_avg_sq, step=step, lr=hyper.lr,
+                                       beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps,
+                                       weight_decay=hyper.weight_decay, adamw=True, grad_scale=grad_scale,
+                                       out=None if target is None else target[lo - base:hi - base],
+                                       num_threads=num_threads)
+            except BaseException:
+                self._ring.abandon(sections)
+                raise
+            self._ring.store(self.group, start, stop, sections)
 
-    @contextlib.contextmanager
-    def _staged(self, load: bool = False):
-        """Views of a leased record buffer; written back to disk when the block exits without error.
-
-        A lease returns to the pool only when its last view is gone (docs/design.md [Note: a lease lives
-        as long as its views]); a failure's traceback would keep views alive in its frames and the next
-        lease would wait forever, so the frames are cleared before the error travels on."""
-        n = self.group.trainable_numel
-        lease = self._pool.lease(3 * 4 * n, wait=True, timeout=LEASE_TIMEOUT_S)
-        buffer: Optional[Tensor] = lease.view(torch.float32, (3 * n,))
-        try:
-            if load:
-                self._store.read(self.group, buffer)
-            yield state_views(buffer, n)
-            self._store.write(self.group, buffer)
-        except BaseException as exc:
-            buffer = None
-            traceback.clear_frames(exc.__traceback__)
-            raise
-        finally:
-            buffer = None
-            lease.release()
-
-
-# A staging lease waits for an update in flight to return its buffer; longer than this means a bug or a
-# stalled disk, reported as OffloadMemoryError rather than a hang.
-LEASE_TIMEOUT_S = 120.0
+    def _advance_steps(self, ready: List[int]) -> List[Tuple[int, int, int]]:
+        """Count the step of every ready parameter; (start, stop, step) element spans to update."""
+        if len(ready) == len(self.steps) and len(set(self.steps)) == 1:
+            self.steps = [self.steps[0] + 1] * len(self.steps)
+            return [(0, self.group.trainable_numel, self.steps[0])]
+        spans = []
+        for i in ready:
+            slot = self.group.trainable_slots[i]
+            self.steps[i] += 1
+            spans.append((slot.offset, slot.offset + slot.numel, self.steps[i]))
+        return spans
 
 
 def clip_scale(norms: List[float], max_norm: float) -> Tuple[float, float]:
@@ -232,51 +234,3 @@ def _adamw_on_device(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: T
     param.addcdiv_(exp_avg, denom, value=-hyper.lr / bias_correction1)
     if out is not None:
         out.copy_(param)
-
-
-class StepWorker:
-    """One background thread that runs block updates in submission order; one future per block.
-
-    A single thread keeps updates ordered; the native Adam kernel releases the GIL and parallelises
-    inside. `num_threads` caps torch's intra-op threads *of this thread only* (OpenMP's thread count is
-    per thread): when the CPU also computes, two full OpenMP teams spinning on the same cores slow both
-    down several-fold. Every wait goes through `wait(block_index)`, so an exception raised in an update
-    surfaces at the next use of that block.
-    """
-
-    def __init__(self, num_threads: int) -> None:
-        self.num_threads = num_threads
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-step",
-                                        initializer=torch.set_num_threads, initargs=(num_threads,))
-        self._pending: Dict[int, Future] = {}
-        self._lock = threading.Lock()
-
-    def submit(self, block_index: int, work: Callable[[], object]) -> Future:
-        with self._lock:
-            if block_index in self._pending and not self._pending[block_index].done():
-                previous = self._pending[block_index]
-                future = self._pool.submit(lambda: (previous.result(), work())[1])
-            else:
-                future = self._pool.submit(work)
-            self._pending[block_index] = future
-        return future
-
-    def is_pending(self, block_index: int) -> bool:
-        future = self._pending.get(block_index)
-        return future is not None and not future.done()
-
-    def wait(self, block_index: int) -> None:
-        """Block until the block's last submitted work is done; re-raise its exception here."""
-        future = self._pending.pop(block_index, None)
-        if future is not None:
-            future.result()
-
-    def wait_all(self) -> None:
-        for index in list(self._pending):
-            self.wait(index)
-
-    def close(self) -> None:
-        try:
-            self.wait_all()
-        finally:
-            self._pool.shutdown(wait=True)

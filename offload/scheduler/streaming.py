@@ -7,6 +7,8 @@ bytes. The placeholder is one NaN expanded to the parameter's shape: the shape m
 AccumulateGrad shapes a new gradient after the parameter, possibly while its block is released), a view of
 a zero-byte storage would crash the process when read, and NaN makes an accidental read obvious.
 Parameters keep their identity throughout.
+A block the plan puts on disk has no host copy: its weights live in the swap file and every fetch reads them
+through the staging ring (`DiskWeights`, the nvme tier's DiskRing); the optimizer writes the new ones there.
 Autograd never holds a streamed weight directly: a saved-tensor hook packs it as a handle, and unpacking
 in backward fetches the block again. See docs/design.md [Note: weight streaming].
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from typing import Callable, Dict, Iterable, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, Iterable, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor
@@ -35,6 +37,20 @@ class PackedWeight(NamedTuple):
     stride: Tuple[int, ...]
 
 
+class DiskWeights(Protocol):
+    """Where disk-resident compute weights are read and written (offload.scheduler.disk_ring.DiskRing)."""
+
+    def read_weights(self, group: FlatGroup, dst: Tensor, copy: Callable[[Tensor, Tensor], None]) -> None: ...
+
+    def write_weights(self, group: FlatGroup, src: Tensor) -> None: ...
+
+    def start_weights_read(self, group: FlatGroup, itemsize: int) -> Optional[list]: ...
+
+    def finish_weights_read(self, handle: list, dst: Tensor, copy: Callable[[Tensor, Tensor], None]) -> None: ...
+
+    def cancel_weights_read(self, handle: list) -> None: ...
+
+
 class WeightStreamer:
     """Fetches, pins and evicts (least recently used first) the streamed blocks within the device budget.
 
@@ -44,7 +60,12 @@ class WeightStreamer:
     """
 
     def __init__(self, device_tier: DeviceTier, copies: CopyContext,
-                 next_block: Callable[[Block], Optional[Block]]) -> None:
+                 next_block: Callable[[Block], Optional[Block]],
+                 settled: Callable[[Block], bool] = lambda block: True) -> None:
+        self._disk: Optional[DiskWeights] = None
+        self._on_disk: set = set()  # ids of groups whose weights live on disk
+        self._reads_ahead: Dict[int, list] = {}  # id(group) -> disk reads started by a prefetch
+        self._settled = settled  # no update of the block pending: its weights on disk are final
         self._device = device_tier
         self._copies = copies
         self._next_block = next_block
@@ -64,19 +85,26 @@ class WeightStreamer:
     def is_streamed(self, block: Block) -> bool:
         return block.index in self._blocks
 
-    def adopt(self, block: Block) -> None:
-        """Take a block whose device buffers hold its weights: keep a host copy, then release the device."""
+    def adopt(self, block: Block, disk: Optional[DiskWeights] = None) -> None:
+        """Take a block whose device buffers hold its weights: keep a host copy (or write them to `disk`),
+        then release the device."""
         self._blocks[block.index] = block
         for group in block.groups:
             assert group.device_buffer is not None
-            self._host[id(group)] = group.device_buffer.to("cpu", copy=True)
+            if disk is not None:
+                self._disk = disk
+                self._on_disk.add(id(group))
+                disk.write_weights(group, group.device_buffer.to("cpu"))
+            else:
+                self._host[id(group)] = group.device_buffer.to("cpu", copy=True)
             self._by_storage[group.device_buffer.untyped_storage().data_ptr()] = (block.index, group)
         self._lru[block.index] = None
         self._release(block)
 
-    def host_copy(self, group: FlatGroup) -> Tensor:
-        """The host copy the optimizer writes new weights into (and a fetch reads)."""
-        return self._host[id(group)]
+    def host_copy(self, group: FlatGroup) -> Optional[Tensor]:
+        """The host copy the optimizer writes new weights into (and a fetch reads); None for weights on
+        disk (the optimizer writes those through the ring)."""
+        return self._host.get(id(group))
 
     # ----- use ---------------------------------------------------------------------------------------
     def ensure(self, block: Block, *, pin: bool, prefetch: bool) -> None:
@@ -105,19 +133,31 @@ class WeightStreamer:
         if block.residency is Residency.RESIDENT:
             assert group.device_buffer is not None
             n = group.trainable_numel
-            self._copies.to_device(group.device_buffer[:n], self._host[id(group)][:n])
+            if id(group) in self._on_disk:
+                self._read_disk(group)
+            else:
+                self._copies.to_device(group.device_buffer[:n], self._host[id(group)][:n])
 
     def restore_all(self) -> None:
         """Fetch every streamed block (budget ignored) so the model works as plain PyTorch after close()."""
         for block in self._blocks.values():
+            if self._disk is not None:
+                self.invalidate(block)
             if block.residency is Residency.RELEASED:
                 self._fetch(block)
         self._blocks.clear()
 
     def host_weights_of(self) -> Iterable[Tuple[FlatGroup, Tensor]]:
+        """(group, current weights on the host) of every streamed group; weights on disk are read."""
         for block in self._blocks.values():
             for group in block.groups:
-                yield group, self._host[id(group)]
+                if id(group) in self._on_disk:
+                    assert self._disk is not None
+                    weights = torch.empty(group.numel, dtype=group.dtype)
+                    self._disk.read_weights(group, weights, lambda dst, src: dst.copy_(src))
+                    yield group, weights
+                else:
+                    yield group, self._host[id(group)]
 
     # ----- saved-tensor hooks ------------------------------------------------------------------------
     def pack(self, tensor: Tensor) -> object:
@@ -149,12 +189,46 @@ class WeightStreamer:
             storage = group.device_buffer.untyped_storage()
             storage.resize_(group.nbytes)
             with torch.no_grad():
-                self._copies.to_device(group.device_buffer, self._host[id(group)])
+                if id(group) in self._on_disk:
+                    self._read_disk(group)
+                else:
+                    self._copies.to_device(group.device_buffer, self._host[id(group)])
             self._by_storage[storage.data_ptr()] = (block.index, group)
             group.point_params_at(group.device_buffer)
         block.move_to(Residency.RESIDENT)
         self._lru[block.index] = None
         self.fetches += 1
+
+    def _read_disk(self, group: FlatGroup) -> None:
+        """disk -> host staging slot -> device, slot by slot (finishing a read a prefetch started)."""
+        assert self._disk is not None and group.device_buffer is not None
+        handle = self._reads_ahead.pop(id(group), None)
+        with torch.no_grad():
+            if handle:
+                self._disk.finish_weights_read(handle, group.device_buffer, self._copies.to_device)
+            else:
+                self._disk.read_weights(group, group.device_buffer, self._copies.to_device)
+
+    def invalidate(self, block: Block) -> None:
+        """An update of the block was scheduled: disk reads a prefetch started are stale; drop them."""
+        assert self._disk is not None or not self._reads_ahead
+        for group in block.groups:
+            handle = self._reads_ahead.pop(id(group), None)
+            if handle and self._disk is not None:
+                self._disk.cancel_weights_read(handle)
+
+    def _start_disk_reads(self, block: Block) -> None:
+        """Prefetch of a block whose weights are on disk: start its reads now, copy to the device at fetch."""
+        assert self._disk is not None
+        if not self._settled(block):
+            return
+        for group in block.groups:
+            if id(group) not in self._reads_ahead:
+                handle = self._disk.start_weights_read(group, group.device_buffer.element_size())
+                if handle is None:
+                    return
+                self._reads_ahead[id(group)] = handle
+        self.prefetches += 1
 
     def _release(self, block: Block) -> None:
         for group in block.groups:
@@ -183,6 +257,9 @@ class WeightStreamer:
         if following is None or following.index not in self._blocks:
             return
         if following.residency is not Residency.RELEASED:
+            return
+        if any(id(g) in self._on_disk for g in following.groups):
+            self._start_disk_reads(following)  # overlaps this block's compute; the fetch finishes it
             return
         self._make_room(following.weight_bytes, keep=block.index)
         if self._device.fits(following.weight_bytes):

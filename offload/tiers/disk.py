@@ -1,8 +1,9 @@
 """The disk tier: optimizer state of every block in one preallocated swap file, laid out by name.
 
-Each flat group with trainable parameters owns one record: its fp32 master weights, then `exp_avg`, then
-`exp_avg_sq` (3 x 4 bytes per parameter, contiguous, so one read and one write per update), starting at a
-4 KiB-aligned offset. The layout is a pure function of the blocks and is written next to the swap file as
+Each flat group with trainable parameters owns one record: three sections, its fp32 master weights, then
+`exp_avg`, then `exp_avg_sq`, each 4 x numel bytes padded to a multiple of 4 KiB (`section_bytes`), the
+record starting at a 4 KiB-aligned offset: any element range of any section is one O_DIRECT request when
+the range starts at a multiple of 1024 elements, so the step pipeline can read and write records in chunks. The layout is a pure function of the blocks and is written next to the swap file as
 `layout.json`, keyed by block and fully-qualified parameter names, never by object ids, so a later process
 (checkpoint resume, issue 4) can find every parameter's state again. See docs/design.md
 [Note: the swap-file layout].
@@ -14,21 +15,24 @@ import json
 import os
 import shutil
 import uuid
+import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from offload.errors import OffloadConfigError
 from offload.io import AsyncIO, SwapFile
+from offload.io.swap_file import file_system_of
+from offload.io.future import IOFuture
 
 if TYPE_CHECKING:  # descriptions only: the tiers never call into the scheduler
     from offload.scheduler.block import Block, FlatGroup
 
 ALIGNMENT = 4096
 STATE_TENSORS = ("master", "exp_avg", "exp_avg_sq")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: sections padded to 4 KiB (section_bytes)
 
 
 @dataclass(frozen=True)
@@ -42,8 +46,52 @@ class SwapRecord:
     params: Tuple[Tuple[str, Tuple[int, ...], int], ...]  # (name, shape, element offset in the group)
 
     @property
+    def section_bytes(self) -> int:
+        """Bytes of each of the three sections (4 x numel, padded to 4 KiB)."""
+        return section_bytes(self.numel)
+
+    @property
     def nbytes(self) -> int:
-        return 3 * 4 * self.numel
+        return 3 * self.section_bytes
+
+
+def section_bytes(numel: int) -> int:
+    """Bytes of one fp32 section of a record of `numel` elements: padded so every section starts aligned."""
+    return _round_up(4 * numel, ALIGNMENT)
+
+
+@dataclass(frozen=True)
+class WeightRecord:
+    """Where the compute weights of one flat group live when the plan puts the block's weights on disk:
+    the whole group (trainable then frozen parameters) in its compute dtype, at a 4 KiB-aligned offset."""
+
+    block: str
+    dtype: str
+    offset: int
+    numel: int
+    itemsize: int
+    params: Tuple[Tuple[str, Tuple[int, ...], int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+def plan_weight_layout(blocks: List["Block"], names: Tuple[str, ...], start: int) -> Tuple[Dict[int, WeightRecord], int]:
+    """Weight records (keyed by id of the group) for the blocks named, placed from byte `start`; the new end."""
+    records: Dict[int, WeightRecord] = {}
+    offset = _round_up(start, ALIGNMENT)
+    for block in blocks:
+        if block.name not in names:
+            continue
+        for group in block.groups:
+            params = tuple((s.name, tuple(s.shape), s.offset) for s in group.slots)
+            itemsize = torch.empty((), dtype=group.dtype).element_size()
+            record = WeightRecord(block.name, str(group.dtype).replace("torch.", ""), offset, group.numel, itemsize,
+                                  params)
+            records[id(group)] = record
+            offset += _round_up(record.nbytes, ALIGNMENT)
+    return records, offset
 
 
 def plan_swap_layout(blocks: List["Block"]) -> Tuple[Dict[int, SwapRecord], int]:
@@ -71,39 +119,94 @@ def check_room(directory: str, needed: int) -> None:
             f"({needed / 2**30:.2f} GiB); free space or choose another directory")
 
 
+RAM_FILE_SYSTEMS = ("tmpfs", "ramfs")
+
+
+def warn_if_ram_backed(directory: str) -> bool:
+    """Warn once when the swap directory lives in RAM (tmpfs, /dev/shm): it works, with buffered I/O since
+    O_DIRECT is unsupported or pointless there, but the swap file then takes memory outside host_memory."""
+    fs = file_system_of(directory)
+    if fs.split(" ")[0] not in RAM_FILE_SYSTEMS:
+        return False
+    warnings.warn(
+        f"offload: nvme_path {directory!r} is on {fs}, which keeps files in RAM: the swap file works (buffered "
+        "I/O, O_DIRECT is unsupported or pointless there) but uses memory outside host_memory; use a directory "
+        "on a local NVMe disk to free RAM", RuntimeWarning, stacklevel=4)
+    return True
+
+
 class SwapStore:
     """The swap file of one engine: created at wrap(), preallocated, removed at close()."""
 
-    def __init__(self, directory: str, records: Dict[int, SwapRecord], size: int) -> None:
+    def __init__(self, directory: str, records: Dict[int, SwapRecord], size: int,
+                 weights: Optional[Dict[int, WeightRecord]] = None) -> None:
         check_room(directory, size)
         self.directory = directory
         self.records = records
+        self.weights: Dict[int, WeightRecord] = weights or {}
         self.path = os.path.join(directory, f"offload-{os.getpid()}-{uuid.uuid4().hex[:8]}.swap")
         self.layout_path = self.path + ".layout.json"
         self._io = AsyncIO()
-        self._file: SwapFile = self._io.open(self.path, size=max(size, ALIGNMENT))
+        ram_backed = warn_if_ram_backed(directory)
+        self._file: SwapFile = self._io.open(self.path, size=max(size, ALIGNMENT),
+                                             direct=False if ram_backed else None)
         self.bytes_read = 0
         self.bytes_written = 0
         self._write_layout(size)
 
     def _write_layout(self, size: int) -> None:
+        records = [dict(r.__dict__, section_bytes=r.section_bytes) for r in self.records.values()]
         layout = {"version": LAYOUT_VERSION, "swap_file": os.path.basename(self.path), "size": size,
-                  "tensors": list(STATE_TENSORS), "records": [r.__dict__ for r in self.records.values()]}
+                  "tensors": list(STATE_TENSORS), "records": records,
+                  "weights": [r.__dict__ for r in self.weights.values()]}
         tmp = self.layout_path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(layout, f, indent=1)
         os.replace(tmp, self.layout_path)
 
     def read(self, group: "FlatGroup", into: Tensor) -> None:
-        """Fill `into` (3 x numel fp32, contiguous) with the group's state; raises on a short or failed read."""
-        record = self.records[id(group)]
-        self._io.pread(into, self._file, record.offset).result()
-        self.bytes_read += record.nbytes
+        """Fill `into` (a record-sized buffer, see `state_views`) with the group's state; raises on a short or
+        failed read."""
+        numel = _check_record_buffer(self.records[id(group)], into)
+        for future in self.submit(False, group, 0, numel, state_views(into, numel)):
+            future.result()
 
     def write(self, group: "FlatGroup", source: Tensor) -> None:
+        numel = _check_record_buffer(self.records[id(group)], source)
+        for future in self.submit(True, group, 0, numel, state_views(source, numel)):
+            future.result()
+
+    def submit(self, write: bool, group: "FlatGroup", start: int, stop: int,
+               sections: Tuple[Tensor, Tensor, Tensor], weights: Optional[Tensor] = None) -> List[IOFuture]:
+        """Start reading (or writing) elements [start, stop) of the group's three sections from (into) the
+        given fp32 tensors, and of its compute weights from (into) `weights` when given and the weights are
+        on disk; returns one future per piece. The caller keeps the tensors alive and orders a read after
+        any write of the same range."""
         record = self.records[id(group)]
-        self._io.pwrite(source, self._file, record.offset).result()
-        self.bytes_written += record.nbytes
+        futures = []
+        if weights is not None and id(group) in self.weights:
+            futures.append(self.submit_weights(write, group, start, weights[:stop - start]))
+        for index, tensor in enumerate(sections):
+            offset = record.offset + index * record.section_bytes + 4 * start
+            part = tensor[:stop - start]
+            futures.append(self._io.pwrite(part, self._file, offset) if write
+                           else self._io.pread(part, self._file, offset))
+        if write:
+            self.bytes_written += 12 * (stop - start)
+        else:
+            self.bytes_read += 12 * (stop - start)
+        return futures
+
+    def submit_weights(self, write: bool, group: "FlatGroup", start: int, tensor: Tensor) -> IOFuture:
+        """Read (write) the group's compute weights from element `start` into (from) `tensor` (its dtype)."""
+        record = self.weights[id(group)]
+        offset = record.offset + start * record.itemsize
+        nbytes = tensor.numel() * tensor.element_size()
+        if write:
+            self.bytes_written += nbytes
+            return self._io.pwrite(tensor, self._file, offset)
+        self.bytes_read += nbytes
+        return self._io.pread(tensor, self._file, offset)
 
     def close(self) -> None:
         """Close and delete the swap file and its layout (this run's state only)."""
@@ -117,11 +220,21 @@ class SwapStore:
                     pass
 
 
+def _check_record_buffer(record: SwapRecord, buffer: Tensor) -> int:
+    """A whole-record buffer must hold the padded sections (layout v2), or a section would be cut short."""
+    if buffer.numel() * buffer.element_size() < record.nbytes:
+        raise ValueError(f"buffer of {buffer.numel() * buffer.element_size()} bytes for the record of block "
+                         f"{record.block!r}, which needs {record.nbytes} (3 sections of {record.section_bytes})")
+    return record.numel
+
+
 def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
 def state_views(buffer: Tensor, numel: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """master, exp_avg, exp_avg_sq as views of one record-sized fp32 buffer."""
-    flat = buffer.view(torch.float32)[:3 * numel]
-    return flat[:numel], flat[numel:2 * numel], flat[2 * numel:]
+    """master, exp_avg, exp_avg_sq as views of one record-sized buffer (`SwapRecord.nbytes`): each section
+    starts at a multiple of `section_bytes(numel)`, as on disk."""
+    stride = section_bytes(numel) // 4
+    flat = buffer.view(torch.float32)
+    return flat[:numel], flat[stride:stride + numel], flat[2 * stride:2 * stride + numel]

@@ -1,0 +1,125 @@
+"""`python -m offload estimate`: memory per tier for a model size and budgets, before buying or wrapping.
+
+    python -m offload estimate --params 7e9 --host-memory 64GB --device-memory 24GB
+    python -m offload estimate --layers 32 --dim 4096 --vocab 32000 --tier nvme --blocks
+
+Runs the same planner `offload.wrap` runs, on blocks described by sizes instead of a model: a GPT config
+gives one block per layer (12 d^2 + 13 d parameters) plus the embeddings; `--params N` is split into
+`--layers` equal blocks (32 by default) with no embedding. Budgets the plan cannot meet are reported
+with the planner's own message.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from offload.errors import OffloadConfigError
+from offload.planner import BlockSpec, Location, Plan, make_plan, spec_of
+from offload.planner import human_bytes as _human
+from offload.policy import Tier, parse_bytes
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Parameter counts per block of a model to estimate: (block name, parameters) in forward order."""
+
+    blocks: Sequence[tuple]
+
+    @property
+    def params(self) -> int:
+        return sum(n for _name, n in self.blocks)
+
+    @staticmethod
+    def gpt(layers: int, dim: int, vocab: int, context: int) -> "ModelShape":
+        """A GPT with tied embedding/output: wte, wpe, `layers` transformer layers, final LayerNorm."""
+        layer = 12 * dim * dim + 13 * dim  # qkv, proj, fc, out with biases, two LayerNorms
+        blocks = [("wte", vocab * dim), ("wpe", context * dim)]
+        blocks += [(f"h.{i}", layer) for i in range(layers)] + [("ln_f", 2 * dim)]
+        return ModelShape(tuple(blocks))
+
+    @staticmethod
+    def uniform(params: int, layers: int) -> "ModelShape":
+        each, extra = divmod(int(params), layers)
+        return ModelShape(tuple((f"block.{i}", each + (1 if i < extra else 0)) for i in range(layers)))
+
+
+def estimate(shape: ModelShape, tier: Tier, dtype: torch.dtype, device_memory: Optional[int],
+             host_memory: Optional[int]) -> Plan:
+    """The plan `offload.wrap` would make for a model of this shape (all parameters trainable)."""
+    from offload.scheduler.disk_ring import ring_size_for
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    specs: List[BlockSpec] = [spec_of(name, n * itemsize, [(n, dtype)], tier) for name, n in shape.blocks]
+    ring = ring_size_for(max(n for _name, n in shape.blocks)) if tier is Tier.NVME else None
+    return make_plan(specs, tier, device_memory, host_memory, ring)
+
+
+def _summary(plan: Plan) -> str:
+    disk_weights = len(plan.disk_weight_blocks)
+    streamed = len(plan.streamed_blocks)
+    return (f"device {_human(plan.bytes_on(Location.DEVICE)):>10}  host {_human(plan.bytes_on(Location.HOST)):>10}  "
+            f"disk {_human(plan.bytes_on(Location.DISK)):>10}  streamed blocks {streamed}"
+            + (f" ({disk_weights} from disk)" if disk_weights else ""))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m offload estimate", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--params", type=float, default=None, help="total parameters, e.g. 7e9")
+    parser.add_argument("--layers", type=int, default=None, help="transformer layers (blocks for --params; default 32)")
+    parser.add_argument("--dim", type=int, default=None, help="model width of a GPT config")
+    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary of a GPT config")
+    parser.add_argument("--context", type=int, default=2048, help="context length of a GPT config")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="compute dtype of the weights")
+    parser.add_argument("--tier", choices=[t.value for t in Tier] + ["all"], default="all")
+    parser.add_argument("--device-memory", default=None, help="device budget, e.g. 24GB")
+    parser.add_argument("--host-memory", default=None, help="host budget, e.g. 64GB")
+    parser.add_argument("--blocks", action="store_true", help="print the per-block plan table too")
+
+
+def run(args: argparse.Namespace) -> int:
+    if (args.params is None) == (args.dim is None):
+        print("give either --params N, or a GPT config with --layers and --dim (and --vocab, --context)")
+        return 2
+    if args.dim is not None:
+        shape = ModelShape.gpt(args.layers or 32, args.dim, args.vocab, args.context)
+    else:
+        shape = ModelShape.uniform(int(args.params), args.layers or 32)
+    dtype = DTYPES[args.dtype]
+    try:
+        device_memory = parse_bytes(args.device_memory, "--device-memory")
+        host_memory = parse_bytes(args.host_memory, "--host-memory")
+    except OffloadConfigError as exc:
+        print(exc)
+        return 2
+    tiers = list(Tier) if args.tier == "all" else [Tier.parse(args.tier)]
+    count = f"{shape.params / 1e9:.3g}B" if shape.params >= 1e9 else f"{shape.params / 1e6:.3g}M"
+    print(f"model: {count} parameters in {len(shape.blocks)} blocks, compute dtype {args.dtype}; "
+          f"budgets: device {_human(device_memory) if device_memory else 'none'}, "
+          f"host {_human(host_memory) if host_memory else 'none'}")
+    fits_any = False
+    for tier in tiers:
+        try:
+            plan = estimate(shape, tier, dtype, device_memory, host_memory)
+        except OffloadConfigError as exc:
+            print(f"tier={tier.value:<5} does not fit: {exc}")
+            continue
+        fits_any = True
+        print(f"tier={tier.value:<5} {_summary(plan)}")
+        if args.blocks:
+            print(plan)
+    return 0 if fits_any else 1
+
+
+__all__ = ["ModelShape", "estimate", "main"]

@@ -1,0 +1,93 @@
+"""StepWorker: one background thread that runs block updates, the block needed soonest first.
+
+Updates are submitted as gradients complete (during backward that is roughly reverse forward order), but
+the next forward needs the first blocks first. When updates queue up (the disk or the CPU is the
+bottleneck), running them in order of `priority` (the block's position in the forward order) lets the next
+forward start as soon as its first block is ready instead of after every queued update. Work for the same
+block always runs in submission order (equal priority, then sequence). Before each job the worker reports
+the order of what is still queued (`on_next`), so the nvme ring reads ahead in the order it will be used.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+Job = Tuple[float, int, int, Callable[[], object], Future]  # (priority, sequence, block index, work, future)
+
+
+class StepWorker:
+    """One thread; one future per block. `num_threads` caps torch's intra-op threads *of this thread only*
+    (OpenMP's thread count is per thread): when the CPU also computes, two full OpenMP teams spinning on the
+    same cores slow both down several-fold. Every wait goes through `wait(block_index)`, so an exception
+    raised in an update surfaces at the next use of that block."""
+
+    def __init__(self, num_threads: int, on_next: Optional[Callable[[List[int]], None]] = None) -> None:
+        self.num_threads = num_threads
+        self._on_next = on_next
+        self._queue: List[Job] = []
+        self._pending: Dict[int, Future] = {}
+        self._sequence = 0
+        self._stopping = False
+        self._lock = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="offload-step", daemon=True)
+        self._thread.start()
+
+    def submit(self, block_index: int, work: Callable[[], object], priority: float = 0.0) -> Future:
+        """Queue `work` for the block; lower `priority` runs earlier, same block in submission order."""
+        future: Future = Future()
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the step worker is closed")
+            self._sequence += 1
+            self._queue.append((priority, self._sequence, block_index, work, future))
+            self._pending[block_index] = future
+            self._lock.notify()
+        return future
+
+    def is_pending(self, block_index: int) -> bool:
+        future = self._pending.get(block_index)
+        return future is not None and not future.done()
+
+    def wait(self, block_index: int) -> None:
+        """Block until the block's last submitted work is done; re-raise its exception here."""
+        with self._lock:
+            future = self._pending.pop(block_index, None)
+        if future is not None:
+            future.result()
+
+    def wait_all(self) -> None:
+        for index in list(self._pending):
+            self.wait(index)
+
+    def close(self) -> None:
+        try:
+            self.wait_all()
+        finally:
+            with self._lock:
+                self._stopping = True
+                self._lock.notify()
+            self._thread.join()
+
+    def _run(self) -> None:
+        torch.set_num_threads(self.num_threads)
+        while True:
+            with self._lock:
+                while not self._queue and not self._stopping:
+                    self._lock.wait()
+                if not self._queue:
+                    return
+                self._queue.sort(key=lambda job: (job[0], job[1]))
+                _priority, _seq, _block, work, future = self._queue.pop(0)
+                upcoming = [job[2] for job in self._queue]
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                if self._on_next is not None and upcoming:
+                    self._on_next(upcoming)  # may raise an earlier write's error: reported with this job
+                future.set_result(work())
+            except BaseException as exc:
+                future.set_exception(exc)
