@@ -12,7 +12,7 @@ import math
 import time
 import warnings
 import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from offload._system import usable_cores
 from offload.errors import OffloadConfigError, OffloadError
 from offload.planner import BlockSpec, Plan, make_plan
 from offload.policy import OffloadPolicy, Tier
-from offload.scheduler.block import Block, build_blocks, param_owners
+from offload.scheduler.block import Block, FlatGroup, Residency, build_blocks, param_owners
 from offload.scheduler.grads import BackwardTracker
 from offload.scheduler.hooks import HookSet
 from offload.scheduler.optimizer_view import EngineOptimizer
@@ -356,6 +356,59 @@ class Engine:
                 streamed[id(slot.param)] = host[slot.offset:slot.offset + slot.numel].view(slot.shape)
         return {k: (streamed[id(v)] if id(v) in streamed else v.detach()).to("cpu", copy=True)
                 for k, v in self.module.state_dict(keep_vars=True).items()}
+
+    def save(self, path: str, *, scheduler: Any = None, rng: bool = False, progress: Optional[bool] = None) -> str:
+        """Save weights (`model.safetensors`, readable without offload), optimizer state, step counters and,
+        when given, the LR scheduler's and the RNG states into directory `path`, atomically: a kill at any
+        moment leaves the previous checkpoint or the new one. Streams one flat group at a time."""
+        from offload.checkpoint import save_checkpoint
+
+        self._check_open()
+        return save_checkpoint(self, path, scheduler=scheduler, rng=rng, progress=progress)
+
+    def load(self, path: str, *, scheduler: Any = None, rng: bool = False, progress: Optional[bool] = None) -> dict:
+        """Load a checkpoint saved by any tier (keyed by parameter names); training then continues exactly as
+        it would have. Damaged or missing files raise OffloadIntegrityError naming the file and block."""
+        from offload.checkpoint import load_checkpoint
+
+        self._check_open()
+        return load_checkpoint(self, path, scheduler=scheduler, rng=rng, progress=progress)
+
+    # ----- narrow accessors for offload/checkpoint -------------------------------------------------
+    def checkpoint_groups(self) -> Iterator[Tuple[Block, FlatGroup, Optional[GroupState]]]:
+        """Every block's flat groups with their optimizer state (None: no trainable parameter), all updates
+        applied first."""
+        self.synchronize()
+        for block in self.blocks:
+            states = {id(s.group): s for s in self._states[block.index]}
+            for group in block.groups:
+                yield block, group, states.get(id(group))
+
+    def group_weights(self, group: FlatGroup) -> torch.Tensor:
+        """The group's current compute weights on the host (the streamed host copy, or the device buffer)."""
+        block = next(b for b in self.blocks if any(g is group for g in b.groups))
+        if self._streamer.is_streamed(block):
+            return self._streamer.host_copy(group)
+        assert group.device_buffer is not None
+        return group.device_buffer.detach().to("cpu")
+
+    def set_group_weights(self, group: FlatGroup, flat: torch.Tensor) -> None:
+        """Replace the group's compute weights (all its parameters, in its flat layout)."""
+        block = next(b for b in self.blocks if any(g is group for g in b.groups))
+        with torch.no_grad():
+            if self._streamer.is_streamed(block):
+                self._streamer.host_copy(group).copy_(flat)
+            if not self._streamer.is_streamed(block) or block.residency is Residency.RESIDENT:
+                assert group.device_buffer is not None
+                group.device_buffer.copy_(flat)
+        self._needs_upload.discard(block.index)
+
+    def checkpoint_counters(self) -> Dict[str, int]:
+        return {"steps": int(self._stats["steps"]), "skipped_steps": int(self._stats["skipped_steps"])}
+
+    def restore_counters(self, counters: Dict[str, int]) -> None:
+        self._stats["steps"] = counters["steps"]
+        self._stats["skipped_steps"] = counters["skipped_steps"]
 
     def stats(self) -> Dict[str, float]:
         """Counters since `wrap()`: steps, skipped steps, block updates (and how many ran during backward),
