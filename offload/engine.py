@@ -12,18 +12,21 @@ import math
 import time
 import warnings
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from offload._interrupts import deferred_keyboard_interrupt
 from offload._system import usable_cores
+from offload.checkpoint.engine_access import CheckpointAccess
 from offload.errors import OffloadConfigError, OffloadError
 from offload.planner import BlockSpec, Plan, make_plan
 from offload.policy import OffloadPolicy, Tier
-from offload.scheduler.block import Block, FlatGroup, Residency, build_blocks, param_owners
+from offload.scheduler.block import Block, build_blocks, param_owners
 from offload.scheduler.grads import BackwardTracker
 from offload.scheduler.hooks import HookSet
+from offload.scheduler.nonfinite import NonFiniteSkips, grads_finite
 from offload.scheduler.optimizer_view import EngineOptimizer
 from offload.scheduler.step import AdamHyper, DiskGroupState, GroupState, StepWorker, clip_scale
 from offload.scheduler.streaming import WeightStreamer
@@ -35,7 +38,7 @@ from offload.tiers.host import StagingPool
 _MARKER = "_offload_engine"
 
 
-class Engine:
+class Engine(CheckpointAccess):
     """Trains `module` with AdamW, its optimizer state placed per `policy`. Made by `offload.wrap`.
 
     Use it as the model (`loss = engine(batch)`), call `loss.backward()`, `engine.step()`,
@@ -95,6 +98,7 @@ class Engine:
         self._param_position = {id(p): i for i, p in enumerate(module.parameters())}
         self._stats = dict(steps=0, skipped_steps=0, block_updates=0, early_block_updates=0,
                            update_seconds=0.0, wait_seconds=0.0)
+        self._nonfinite = NonFiniteSkips()
         self._hooks = HookSet()
         self._hooks.attach(module, self.blocks, param_owners(module), self._ensure_blocks, self._leave_blocks,
                            self._on_backward_begin, self._on_grad)
@@ -245,12 +249,16 @@ class Engine:
         jobs = [(state, state.ready_indices(), self._host_weights(state)) for state in self._states[block.index]]
         if not any(ready for _s, ready, _o in jobs):
             return
-        stats, threads = self._stats, self._worker.num_threads
+        stats, threads, skips, step = self._stats, self._worker.num_threads, self._nonfinite, self._stats["steps"]
+        check = self.policy.max_grad_norm is None  # with clipping the global norm decides for the whole step
 
         def work() -> None:
             start = time.perf_counter()
             with torch.profiler.record_function("offload::cpu_step"):
                 for state, ready, out in jobs:
+                    if check and not grads_finite(state):
+                        skips.record(step, block.name)
+                        continue
                     state.update(ready, hyper, grad_scale, out, threads)
             stats["update_seconds"] += time.perf_counter() - start
 
@@ -275,8 +283,13 @@ class Engine:
         return seen + [b for b in self.blocks if b.index not in self._seen]
 
     def _step(self) -> None:
-        """engine.optimizer.step(): schedule the remaining block updates in forward order and return."""
+        """engine.optimizer.step(): schedule the remaining block updates in forward order and return.
+        Ctrl-C waits until the step is fully scheduled (offload/_interrupts.py)."""
         self._check_open()
+        with deferred_keyboard_interrupt():
+            self._schedule_step()
+
+    def _schedule_step(self) -> None:
         self._tracker.end_step()
         hyper = AdamHyper.from_group(self.optimizer.param_groups[0])
         for block in self.blocks:  # gradients still on the device (fewer backward calls than declared)
@@ -357,63 +370,12 @@ class Engine:
         return {k: (streamed[id(v)] if id(v) in streamed else v.detach()).to("cpu", copy=True)
                 for k, v in self.module.state_dict(keep_vars=True).items()}
 
-    def save(self, path: str, *, scheduler: Any = None, rng: bool = False, progress: Optional[bool] = None) -> str:
-        """Save weights (`model.safetensors`, readable without offload), optimizer state, step counters and,
-        when given, the LR scheduler's and the RNG states into directory `path`, atomically: a kill at any
-        moment leaves the previous checkpoint or the new one. Streams one flat group at a time."""
-        from offload.checkpoint import save_checkpoint
-
-        self._check_open()
-        return save_checkpoint(self, path, scheduler=scheduler, rng=rng, progress=progress)
-
-    def load(self, path: str, *, scheduler: Any = None, rng: bool = False, progress: Optional[bool] = None) -> dict:
-        """Load a checkpoint saved by any tier (keyed by parameter names); training then continues exactly as
-        it would have. Damaged or missing files raise OffloadIntegrityError naming the file and block."""
-        from offload.checkpoint import load_checkpoint
-
-        self._check_open()
-        return load_checkpoint(self, path, scheduler=scheduler, rng=rng, progress=progress)
-
-    # ----- narrow accessors for offload/checkpoint -------------------------------------------------
-    def checkpoint_groups(self) -> Iterator[Tuple[Block, FlatGroup, Optional[GroupState]]]:
-        """Every block's flat groups with their optimizer state (None: no trainable parameter), all updates
-        applied first."""
-        self.synchronize()
-        for block in self.blocks:
-            states = {id(s.group): s for s in self._states[block.index]}
-            for group in block.groups:
-                yield block, group, states.get(id(group))
-
-    def group_weights(self, group: FlatGroup) -> torch.Tensor:
-        """The group's current compute weights on the host (the streamed host copy, or the device buffer)."""
-        block = next(b for b in self.blocks if any(g is group for g in b.groups))
-        if self._streamer.is_streamed(block):
-            return self._streamer.host_copy(group)
-        assert group.device_buffer is not None
-        return group.device_buffer.detach().to("cpu")
-
-    def set_group_weights(self, group: FlatGroup, flat: torch.Tensor) -> None:
-        """Replace the group's compute weights (all its parameters, in its flat layout)."""
-        block = next(b for b in self.blocks if any(g is group for g in b.groups))
-        with torch.no_grad():
-            if self._streamer.is_streamed(block):
-                self._streamer.host_copy(group).copy_(flat)
-            if not self._streamer.is_streamed(block) or block.residency is Residency.RESIDENT:
-                assert group.device_buffer is not None
-                group.device_buffer.copy_(flat)
-        self._needs_upload.discard(block.index)
-
-    def checkpoint_counters(self) -> Dict[str, int]:
-        return {"steps": int(self._stats["steps"]), "skipped_steps": int(self._stats["skipped_steps"])}
-
-    def restore_counters(self, counters: Dict[str, int]) -> None:
-        self._stats["steps"] = counters["steps"]
-        self._stats["skipped_steps"] = counters["skipped_steps"]
-
     def stats(self) -> Dict[str, float]:
         """Counters since `wrap()`: steps, skipped steps, block updates (and how many ran during backward),
         bytes moved per link, seconds spent updating and waiting for updates, device-tier bytes."""
         out: Dict[str, float] = dict(self._stats)
+        out["skipped_steps"] += self._nonfinite.steps  # steps where some block had non-finite gradients
+        out["skipped_block_updates"] = self._nonfinite.block_skips
         out.update(bytes_device_to_host=self._copies.bytes_to_host, bytes_host_to_device=self._copies.bytes_to_device,
                    device_bytes=self._device_tier.in_use, device_peak_bytes=self._device_tier.peak,
                    device_over_budget_events=self._device_tier.over_budget_events,

@@ -21,6 +21,8 @@ import torch
 from torch import Tensor
 
 from offload.errors import OffloadConfigError
+from offload.tiers.disk_checksums import RecordChecksums
+from offload.tiers.swap_leftovers import hold_lock, remove_leftovers
 from offload.io import AsyncIO, SwapFile
 
 if TYPE_CHECKING:  # descriptions only: the tiers never call into the scheduler
@@ -75,6 +77,7 @@ class SwapStore:
     """The swap file of one engine: created at wrap(), preallocated, removed at close()."""
 
     def __init__(self, directory: str, records: Dict[int, SwapRecord], size: int) -> None:
+        remove_leftovers(directory)  # of crashed runs: before the room check, so their space counts
         check_room(directory, size)
         self.directory = directory
         self.records = records
@@ -82,8 +85,10 @@ class SwapStore:
         self.layout_path = self.path + ".layout.json"
         self._io = AsyncIO()
         self._file: SwapFile = self._io.open(self.path, size=max(size, ALIGNMENT))
+        hold_lock(self._file.buffered_fd, self.path)
         self.bytes_read = 0
         self.bytes_written = 0
+        self.checksums = RecordChecksums()  # sealed on write, verified on read (disk_checksums.py)
         self._write_layout(size)
 
     def _write_layout(self, size: int) -> None:
@@ -99,11 +104,13 @@ class SwapStore:
         record = self.records[id(group)]
         self._io.pread(into, self._file, record.offset).result()
         self.bytes_read += record.nbytes
+        self.checksums.verify(id(group), into[:3 * record.numel], self.path, record.block, record.offset)
 
     def write(self, group: "FlatGroup", source: Tensor) -> None:
         record = self.records[id(group)]
         self._io.pwrite(source, self._file, record.offset).result()
         self.bytes_written += record.nbytes
+        self.checksums.seal(id(group), source[:3 * record.numel])
 
     def close(self) -> None:
         """Close and delete the swap file and its layout (this run's state only)."""
