@@ -81,6 +81,8 @@ def load_checkpoint(engine: "Engine", path: str, *, scheduler: Any = None, rng: 
                 _read_cast(weights, name, host.reshape(-1))
                 with torch.no_grad():
                     buffer.copy_(host)
+        weights.verify_rest()
+        optim.verify_rest()
     for group_now, saved in zip(engine.optimizer.param_groups, manifest["param_groups"]):
         group_now.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()})
     engine.restore_counters({"steps": manifest["step"], "skipped_steps": manifest.get("skipped_steps", 0)})

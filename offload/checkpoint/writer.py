@@ -72,6 +72,7 @@ def save_checkpoint(engine: "Engine", path: str, *, scheduler: Any = None, rng: 
     for name, value in engine.module.state_dict(keep_vars=True).items():
         if id(value) in stored and stored[id(value)] != name:
             tied[name] = stored[id(value)]
+            block_of[name] = block_of[stored[id(value)]]
             extra.append((name, value))
         elif id(value) not in stored:
             extra.append((name, value))

@@ -1,0 +1,182 @@
+"""Checkpoints: exact resume in a new process for every tier, loading across tiers, files other tools read,
+atomic replacement under SIGKILL, and damaged files found by size checks and checksums."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import safetensors.torch
+import torch
+
+import offload
+from offload.errors import OffloadIntegrityError
+from tests.checkpoint_child import make_engine, train
+from tests.models import one_intraop_thread
+
+_threads = pytest.fixture(autouse=True, scope="module")(one_intraop_thread)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIERS = ("gpu", "cpu", "nvme")
+K, M = 2, 3  # steps before the save, steps after
+
+
+def _child(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "tests.checkpoint_child", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_resume_in_a_new_process_is_bit_identical(tier, tmp_path):
+    engine, scheduler = make_engine(tier, str(tmp_path))
+    with engine:
+        train(engine, scheduler, range(K))
+        engine.save(tmp_path / "ckpt", scheduler=scheduler, rng=True)
+        losses = train(engine, scheduler, range(K, K + M))
+        weights = engine.state_dict()
+        lr = engine.optimizer.param_groups[0]["lr"]
+    result = _child("resume", tmp_path, tier, M)
+    assert result.returncode == 0, result.stderr
+    resumed = torch.load(tmp_path / f"resumed-{tier}.pt", weights_only=True)
+    assert resumed["losses"] == losses  # bit-identical, not close
+    assert resumed["lr"] == lr
+    assert weights.keys() == resumed["weights"].keys()
+    assert all(torch.equal(weights[k], resumed["weights"][k]) for k in weights)
+
+
+@pytest.mark.parametrize("saved,loaded", [("gpu", "nvme"), ("nvme", "cpu"), ("cpu", "gpu"), ("nvme", "gpu")])
+def test_load_into_another_tier(saved, loaded, tmp_path):
+    engine, scheduler = make_engine(saved, str(tmp_path))
+    with engine:
+        train(engine, scheduler, range(K))
+        engine.save(tmp_path / "ckpt", scheduler=scheduler, rng=True)
+        state = torch.random.get_rng_state()
+        losses = train(engine, scheduler, range(K, K + M))
+        weights = engine.state_dict()
+    torch.random.set_rng_state(state)
+    other, other_scheduler = make_engine(loaded, str(tmp_path))
+    with other:
+        other.load(tmp_path / "ckpt", scheduler=other_scheduler, rng=True)
+        assert other.stats()["steps"] == K
+        other_losses = train(other, other_scheduler, range(K, K + M))
+        other_weights = other.state_dict()
+    # The gpu tier runs torch's AdamW maths, the others the fused kernel: equal to rounding (as in parity tests).
+    assert max(abs(a - b) for a, b in zip(losses, other_losses)) <= 1e-5
+    assert max((weights[k] - other_weights[k]).abs().max().item() for k in weights) <= 1e-5
+
+
+def test_files_are_readable_without_offload(tmp_path):
+    engine, scheduler = make_engine("nvme", str(tmp_path))
+    with engine:
+        train(engine, scheduler, range(K))
+        engine.save(tmp_path / "ckpt", scheduler=scheduler, rng=True)
+        expected = engine.state_dict()
+        trainable = {n for n, p in engine.module.named_parameters() if p.requires_grad}
+    directory = tmp_path / "ckpt"
+    assert sorted(os.listdir(directory)) == ["manifest.json", "model.safetensors", "optimizer.safetensors",
+                                             "rng.pt", "scheduler.pt"]
+    weights = safetensors.torch.load_file(directory / "model.safetensors")
+    assert weights.keys() == expected.keys()  # tied aliases included, so load_state_dict(strict=True) works
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)
+    optim = safetensors.torch.load_file(directory / "optimizer.safetensors")
+    assert set(optim) == {f"{kind}/{n}" for kind in ("master", "exp_avg", "exp_avg_sq") for n in trainable}
+    assert all(torch.equal(optim[f"master/{n}"], expected[n]) for n in trainable)  # fp32: master == weights
+    assert torch.load(directory / "scheduler.pt", weights_only=True)["last_epoch"] == K
+    assert "torch" in torch.load(directory / "rng.pt", weights_only=True)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert (manifest["version"], manifest["tier"], manifest["step"]) == (1, "nvme", K)
+    steps = {p["name"]: p["steps"] for b in manifest["blocks"] for g in b["groups"] for p in g["params"]}
+    assert all(steps[n] == K for n in trainable)
+    assert manifest["tied"] == {"lm_head.weight": "wte.weight"}
+    assert manifest["files"]["optimizer.safetensors"]["size"] == os.path.getsize(directory / "optimizer.safetensors")
+
+
+def _damage(path, how):
+    size = os.path.getsize(path)
+    if how == "missing":
+        os.unlink(path)
+    elif how == "truncated":
+        os.truncate(path, size - 100)
+    else:
+        with open(path, "r+b") as f:
+            f.seek(size - 64)
+            data = bytearray(f.read(4))
+            if how == "zeroed":
+                data = bytearray(4) if any(data) else bytearray(b"\1\1\1\1")
+            else:
+                data[0] ^= 0x10  # one bit
+            f.seek(size - 64)
+            f.write(data)
+
+
+@pytest.mark.parametrize("how", ["truncated", "zeroed", "bit-flipped", "missing"])
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors"])
+def test_damaged_checkpoint_file_is_named_not_loaded(name, how, tmp_path):
+    engine, scheduler = make_engine("cpu", str(tmp_path))
+    with engine:
+        train(engine, scheduler, range(1))
+        engine.save(tmp_path / "ckpt")
+        _damage(tmp_path / "ckpt" / name, how)
+        what = {"missing": "is missing", "truncated": "truncated"}.get(how, r"checksum mismatch .* of block '(wte|ln_f)'")
+        pattern = rf"(?=.*{re.escape(name)})(?=.*{what})"
+        with pytest.raises(OffloadIntegrityError, match=pattern):
+            engine.load(tmp_path / "ckpt")
+
+
+def test_damaged_manifest_is_an_integrity_error(tmp_path):
+    engine, scheduler = make_engine("cpu", str(tmp_path))
+    with engine:
+        engine.save(tmp_path / "ckpt")
+        (tmp_path / "ckpt" / "manifest.json").write_text('{"format": "offload-checkpoint", "vers')
+        with pytest.raises(OffloadIntegrityError, match="manifest.json.*damaged"):
+            engine.load(tmp_path / "ckpt")
+
+
+def _kill_during_save(tmp_path, pause_at):
+    proc = subprocess.Popen([sys.executable, "-m", "tests.checkpoint_child", "kill", str(tmp_path), str(pause_at)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().strip()  # "PAUSED", or "DONE <calls>" when pause_at is past the last call
+    if line == "PAUSED":
+        proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=120)
+    assert line.startswith(("PAUSED", "DONE")), proc.stderr.read()
+    engine, _ = make_engine("cpu", str(tmp_path))
+    with engine:
+        manifest = engine.load(tmp_path / "ckpt")
+        expected = torch.load(tmp_path / f"expected-{manifest['step']}.pt", weights_only=True)
+        loaded = engine.state_dict()
+        assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+    return line, manifest["step"]
+
+
+@pytest.mark.parametrize("pause_at", [3, 6, 7])  # inside the file writes, between the renames, after them
+def test_sigkill_during_save_leaves_a_loadable_checkpoint(pause_at, tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "loading the previous checkpoint" is expected
+        line, step = _kill_during_save(tmp_path, pause_at)
+    assert line == "PAUSED" and step in (1, 2)
+
+
+@pytest.mark.slow
+def test_sigkill_at_every_fsync_and_rename_point(tmp_path):
+    import warnings
+
+    steps, pause_at = [], 1
+    while True:
+        directory = tmp_path / str(pause_at)
+        directory.mkdir()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            line, step = _kill_during_save(directory, pause_at)
+        steps.append(step)
+        if line.startswith("DONE"):
+            break
+        pause_at += 1
+    assert steps[0] == 1 and steps[-1] == 2 and steps == sorted(steps)  # old until the switch, then new
