@@ -9,6 +9,7 @@ memory at a time: for the nvme tier one swap record, staged through the engine's
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import time
@@ -44,7 +45,30 @@ def _progress(total: int, progress: Optional[bool], desc: str) -> tqdm:
 
 def save_checkpoint(engine: "Engine", path: str, *, scheduler: Any = None, rng: bool = False,
                     progress: Optional[bool] = None) -> str:
-    """Write the checkpoint; returns its absolute path. See `Engine.save`."""
+    """Write the checkpoint; returns its absolute path. See `Engine.save`.
+
+    Any file error (a full disk above all) raises OffloadIOError after the temporary directory is removed:
+    the previous checkpoint and the engine's state are untouched, so the user can free space and save again.
+    """
+    path = os.path.abspath(os.fspath(path))
+    try:
+        return _save(engine, path, scheduler, rng, progress)
+    except OffloadIOError as exc:
+        raise _explained(exc, path) from None
+    except OSError as exc:
+        raise _explained(OffloadIOError.from_errno(exc.errno or errno.EIO, exc.filename or path, 0, 0, "save"),
+                         path) from None
+
+
+def _explained(exc: OffloadIOError, path: str) -> OffloadIOError:
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return exc
+    return OffloadIOError(exc.errno, f"no space left while saving checkpoint {path!r}; the previous checkpoint "
+                          "there (if any) is intact and training state is unharmed: free space and save again",
+                          exc.path, exc.offset, exc.size, exc.op)
+
+
+def _save(engine: "Engine", path: str, scheduler: Any, rng: bool, progress: Optional[bool]) -> str:
     groups = list(engine.checkpoint_groups())  # waits for pending updates first
     algorithm = preferred_algorithm()
     block_of: Dict[str, str] = {}
