@@ -17,7 +17,7 @@ warn_if_unavailable()
 from offload.api import wrap  # noqa: E402  (after the native import warning)
 from offload.engine import Engine  # noqa: E402
 from offload.policy import OffloadPolicy, Tier  # noqa: E402
-from offload.verify import VerifyReport, verify  # noqa: E402
+from offload.parity import VerifyReport, verify  # noqa: E402
 
 __version__ = "0.1.0"
 

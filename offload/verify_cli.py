@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from offload.verify import verify
+    from offload.parity import verify
 
     module_name, _, function_name = args.model.partition(":")
     model_fn = getattr(importlib.import_module(module_name), function_name or "main")

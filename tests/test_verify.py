@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from offload.__main__ import main
-from offload.verify import verify
+from offload.parity import verify
 from offload.verify_model import tiny_gpt
 from tests.models import one_intraop_thread
 
