@@ -82,9 +82,40 @@ def kill(directory: str, pause_at: int) -> None:
     print("DONE", calls[0], flush=True)
 
 
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def memory(directory: str) -> None:
+    """Peak RSS growth of save and of load on the nvme tier, against the optimizer state's size."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    engine = offload.wrap(TinyGPT(dim=256, layers=16), tier="nvme", nvme_path=directory, dtype=torch.float32,
+                          device="cpu")
+    scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1)
+    train(engine, scheduler, range(1))
+    engine.synchronize()
+    state_bytes = 12 * sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+    growth = {}
+    for phase in ("save", "load"):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets the peak (VmHWM) to the current RSS
+        before = _rss("VmRSS")
+        if phase == "save":
+            engine.save(os.path.join(directory, "ckpt"))
+        else:
+            engine.load(os.path.join(directory, "ckpt"))
+        growth[phase] = _rss("VmHWM") - before
+    print("MEMORY", state_bytes, growth["save"], growth["load"], flush=True)
+    engine.close()
+
+
 if __name__ == "__main__":
     command, directory = sys.argv[1], sys.argv[2]
-    if command == "resume":
+    if command == "memory":
+        memory(directory)
+    elif command == "resume":
         resume(directory, sys.argv[3], int(sys.argv[4]))
     else:
         kill(directory, int(sys.argv[3]))
