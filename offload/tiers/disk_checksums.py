@@ -11,22 +11,23 @@ from typing import Dict, Hashable
 
 from torch import Tensor
 
-from offload.checksum import crc32c
+from offload.checksum import checksum, preferred_algorithm
 from offload.errors import OffloadIntegrityError
 
 
 class RecordChecksums:
-    """CRC-32C of each record's bytes as last written by this process."""
+    """Checksum of each record's bytes as last written by this process."""
 
     def __init__(self) -> None:
         self._crc: Dict[Hashable, int] = {}
+        self.algorithm = preferred_algorithm()  # crc32c with the native core, else zlib's crc32 (both fast)
 
     def seal(self, key: Hashable, data: Tensor) -> None:
-        self._crc[key] = crc32c(data)
+        self._crc[key] = checksum(data, self.algorithm)
 
     def verify(self, key: Hashable, data: Tensor, path: str, block: str, offset: int) -> None:
         expected = self._crc.get(key)
-        if expected is not None and crc32c(data) != expected:
+        if expected is not None and checksum(data, self.algorithm) != expected:
             raise OffloadIntegrityError(
                 f"swap file {path!r}: the record of block {block!r} at offset {offset} ({data.numel() * data.element_size()} "
                 "bytes) does not match its checksum: the file was changed or damaged under the running engine", path)
