@@ -8,7 +8,7 @@ lease of the engine's staging pool (nvme tier), so a checkpoint never holds more
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -61,3 +61,12 @@ def writing(state: GroupState) -> Iterator[Views]:
     with torch.no_grad():
         for target, source in zip(targets, staged):
             target.copy_(source)
+
+
+def swap_record(state: GroupState) -> Optional[Tuple[int, int, int]]:
+    """(file descriptor, offset, bytes) of the group's swap record, or None when its state is in memory.
+    Lets a checkpoint on the same file system clone the record (copy-on-write) instead of writing it."""
+    if not isinstance(state, DiskGroupState):
+        return None
+    record = state._store.records[id(state.group)]
+    return state._store._file.buffered_fd, record.offset, record.nbytes

@@ -48,7 +48,7 @@ def dtype_code(dtype: torch.dtype) -> str:
     return _DTYPES[dtype]
 
 
-def _header(entries: Sequence[Entry], metadata: Optional[Dict[str, str]]) -> bytes:
+def _header(entries: Sequence[Entry], metadata: Optional[Dict[str, str]], align: int = 8) -> bytes:
     header: Dict[str, object] = {}
     if metadata:
         header["__metadata__"] = metadata
@@ -57,7 +57,7 @@ def _header(entries: Sequence[Entry], metadata: Optional[Dict[str, str]]) -> byt
         header[e.name] = {"dtype": _DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
         offset += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    raw += b" " * (-(8 + len(raw)) % align)  # JSON allows trailing spaces; the data then starts aligned
     return struct.pack("<Q", len(raw)) + raw
 
 
@@ -69,14 +69,14 @@ class TensorFileWriter:
     """Writes `entries` in order; `write(name, tensor)` returns the tensor's checksum. `close()` fsyncs."""
 
     def __init__(self, path: str, entries: Sequence[Entry], algorithm: str,
-                 metadata: Optional[Dict[str, str]] = None) -> None:
+                 metadata: Optional[Dict[str, str]] = None, align: int = 8) -> None:
         self.path = path
         self._entries = list(entries)
         self._next = 0
         self._algorithm = algorithm
         self.checksums: Dict[str, int] = {}
         self._file = open(path, "wb", buffering=0)
-        self._put(_header(entries, metadata))
+        self._put(_header(entries, metadata, align))
 
     def _put(self, data) -> None:
         view = memoryview(data).cast("B")
@@ -98,6 +98,36 @@ class TensorFileWriter:
         self.checksums[name] = value
         self._next += 1
         return value
+
+    def write_zeros(self, name: str) -> None:
+        """The next entry (alignment padding) as zeros."""
+        entry = self._entries[self._next]
+        self.write(name, torch.zeros(entry.shape, dtype=entry.dtype))
+
+    def clone(self, items: Sequence[Tuple[str, Tensor]], src_fd: int, src_offset: int) -> bool:
+        """The next entries, whose bytes are src[src_offset:...] in order, as a copy-on-write clone of that
+        range (the unaligned tail is written). `items` are host copies, for the checksums. False (nothing
+        done) when the file system cannot clone."""
+        from offload.checkpoint.reflink import BLOCK, clone_range
+
+        position = self._file.tell()
+        total = sum(t.numel() * t.element_size() for _n, t in items)
+        aligned = total // BLOCK * BLOCK
+        if not clone_range(src_fd, src_offset, aligned, self._file.fileno(), position):
+            return False
+        self._file.seek(position + aligned)
+        skip = aligned
+        for name, tensor in items:
+            entry = self._entries[self._next]
+            if entry.name != name or tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
+                raise AssertionError(f"{self.path}: expected {entry} next, got {name}")
+            data = _bytes_of(tensor.contiguous())
+            if skip < len(data):
+                self._put(data[skip:])
+            skip = max(0, skip - len(data))
+            self.checksums[name] = checksum(data, self._algorithm)
+            self._next += 1
+        return True
 
     def close(self) -> None:
         """Flush to stable storage; an incomplete file is a bug in the caller."""

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from offload.checkpoint import rng as rng_state
 from offload.checkpoint import state_io
 from offload.checkpoint.atomic import atomic_directory
+from offload.checkpoint.reflink import BLOCK
 from offload.checkpoint.manifest import (FORMAT, MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, SCHEDULER_FILE, VERSION,
                                          jsonable_group, write_manifest)
 from offload.checkpoint.tensor_file import Entry, TensorFileWriter
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from offload.engine import Engine
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+PAD = "__pad__"  # zero bytes that align each optimizer record to a file-system block (reflink.BLOCK)
 PROGRESS_BYTES = 512 << 20  # show a progress bar above this much data (a few seconds on most disks)
 
 
@@ -75,6 +77,7 @@ def _save(engine: "Engine", path: str, scheduler: Any, rng: bool, progress: Opti
     blocks: List[Dict[str, Any]] = []
     model_entries: List[Entry] = []
     optim_entries: List[Entry] = []
+    optim_bytes = 0
     for block, group, state in groups:
         if not blocks or blocks[-1]["name"] != block.name:
             blocks.append({"name": block.name, "groups": []})
@@ -86,6 +89,12 @@ def _save(engine: "Engine", path: str, scheduler: Any, rng: bool, progress: Opti
             block_of[slot.name] = block.name
             model_entries.append(Entry(slot.name, group.dtype, tuple(slot.shape)))
         blocks[-1]["groups"].append({"dtype": str(group.dtype).replace("torch.", ""), "params": params})
+        if state is not None:
+            gap = -optim_bytes % BLOCK  # each record starts on a file-system block, so it can be cloned
+            if gap:
+                optim_entries.append(Entry(f"{PAD}/{len(optim_entries)}", torch.uint8, (gap,)))
+                block_of[optim_entries[-1].name] = block.name
+            optim_bytes += gap + 12 * group.trainable_numel
         for kind in STATE_KINDS:
             for slot in group.trainable_slots:
                 optim_entries.append(Entry(optimizer_key(kind, slot.name), torch.float32, tuple(slot.shape)))
@@ -127,18 +136,25 @@ def _save(engine: "Engine", path: str, scheduler: Any, rng: bool, progress: Opti
         except BaseException:
             weights.abort()
             raise
-        optim = TensorFileWriter(os.path.join(tmp, OPTIMIZER_FILE), optim_entries, algorithm, {"format": "pt"})
+        optim = TensorFileWriter(os.path.join(tmp, OPTIMIZER_FILE), optim_entries, algorithm, {"format": "pt"},
+                                 align=BLOCK)
+        transfer = {"cloned_bytes": 0, "copied_bytes": 0}
+        try_clone = True
         try:
             for _block, group, state in groups:
                 if state is None:
                     continue
-                with state_io.reading(state) as views:
-                    for kind, view in zip(STATE_KINDS, views):
-                        for slot in group.trainable_slots:
-                            optim.write(optimizer_key(kind, slot.name),
-                                        view[slot.offset:slot.offset + slot.numel].view(slot.shape))
-                    del views, view
+                pad = next((e.name for e in optim_entries[optim._next:optim._next + 1] if e.name.startswith(PAD)), None)
+                if pad is not None:
+                    optim.write_zeros(pad)
+                cloned = _write_record(optim, group, state, try_clone)
+                if cloned is None:
+                    try_clone = False  # a file system that cannot clone one record cannot clone the next
+                else:
+                    transfer["cloned_bytes"] += cloned
+                transfer["copied_bytes"] += 12 * group.trainable_numel
                 bar.update(12 * group.trainable_numel)
+            transfer["copied_bytes"] -= transfer["cloned_bytes"]
             optim.close()
         except BaseException:
             optim.abort()
@@ -153,9 +169,25 @@ def _save(engine: "Engine", path: str, scheduler: Any, rng: bool, progress: Opti
             "param_groups": [jsonable_group(g) for g in engine.optimizer.param_groups],
             "blocks": blocks, "tied": tied, "block_of": block_of, "files": files,
             "scheduler": SCHEDULER_FILE if scheduler is not None else None, "rng": RNG_FILE if rng else None,
+            "optimizer_state_transfer": transfer,  # bytes cloned copy-on-write from the swap file vs written
         }
         write_manifest(tmp, manifest)
     return os.path.abspath(path)
+
+
+def _write_record(optim: TensorFileWriter, group: Any, state: Any, try_clone: bool) -> Optional[int]:
+    """One group's optimizer state: cloned from its swap record when possible, else written; returns the
+    bytes cloned, None when written. A function of its own so every view of the staging lease is gone when it returns (the
+    lease goes back to the pool only then)."""
+    with state_io.reading(state) as views:
+        items = [(optimizer_key(kind, slot.name), view[slot.offset:slot.offset + slot.numel].view(slot.shape))
+                 for kind, view in zip(STATE_KINDS, views) for slot in group.trainable_slots]
+        source = state_io.swap_record(state) if try_clone else None
+        if source is not None and optim.clone(items, source[0], source[1]):
+            return source[2] // BLOCK * BLOCK
+        for name, tensor in items:
+            optim.write(name, tensor)
+        return None
 
 
 def _write_pickle(path: str, obj: Any, algorithm: str) -> Dict[str, Any]:
