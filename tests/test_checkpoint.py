@@ -18,7 +18,7 @@ import torch
 import offload
 from offload.errors import OffloadIntegrityError
 from tests.checkpoint_child import make_engine, train
-from tests.models import one_intraop_thread
+from tests.models import TinyGPT, one_intraop_thread
 
 _threads = pytest.fixture(autouse=True, scope="module")(one_intraop_thread)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -226,3 +226,29 @@ def test_nvme_checkpoint_on_the_swap_file_system_is_a_copy_on_write_clone(xfs_di
         assert all(torch.equal(loaded[k], saved[k]) for k in saved)
     optim = safetensors.torch.load_file(xfs_dir / "ckpt" / "optimizer.safetensors")
     assert all(torch.equal(optim[f"master/{k}"], saved[k]) for k in ("h.0.fc.weight", "ln_f.bias"))
+
+
+def test_streamed_weights_round_trip_and_progress_bar(tmp_path, capsys):
+    """Weights streamed under a small device_memory are saved from their host copies and loaded back into
+    them; progress=True shows a tqdm bar."""
+    from tests.test_engine_streaming import BUDGET
+
+    torch.manual_seed(0)
+    streamed = offload.wrap(TinyGPT(), tier="cpu", dtype=torch.float32, device="cpu", device_memory=BUDGET)
+    scheduler = torch.optim.lr_scheduler.StepLR(streamed.optimizer, 1)
+    with streamed:
+        assert streamed.stats()["block_evictions"] >= 0 and streamed._streamer.active
+        train(streamed, scheduler, range(K))
+        streamed.save(tmp_path / "ckpt", progress=True, scheduler=scheduler, rng=True)
+        assert "saving ckpt" in capsys.readouterr().err
+        expected = streamed.state_dict()
+        losses = train(streamed, scheduler, range(K, K + 1))
+    for budget in (None, BUDGET):
+        torch.manual_seed(1)
+        engine = offload.wrap(TinyGPT(), tier="cpu", dtype=torch.float32, device="cpu", device_memory=budget)
+        resumed_scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, 1)
+        with engine:
+            engine.load(tmp_path / "ckpt", scheduler=resumed_scheduler, rng=True)
+            assert all(torch.equal(engine.state_dict()[k], expected[k]) for k in expected)
+            again = train(engine, resumed_scheduler, range(K, K + 1))
+            assert again == losses
