@@ -17,7 +17,7 @@ import torch
 
 import offload
 from offload.errors import OffloadIntegrityError
-from tests.checkpoint_child import make_engine, train
+from tests.checkpoint_child import BATCHES, make_engine, train
 from tests.models import TinyGPT, one_intraop_thread
 
 _threads = pytest.fixture(autouse=True, scope="module")(one_intraop_thread)
@@ -252,3 +252,24 @@ def test_streamed_weights_round_trip_and_progress_bar(tmp_path, capsys):
             assert all(torch.equal(engine.state_dict()[k], expected[k]) for k in expected)
             again = train(engine, resumed_scheduler, range(K, K + 1))
             assert again == losses
+
+
+def test_wrong_model_is_refused_before_anything_changes(tmp_path):
+    engine, scheduler = make_engine("cpu", str(tmp_path))
+    with engine:
+        engine.save(tmp_path / "ckpt")
+    other = offload.wrap(TinyGPT(dim=48), tier="cpu", dtype=torch.float32, device="cpu")
+    with other:
+        before = other.state_dict()
+        with pytest.raises(offload.OffloadConfigError, match=r"'wte.weight' is \(64, 48\) in this model but \(64, 32\)"):
+            other.load(tmp_path / "ckpt")
+        assert all(torch.equal(other.state_dict()[k], before[k]) for k in before)
+
+
+def test_saving_with_accumulated_gradients_warns(tmp_path):
+    engine, scheduler = make_engine("cpu", str(tmp_path))
+    with engine:
+        (idx, tgt) = BATCHES[0][0]
+        engine(idx, tgt).backward()
+        with pytest.warns(RuntimeWarning, match="accumulated gradients are not part of a checkpoint"):
+            engine.save(tmp_path / "ckpt")

@@ -46,6 +46,8 @@ def atomic_directory(path: str) -> Iterator[str]:
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
+    if os.path.isdir(path) and not os.listdir(path):
+        os.rmdir(path)  # an empty directory made for the checkpoint
     if os.path.exists(path) and not os.path.isfile(os.path.join(path, MANIFEST)):
         raise OffloadIOError(17, "exists and is not an offload checkpoint; refusing to replace it", path, 0, 0,
                              "save")

@@ -38,7 +38,7 @@ def load_checkpoint(engine: "Engine", path: str, *, scheduler: Any = None, rng: 
     block_of = manifest.get("block_of", {})
     steps = {p["name"]: p["steps"] for b in manifest["blocks"] for g in b["groups"] for p in g["params"]}
     groups = list(engine.checkpoint_groups())
-    _check_compatible(groups, steps, directory)
+    _check_compatible(groups, manifest, directory)
     for name in (MODEL_FILE, OPTIMIZER_FILE):
         if name not in manifest["files"]:
             raise OffloadIntegrityError(f"the manifest of {directory!r} lists no {name}", directory)
@@ -52,6 +52,23 @@ def load_checkpoint(engine: "Engine", path: str, *, scheduler: Any = None, rng: 
             extras[kind] = _read_pickle(os.path.join(directory, manifest[key]), manifest["files"][manifest[key]],
                                         algorithm)
     engine.zero_grad()
+    try:
+        _load_tensors(engine, groups, directory, manifest, steps, block_of, algorithm, progress)
+    except OffloadIntegrityError as exc:
+        raise OffloadIntegrityError(f"{exc}; the engine now holds a partly loaded state: load an intact "
+                                    "checkpoint before training on", exc.path) from None
+    for group_now, saved in zip(engine.optimizer.param_groups, manifest["param_groups"]):
+        group_now.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()})
+    engine.restore_counters({"steps": manifest["step"], "skipped_steps": manifest.get("skipped_steps", 0)})
+    if "scheduler" in extras:
+        scheduler.load_state_dict(extras["scheduler"])
+    if "rng" in extras:
+        rng_state.restore(extras["rng"])
+    return manifest
+
+
+def _load_tensors(engine: "Engine", groups, directory: str, manifest: Dict[str, Any], steps: Dict[str, int],
+                  block_of: Dict[str, str], algorithm: str, progress: Optional[bool]) -> None:
     total = sum(g.nbytes + 12 * g.trainable_numel for _b, g, _s in groups)
     model_info, optim_info = manifest["files"][MODEL_FILE], manifest["files"][OPTIMIZER_FILE]
     with TensorFileReader(os.path.join(directory, MODEL_FILE), model_info["checksums"], algorithm, block_of) as weights, \
@@ -83,14 +100,6 @@ def load_checkpoint(engine: "Engine", path: str, *, scheduler: Any = None, rng: 
                     buffer.copy_(host)
         weights.verify_rest()
         optim.verify_rest()
-    for group_now, saved in zip(engine.optimizer.param_groups, manifest["param_groups"]):
-        group_now.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()})
-    engine.restore_counters({"steps": manifest["step"], "skipped_steps": manifest.get("skipped_steps", 0)})
-    if "scheduler" in extras:
-        scheduler.load_state_dict(extras["scheduler"])
-    if "rng" in extras:
-        rng_state.restore(extras["rng"])
-    return manifest
 
 
 def _read_cast(reader: TensorFileReader, name: str, out: Tensor) -> None:
@@ -104,11 +113,18 @@ def _read_cast(reader: TensorFileReader, name: str, out: Tensor) -> None:
         reader.read_into(name, out)
 
 
-def _check_compatible(groups, steps: Dict[str, int], directory: str) -> None:
-    missing = [s.name for _b, g, _s in groups for s in g.trainable_slots if s.name not in steps]
+def _check_compatible(groups, manifest: Dict[str, Any], directory: str) -> None:
+    """Names and shapes, before anything in the engine changes."""
+    saved = {p["name"]: p for b in manifest["blocks"] for g in b["groups"] for p in g["params"]}
+    missing = [s.name for _b, g, _s in groups for s in g.trainable_slots if s.name not in saved]
     if missing:
         raise OffloadConfigError(f"checkpoint {directory!r} has no state for {len(missing)} trainable parameters "
                                  f"of this model (first: {missing[0]!r}): it was saved from another model")
+    for _b, group, _s in groups:
+        for slot in group.slots:
+            if slot.name in saved and tuple(saved[slot.name]["shape"]) != tuple(slot.shape):
+                raise OffloadConfigError(f"parameter {slot.name!r} is {tuple(slot.shape)} in this model but "
+                                         f"{tuple(saved[slot.name]['shape'])} in checkpoint {directory!r}")
 
 
 def _read_pickle(path: str, info: Dict[str, Any], algorithm: str) -> Any:

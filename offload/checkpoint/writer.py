@@ -13,6 +13,7 @@ import errno
 import io
 import os
 import time
+import warnings
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
@@ -72,6 +73,9 @@ def _explained(exc: OffloadIOError, path: str) -> OffloadIOError:
 
 def _save(engine: "Engine", path: str, scheduler: Any, rng: bool, progress: Optional[bool]) -> str:
     groups = list(engine.checkpoint_groups())  # waits for pending updates first
+    if any(state is not None and any(state.has_grad) for _b, _g, state in groups):
+        warnings.warn("offload: saving between backward() and step(): accumulated gradients are not part of a "
+                      "checkpoint; save after step()/zero_grad() to resume exactly", RuntimeWarning, stacklevel=3)
     algorithm = preferred_algorithm()
     block_of: Dict[str, str] = {}
     blocks: List[Dict[str, Any]] = []
