@@ -273,3 +273,20 @@ def test_saving_with_accumulated_gradients_warns(tmp_path):
         engine(idx, tgt).backward()
         with pytest.warns(RuntimeWarning, match="accumulated gradients are not part of a checkpoint"):
             engine.save(tmp_path / "ckpt")
+
+
+def test_without_the_native_core_checkpoints_use_zlib_crc32(tmp_path, monkeypatch):
+    from offload import _native
+
+    engine, scheduler = make_engine("cpu", str(tmp_path))
+    with engine:
+        train(engine, scheduler, range(1))
+        monkeypatch.setattr(_native, "_C", None)  # checksums only: the engine keeps its kernels
+        engine.save(tmp_path / "ckpt")
+        assert json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["checksum"] == "crc32"
+        engine.load(tmp_path / "ckpt")
+        monkeypatch.undo()
+        engine.load(tmp_path / "ckpt")  # the manifest names the algorithm, whatever this process prefers
+        _damage(tmp_path / "ckpt" / "optimizer.safetensors", "bit-flipped")
+        with pytest.raises(OffloadIntegrityError, match="checksum mismatch"):
+            engine.load(tmp_path / "ckpt")
