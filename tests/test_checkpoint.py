@@ -16,6 +16,7 @@ import safetensors.torch
 import torch
 
 import offload
+from offload.checkpoint import reflink
 from offload.errors import OffloadIntegrityError
 from tests.checkpoint_child import BATCHES, make_engine, train
 from tests.models import TinyGPT, one_intraop_thread
@@ -209,13 +210,22 @@ def xfs_dir(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-def test_nvme_checkpoint_on_the_swap_file_system_is_a_copy_on_write_clone(xfs_dir, tmp_path):
+def test_nvme_checkpoint_on_the_swap_file_system_is_a_copy_on_write_clone(xfs_dir, tmp_path, monkeypatch):
     engine, scheduler = make_engine("nvme", str(xfs_dir))
     with engine:
         train(engine, scheduler, range(K))
-        engine.save(xfs_dir / "ckpt")
+        engine.save(xfs_dir / "ckpt", scheduler=scheduler, rng=True)
         saved = engine.state_dict()
-        train(engine, scheduler, range(K, K + M))  # rewrites every swap record: the clone must not change
+        losses = train(engine, scheduler, range(K, K + M))  # rewrites every swap record: the clone must not change
+    import offload.checkpoint.reader as reader
+
+    clones = []
+    monkeypatch.setattr(reader, "clone_range", lambda *a: clones.append(a) or reflink.clone_range(*a))
+    resumed, resumed_scheduler = make_engine("nvme", str(xfs_dir))
+    with resumed:  # load into the nvme tier: records cloned from the checkpoint into the new swap file
+        resumed.load(xfs_dir / "ckpt", scheduler=resumed_scheduler, rng=True)
+        assert len(clones) == 5  # every group with optimizer state
+        assert train(resumed, resumed_scheduler, range(K, K + M)) == losses
     manifest = json.loads((xfs_dir / "ckpt" / "manifest.json").read_text())
     transfer = manifest["optimizer_state_transfer"]
     assert transfer["cloned_bytes"] > 0 and transfer["cloned_bytes"] > 4 * transfer["copied_bytes"], transfer

@@ -19,6 +19,7 @@ from torch import Tensor
 from offload.checkpoint import rng as rng_state
 from offload.checkpoint import state_io
 from offload.checkpoint.atomic import resolve
+from offload.checkpoint.reflink import BLOCK, clone_range
 from offload.checkpoint.manifest import MODEL_FILE, OPTIMIZER_FILE, read_manifest
 from offload.checkpoint.tensor_file import TensorFileReader
 from offload.checkpoint.writer import STATE_KINDS, _progress, optimizer_key
@@ -70,6 +71,7 @@ def load_checkpoint(engine: "Engine", path: str, *, scheduler: Any = None, rng: 
 def _load_tensors(engine: "Engine", groups, directory: str, manifest: Dict[str, Any], steps: Dict[str, int],
                   block_of: Dict[str, str], algorithm: str, progress: Optional[bool]) -> None:
     total = sum(g.nbytes + 12 * g.trainable_numel for _b, g, _s in groups)
+    clone_state = {"try": True}
     model_info, optim_info = manifest["files"][MODEL_FILE], manifest["files"][OPTIMIZER_FILE]
     with TensorFileReader(os.path.join(directory, MODEL_FILE), model_info["checksums"], algorithm, block_of) as weights, \
             TensorFileReader(os.path.join(directory, OPTIMIZER_FILE), optim_info["checksums"], algorithm,
@@ -84,7 +86,8 @@ def _load_tensors(engine: "Engine", groups, directory: str, manifest: Dict[str, 
             bar.update(group.nbytes)
             if state is None:
                 continue
-            with state_io.writing(state) as views:
+            commit = _clone_into_swap(optim, group, state, clone_state) if clone_state["try"] else None
+            with state_io.writing(state, commit) as views:
                 for kind, view in zip(STATE_KINDS, views):
                     for slot in group.trainable_slots:
                         optim.read_into(optimizer_key(kind, slot.name), view[slot.offset:slot.offset + slot.numel])
@@ -100,6 +103,30 @@ def _load_tensors(engine: "Engine", groups, directory: str, manifest: Dict[str, 
                     buffer.copy_(host)
         weights.verify_rest()
         optim.verify_rest()
+
+
+def _clone_into_swap(optim: TensorFileReader, group: Any, state: Any, clone_state: Dict[str, bool]):
+    """A commit for state_io.writing: clone the verified record from the checkpoint into the swap file
+    (copy-on-write, same file system) instead of writing it; after one failure, records are written."""
+    target = state_io.swap_record(state)
+    if target is None:
+        return None
+    names = [optimizer_key(kind, slot.name) for kind in STATE_KINDS for slot in group.trainable_slots]
+
+    def commit(record: Tensor) -> bool:
+        span = optim.span(names)
+        nbytes = record.numel() * record.element_size()
+        aligned = nbytes // BLOCK * BLOCK
+        if span is None or span[1] != nbytes or not clone_range(optim.fileno(), span[0], aligned, target[0], target[1]):
+            clone_state["try"] = False
+            return False
+        tail = memoryview(record.view(torch.uint8).numpy())[aligned:]
+        while tail:
+            written = os.pwrite(target[0], tail, target[1] + aligned + (nbytes - aligned - len(tail)))
+            tail = tail[written:]
+        return True
+
+    return commit
 
 
 def _read_cast(reader: TensorFileReader, name: str, out: Tensor) -> None:

@@ -8,7 +8,7 @@ lease of the engine's staging pool (nvme tier), so a checkpoint never holds more
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional, Tuple
+from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -20,7 +20,8 @@ Views = Tuple[Tensor, Tensor, Tensor]  # master, exp_avg, exp_avg_sq: fp32, host
 
 
 @contextlib.contextmanager
-def _disk_record(state: DiskGroupState, load_from_disk: bool, write_back: bool) -> Iterator[Views]:
+def _disk_record(state: DiskGroupState, load_from_disk: bool, write_back: bool,
+                 commit: Optional[Callable[[Tensor], bool]] = None) -> Iterator[Views]:
     n = state.group.trainable_numel
     lease = state._pool.lease(3 * 4 * n, wait=True, timeout=LEASE_TIMEOUT_S)
     buffer = lease.view(torch.float32, (3 * n,))
@@ -29,7 +30,10 @@ def _disk_record(state: DiskGroupState, load_from_disk: bool, write_back: bool) 
             state._store.read(state.group, buffer)
         yield state_views(buffer, n)
         if write_back:
-            state._store.write(state.group, buffer)
+            if commit is not None and commit(buffer):
+                state._store.checksums.seal(id(state.group), buffer)  # the record now holds these bytes
+            else:
+                state._store.write(state.group, buffer)
     finally:
         del buffer
         lease.release()
@@ -46,10 +50,11 @@ def reading(state: GroupState) -> Iterator[Views]:
 
 
 @contextlib.contextmanager
-def writing(state: GroupState) -> Iterator[Views]:
-    """Host tensors to fill with the group's new state; committed to the tier when the block exits cleanly."""
+def writing(state: GroupState, commit: Optional[Callable[[Tensor], bool]] = None) -> Iterator[Views]:
+    """Host tensors to fill with the group's new state; committed to the tier when the block exits cleanly.
+    For a swap record, `commit(record)` may store it another way (a clone) and return True; else it is written."""
     if isinstance(state, DiskGroupState):
-        with _disk_record(state, load_from_disk=False, write_back=True) as views:
+        with _disk_record(state, load_from_disk=False, write_back=True, commit=commit) as views:
             yield views
         return
     targets = (state.master, state.exp_avg, state.exp_avg_sq)

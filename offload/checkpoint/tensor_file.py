@@ -207,6 +207,21 @@ class TensorFileReader:
                 "the file was damaged after it was written", self.path)
         self._verified.add(name)
 
+    def span(self, names: Sequence[str]) -> Optional[Tuple[int, int]]:
+        """(file offset, bytes) when the named tensors lie back to back in this order, else None."""
+        if not names or any(n not in self.entries for n in names):
+            return None
+        first, end = self.entries[names[0]][2], self.entries[names[0]][2]
+        for name in names:
+            _dtype, _shape, start, stop = self.entries[name]
+            if start != end:
+                return None
+            end = stop
+        return self._base + first, end - first
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
     def verify_rest(self) -> None:
         """Check the tensors not read so far (tied aliases, entries this model does not use), one at a time."""
         for name, (dtype, shape, _start, _stop) in self.entries.items():
