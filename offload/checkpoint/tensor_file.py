@@ -99,6 +99,11 @@ class TensorFileWriter:
         self._next += 1
         return value
 
+    @property
+    def next_name(self) -> str:
+        """Name of the entry the next write must be ("" when all are written)."""
+        return self._entries[self._next].name if self._next < len(self._entries) else ""
+
     def write_zeros(self, name: str) -> None:
         """The next entry (alignment padding) as zeros."""
         entry = self._entries[self._next]

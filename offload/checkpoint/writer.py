@@ -14,7 +14,8 @@ import io
 import os
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 from tqdm import tqdm
@@ -22,9 +23,9 @@ from tqdm import tqdm
 from offload.checkpoint import rng as rng_state
 from offload.checkpoint import state_io
 from offload.checkpoint.atomic import atomic_directory
-from offload.checkpoint.reflink import BLOCK
 from offload.checkpoint.manifest import (FORMAT, MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, SCHEDULER_FILE, VERSION,
                                          jsonable_group, write_manifest)
+from offload.checkpoint.reflink import BLOCK
 from offload.checkpoint.tensor_file import Entry, TensorFileWriter
 from offload.checksum import checksum, preferred_algorithm
 from offload.errors import OffloadIOError
@@ -71,118 +72,138 @@ def _explained(exc: OffloadIOError, path: str) -> OffloadIOError:
                           exc.path, exc.offset, exc.size, exc.op)
 
 
+@dataclass
+class _Layout:
+    """What the files will hold, known before any data is read: entries in write order, and the manifest's
+    per-block description."""
+
+    blocks: List[Dict[str, Any]] = field(default_factory=list)
+    block_of: Dict[str, str] = field(default_factory=dict)  # tensor name -> block, for error messages
+    model_entries: List[Entry] = field(default_factory=list)
+    optim_entries: List[Entry] = field(default_factory=list)
+    extra: List[Tuple[str, torch.Tensor]] = field(default_factory=list)  # tied aliases, buffers
+    tied: Dict[str, str] = field(default_factory=dict)  # alias -> stored name
+
+
+def _layout(engine: "Engine", groups: list) -> _Layout:
+    out, optim_bytes = _Layout(), 0
+    for block, group, state in groups:
+        if not out.blocks or out.blocks[-1]["name"] != block.name:
+            out.blocks.append({"name": block.name, "groups": []})
+        steps = dict(zip((s.name for s in group.trainable_slots), state.steps)) if state is not None else {}
+        params = [{"name": slot.name, "shape": list(slot.shape), "offset": slot.offset, "trainable": slot.trainable,
+                   "steps": steps.get(slot.name, 0)} for slot in group.slots]
+        out.blocks[-1]["groups"].append({"dtype": str(group.dtype).replace("torch.", ""), "params": params})
+        for slot in group.slots:
+            out.block_of[slot.name] = block.name
+            out.model_entries.append(Entry(slot.name, group.dtype, tuple(slot.shape)))
+        if state is None:
+            continue
+        gap = -optim_bytes % BLOCK  # each record starts on a file-system block, so it can be cloned
+        if gap:
+            out.optim_entries.append(Entry(f"{PAD}/{len(out.optim_entries)}", torch.uint8, (gap,)))
+            out.block_of[out.optim_entries[-1].name] = block.name
+        optim_bytes += gap + 12 * group.trainable_numel
+        for kind in STATE_KINDS:
+            for slot in group.trainable_slots:
+                out.optim_entries.append(Entry(optimizer_key(kind, slot.name), torch.float32, tuple(slot.shape)))
+                out.block_of[optimizer_key(kind, slot.name)] = block.name
+    stored = {id(slot.param): slot.name for _b, g, _s in groups for slot in g.slots}
+    for name, value in engine.module.state_dict(keep_vars=True).items():
+        if id(value) in stored and stored[id(value)] == name:
+            continue
+        if id(value) in stored:
+            out.tied[name] = stored[id(value)]
+            out.block_of[name] = out.block_of[stored[id(value)]]
+        else:
+            out.block_of[name] = "<buffers>"
+        out.extra.append((name, value))
+        out.model_entries.append(Entry(name, value.dtype, tuple(value.shape)))
+    return out
+
+
 def _save(engine: "Engine", path: str, scheduler: Any, rng: bool, progress: Optional[bool]) -> str:
     groups = list(engine.checkpoint_groups())  # waits for pending updates first
     if any(state is not None and any(state.has_grad) for _b, _g, state in groups):
         warnings.warn("offload: saving between backward() and step(): accumulated gradients are not part of a "
                       "checkpoint; save after step()/zero_grad() to resume exactly", RuntimeWarning, stacklevel=3)
     algorithm = preferred_algorithm()
-    block_of: Dict[str, str] = {}
-    blocks: List[Dict[str, Any]] = []
-    model_entries: List[Entry] = []
-    optim_entries: List[Entry] = []
-    optim_bytes = 0
-    for block, group, state in groups:
-        if not blocks or blocks[-1]["name"] != block.name:
-            blocks.append({"name": block.name, "groups": []})
-        params = []
-        for slot in group.slots:
-            index = group.trainable_slots.index(slot) if slot.trainable else -1
-            params.append({"name": slot.name, "shape": list(slot.shape), "offset": slot.offset,
-                           "trainable": slot.trainable, "steps": state.steps[index] if index >= 0 else 0})
-            block_of[slot.name] = block.name
-            model_entries.append(Entry(slot.name, group.dtype, tuple(slot.shape)))
-        blocks[-1]["groups"].append({"dtype": str(group.dtype).replace("torch.", ""), "params": params})
-        if state is not None:
-            gap = -optim_bytes % BLOCK  # each record starts on a file-system block, so it can be cloned
-            if gap:
-                optim_entries.append(Entry(f"{PAD}/{len(optim_entries)}", torch.uint8, (gap,)))
-                block_of[optim_entries[-1].name] = block.name
-            optim_bytes += gap + 12 * group.trainable_numel
-        for kind in STATE_KINDS:
-            for slot in group.trainable_slots:
-                optim_entries.append(Entry(optimizer_key(kind, slot.name), torch.float32, tuple(slot.shape)))
-                block_of[optimizer_key(kind, slot.name)] = block.name
-    stored = {id(slot.param): slot.name for _b, g, _s in groups for slot in g.slots}
-    tied = {}
-    extra = []  # tied aliases and buffers, after the parameters
-    for name, value in engine.module.state_dict(keep_vars=True).items():
-        if id(value) in stored and stored[id(value)] != name:
-            tied[name] = stored[id(value)]
-            block_of[name] = block_of[stored[id(value)]]
-            extra.append((name, value))
-        elif id(value) not in stored:
-            extra.append((name, value))
-            block_of[name] = "<buffers>"
-    model_entries += [Entry(name, v.dtype, tuple(v.shape)) for name, v in extra]
-    total = sum(e.nbytes for e in model_entries + optim_entries)
+    layout = _layout(engine, groups)
+    total = sum(e.nbytes for e in layout.model_entries + layout.optim_entries)
     files: Dict[str, Dict[str, Any]] = {}
     with atomic_directory(path) as tmp, _progress(total, progress, f"offload: saving {os.path.basename(path)}") as bar:
         if rng:
             files[RNG_FILE] = _write_pickle(os.path.join(tmp, RNG_FILE), rng_state.capture(), algorithm)
         if scheduler is not None:
             files[SCHEDULER_FILE] = _write_pickle(os.path.join(tmp, SCHEDULER_FILE), scheduler.state_dict(), algorithm)
-        weights = TensorFileWriter(os.path.join(tmp, MODEL_FILE), model_entries, algorithm, {"format": "pt"})
-        try:
-            for _block, group, _state in groups:
-                flat = engine.group_weights(group)
-                for slot in group.slots:
-                    weights.write(slot.name, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
-                    bar.update(slot.numel * flat.element_size())
-            for name, value in extra:
-                source = stored.get(id(value))
-                if source is not None:  # a tied alias: the stored parameter's current weights
-                    _b, group, _s = next(x for x in groups if any(s.name == source for s in x[1].slots))
-                    slot = next(s for s in group.slots if s.name == source)
-                    value = engine.group_weights(group)[slot.offset:slot.offset + slot.numel].view(slot.shape)
-                weights.write(name, value.detach())
-            weights.close()
-        except BaseException:
-            weights.abort()
-            raise
-        optim = TensorFileWriter(os.path.join(tmp, OPTIMIZER_FILE), optim_entries, algorithm, {"format": "pt"},
-                                 align=BLOCK)
-        transfer = {"cloned_bytes": 0, "copied_bytes": 0}
-        try_clone = True
-        try:
-            for _block, group, state in groups:
-                if state is None:
-                    continue
-                pad = next((e.name for e in optim_entries[optim._next:optim._next + 1] if e.name.startswith(PAD)), None)
-                if pad is not None:
-                    optim.write_zeros(pad)
-                cloned = _write_record(optim, group, state, try_clone)
-                if cloned is None:
-                    try_clone = False  # a file system that cannot clone one record cannot clone the next
-                else:
-                    transfer["cloned_bytes"] += cloned
-                transfer["copied_bytes"] += 12 * group.trainable_numel
-                bar.update(12 * group.trainable_numel)
-            transfer["copied_bytes"] -= transfer["cloned_bytes"]
-            optim.close()
-        except BaseException:
-            optim.abort()
-            raise
-        for writer in (weights, optim):
-            files[os.path.basename(writer.path)] = {"size": os.path.getsize(writer.path), "checksums": writer.checksums}
+        files[MODEL_FILE] = _write_weights(engine, groups, layout, os.path.join(tmp, MODEL_FILE), algorithm, bar)
+        files[OPTIMIZER_FILE], transfer = _write_optimizer(groups, layout, os.path.join(tmp, OPTIMIZER_FILE),
+                                                           algorithm, bar)
         counters = engine.checkpoint_counters()
-        manifest = {
+        write_manifest(tmp, {
             "format": FORMAT, "version": VERSION, "created": time.time(), "checksum": algorithm,
             "tier": engine.policy.tier.value, "compute_dtype": str(engine.policy.dtype).replace("torch.", ""),
             "step": counters["steps"], "skipped_steps": counters["skipped_steps"],
             "param_groups": [jsonable_group(g) for g in engine.optimizer.param_groups],
-            "blocks": blocks, "tied": tied, "block_of": block_of, "files": files,
+            "blocks": layout.blocks, "tied": layout.tied, "block_of": layout.block_of, "files": files,
             "scheduler": SCHEDULER_FILE if scheduler is not None else None, "rng": RNG_FILE if rng else None,
             "optimizer_state_transfer": transfer,  # bytes cloned copy-on-write from the swap file vs written
-        }
-        write_manifest(tmp, manifest)
-    return os.path.abspath(path)
+        })
+    return path
+
+
+def _write_weights(engine: "Engine", groups: list, layout: _Layout, path: str, algorithm: str,
+                   bar: tqdm) -> Dict[str, Any]:
+    """model.safetensors: each group's current weights, then tied aliases and buffers."""
+    writer = TensorFileWriter(path, layout.model_entries, algorithm, {"format": "pt"})
+    where = {slot.name: (group, slot) for _b, group, _s in groups for slot in group.slots}
+    try:
+        for _block, group, _state in groups:
+            flat = engine.group_weights(group)
+            for slot in group.slots:
+                writer.write(slot.name, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
+            bar.update(group.nbytes)
+        for name, value in layout.extra:
+            if name in layout.tied:  # the stored parameter's current weights
+                group, slot = where[layout.tied[name]]
+                value = engine.group_weights(group)[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            writer.write(name, value.detach())
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return {"size": os.path.getsize(path), "checksums": writer.checksums}
+
+
+def _write_optimizer(groups: list, layout: _Layout, path: str, algorithm: str,
+                     bar: tqdm) -> Tuple[Dict[str, Any], Dict[str, int]]:
+    """optimizer.safetensors, one record at a time; returns the file's entry and the bytes cloned/written."""
+    writer = TensorFileWriter(path, layout.optim_entries, algorithm, {"format": "pt"}, align=BLOCK)
+    transfer = {"cloned_bytes": 0, "copied_bytes": 0}
+    try_clone = True
+    try:
+        for _block, group, state in groups:
+            if state is None:
+                continue
+            if writer.next_name.startswith(PAD):
+                writer.write_zeros(writer.next_name)
+            cloned = _write_record(writer, group, state, try_clone)
+            if cloned is None:
+                try_clone = False  # a file system that cannot clone one record cannot clone the next
+            transfer["cloned_bytes"] += cloned or 0
+            transfer["copied_bytes"] += 12 * group.trainable_numel - (cloned or 0)
+            bar.update(12 * group.trainable_numel)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return {"size": os.path.getsize(path), "checksums": writer.checksums}, transfer
 
 
 def _write_record(optim: TensorFileWriter, group: Any, state: Any, try_clone: bool) -> Optional[int]:
     """One group's optimizer state: cloned from its swap record when possible, else written; returns the
-    bytes cloned, None when written. A function of its own so every view of the staging lease is gone when it returns (the
-    lease goes back to the pool only then)."""
+    bytes cloned, None when written. A function of its own so every view of the staging lease is gone
+    when it returns (the lease goes back to the pool only then)."""
     with state_io.reading(state) as views:
         items = [(optimizer_key(kind, slot.name), view[slot.offset:slot.offset + slot.numel].view(slot.shape))
                  for kind, view in zip(STATE_KINDS, views) for slot in group.trainable_slots]
