@@ -256,7 +256,7 @@ class Engine(CheckpointAccess):
             start = time.perf_counter()
             with torch.profiler.record_function("offload::cpu_step"):
                 for state, ready, out in jobs:
-                    if check and not grads_finite(state):
+                    if check and not grads_finite(state, threads):
                         skips.record(step, block.name)
                         continue
                     state.update(ready, hyper, grad_scale, out, threads)
