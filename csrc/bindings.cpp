@@ -8,6 +8,7 @@ PYBIND11_MODULE(_C, m) {
   offload::bind_adam(m);
   offload::bind_buffers(m);
   offload::bind_io(m);
+  offload::bind_crc32c(m);
 #ifdef OFFLOAD_WITH_CUDA
   m.attr("built_with_cuda") = true;
   offload::bind_cuda(m);

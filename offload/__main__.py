@@ -1,5 +1,6 @@
 """`python -m offload <command>`: doctor (what is active and why), estimate (memory per tier for a model
-size and budgets), demo (a short nvme-tier training run with its efficiency against the measured bound)."""
+size and budgets), demo (a short nvme-tier training run with its efficiency against the measured bound),
+verify (parity with plain PyTorch)."""
 
 from __future__ import annotations
 
@@ -15,15 +16,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     doctor.add_argument("--dir", default=None, help="directory to choose the I/O backend for (default: the temp dir)")
     from offload import demo as demo_module
     from offload import estimate as estimate_module
+    from offload.verify_cli import add_arguments as add_verify_arguments, run as run_verify
 
     demo_module.add_arguments(sub.add_parser("demo", help="a short nvme-tier training run and its efficiency"))
-
     estimate_module.add_arguments(sub.add_parser("estimate", help="memory per tier for a model size and budgets"))
+    add_verify_arguments(sub.add_parser(
+        "verify", help="train a few steps with and without offload; print the largest differences"))
     args = parser.parse_args(argv)
     if args.command == "demo":
         return demo_module.run(args)
     if args.command == "estimate":
         return estimate_module.run(args)
+    if args.command == "verify":
+        return run_verify(args)
     if args.command == "doctor":
         from offload import doctor as doctor_module
 

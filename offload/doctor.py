@@ -33,6 +33,10 @@ def native_rows() -> List[Row]:
                      f"up to {usable_cores()} threads"))
     else:
         rows.append(("fused CPU Adam", "fallback", "this build has no native Adam; torch maths in use"))
+    if hasattr(C, "crc32c"):
+        rows.append(("crc32c checksums", "ok", f"{C.crc32c_path()} path (chosen at run time)"))
+    else:
+        rows.append(("crc32c checksums", "fallback", "this build has no native crc32c; zlib crc32 for new files"))
     rows.append(("staging buffers", "ok" if hasattr(C, "HostArena") else "fallback",
                  "4 KiB-aligned arena with a hard budget" if hasattr(C, "HostArena") else "torch allocations"))
     return rows

@@ -17,7 +17,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from offload._interrupts import deferred_keyboard_interrupt
 from offload._system import usable_cores
+from offload.checkpoint.engine_access import CheckpointAccess
 from offload.errors import OffloadConfigError, OffloadError
 from offload.planner import BlockSpec, Plan, make_plan, spec_of
 from offload.policy import OffloadPolicy, Tier
@@ -25,6 +27,7 @@ from offload.scheduler.block import Block, build_blocks, param_owners
 from offload.scheduler.disk_ring import DiskRing, ring_size_for
 from offload.scheduler.grads import BackwardTracker
 from offload.scheduler.hooks import HookSet
+from offload.scheduler.nonfinite import NonFiniteSkips, grads_finite
 from offload.scheduler.optimizer_view import EngineOptimizer
 from offload.scheduler.step import AdamHyper, DiskGroupState, GroupState, clip_scale
 from offload.scheduler.worker import StepWorker
@@ -37,7 +40,7 @@ from offload.tiers.host import StagingPool
 _MARKER = "_offload_engine"
 
 
-class Engine:
+class Engine(CheckpointAccess):
     """Trains `module` with AdamW, its optimizer state placed per `policy`. Made by `offload.wrap`.
 
     Use it as the model (`loss = engine(batch)`), call `loss.backward()`, `engine.step()`,
@@ -103,6 +106,7 @@ class Engine:
         self._param_position = {id(p): i for i, p in enumerate(module.parameters())}
         self._stats = dict(steps=0, skipped_steps=0, block_updates=0, early_block_updates=0,
                            update_seconds=0.0, wait_seconds=0.0)
+        self._nonfinite = NonFiniteSkips()
         self._hooks = HookSet()
         self._hooks.attach(module, self.blocks, param_owners(module), self._ensure_blocks, self._leave_blocks,
                            self._on_backward_begin, self._on_grad)
@@ -269,12 +273,18 @@ class Engine:
         for state, ready, _out in jobs:
             if ready and isinstance(state, DiskGroupState):
                 state.announce()  # its disk reads start now, ahead of the worker reaching it
-        stats, threads = self._stats, self._worker.num_threads
+        stats, threads, skips, step = self._stats, self._worker.num_threads, self._nonfinite, self._stats["steps"]
+        check = self.policy.max_grad_norm is None  # with clipping the global norm decides for the whole step
 
         def work() -> None:
             start = time.perf_counter()
             with torch.profiler.record_function("offload::cpu_step"):
                 for state, ready, out in jobs:
+                    if check and not grads_finite(state, threads):
+                        skips.record(step, block.name)
+                        if isinstance(state, DiskGroupState):
+                            state.skip()  # its announced disk reads would otherwise hold ring slots
+                        continue
                     state.update(ready, hyper, grad_scale, out, threads)
             stats["update_seconds"] += time.perf_counter() - start
 
@@ -313,8 +323,13 @@ class Engine:
         return seen + [b for b in self.blocks if b.index not in self._seen]
 
     def _step(self) -> None:
-        """engine.optimizer.step(): schedule the remaining block updates in forward order and return."""
+        """engine.optimizer.step(): schedule the remaining block updates in forward order and return.
+        Ctrl-C waits until the step is fully scheduled (offload/_interrupts.py)."""
         self._check_open()
+        with deferred_keyboard_interrupt():
+            self._schedule_step()
+
+    def _schedule_step(self) -> None:
         self._tracker.end_step()
         hyper = AdamHyper.from_group(self.optimizer.param_groups[0])
         for block in self.blocks:  # gradients still on the device (fewer backward calls than declared)
@@ -401,6 +416,8 @@ class Engine:
         """Counters since `wrap()`: steps, skipped steps, block updates (and how many ran during backward),
         bytes moved per link, seconds spent updating and waiting for updates, device-tier bytes."""
         out: Dict[str, float] = dict(self._stats)
+        out["skipped_steps"] += self._nonfinite.steps  # steps where some block had non-finite gradients
+        out["skipped_block_updates"] = self._nonfinite.block_skips
         out.update(bytes_device_to_host=self._copies.bytes_to_host, bytes_host_to_device=self._copies.bytes_to_device,
                    device_bytes=self._device_tier.in_use, device_peak_bytes=self._device_tier.peak,
                    device_over_budget_events=self._device_tier.over_budget_events,

@@ -18,3 +18,9 @@ def test_bench_io_quick(tmp_path):
     for rival in ("offload", "plain python", "aiofiles", "torch.save/load", "fio", "deepspeed"):
         assert rival in out
     assert list(tmp_path.iterdir()) == []  # the benchmark cleans up its files
+
+
+def test_bench_crc32c_quick():
+    out = _run(["benchmarks/bench_crc32c.py", "--quick"])
+    for rival in ("zlib.crc32", "bound: memory read", "per optimizer step"):
+        assert rival in out

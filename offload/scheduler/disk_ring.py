@@ -192,6 +192,22 @@ class DiskRing:
         finally:
             self.cancel_weights_read(handle)
 
+    def discard(self, group: "FlatGroup") -> None:
+        """Forget this group's announced and read-ahead chunks (its update was skipped). Their slots come back
+        once the reads finish; otherwise reads nobody consumes would hold slots and stall later loads."""
+        with self._lock:
+            keys = [(id(group), a) for a, _b in self.chunks(group)]
+            entries = [self._reads.pop(key) for key in keys if key in self._reads]
+            for key in keys:
+                self._drop_announced(key)
+        for entry in entries:
+            try:
+                self._wait(entry.futures)
+            except Exception:
+                pass  # the data is dropped; a later read of this range reports any error
+            finally:
+                self._give_back(entry.slot)
+
     def cancel_weights_read(self, handle: list) -> None:
         """Return a prefetch's slots (after its reads are done: the kernel writes into them)."""
         for slot, _start, _stop, _staged, future in handle:

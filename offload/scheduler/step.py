@@ -173,6 +173,10 @@ class DiskGroupState(GroupState):
         """Start reading this group's state ahead of its update (called when the update is scheduled)."""
         self._ring.announce([self.group])
 
+    def skip(self) -> None:
+        """The scheduled update will not run (non-finite gradients): release the reads started for it."""
+        self._ring.discard(self.group)
+
     def update(self, ready: List[int], hyper: AdamHyper, grad_scale: float, out: Optional[Tensor],
                num_threads: Optional[int] = None) -> None:
         if not ready:

@@ -151,13 +151,25 @@ class WeightStreamer:
         """(group, current weights on the host) of every streamed group; weights on disk are read."""
         for block in self._blocks.values():
             for group in block.groups:
-                if id(group) in self._on_disk:
-                    assert self._disk is not None
-                    weights = torch.empty(group.numel, dtype=group.dtype)
-                    self._disk.read_weights(group, weights, lambda dst, src: dst.copy_(src))
-                    yield group, weights
-                else:
-                    yield group, self._host[id(group)]
+                yield group, self.weights_of(group)
+
+    def weights_of(self, group: FlatGroup) -> Tensor:
+        """A streamed group's current weights on the host: its host copy, or a fresh read of its disk record."""
+        if id(group) in self._on_disk:
+            assert self._disk is not None
+            weights = torch.empty(group.numel, dtype=group.dtype)
+            self._disk.read_weights(group, weights, lambda dst, src: dst.copy_(src))
+            return weights
+        return self._host[id(group)]
+
+    def replace_weights(self, block: Block, group: FlatGroup, flat: Tensor) -> None:
+        """New weights for a streamed group (a checkpoint load): into its host copy or its disk record."""
+        if id(group) in self._on_disk:
+            assert self._disk is not None
+            self.invalidate(block)  # reads a prefetch started would return the old weights
+            self._disk.write_weights(group, flat.to(group.dtype).contiguous())
+        else:
+            self._host[id(group)].copy_(flat)
 
     # ----- saved-tensor hooks ------------------------------------------------------------------------
     def pack(self, tensor: Tensor) -> object:

@@ -23,6 +23,8 @@ import torch
 from torch import Tensor
 
 from offload.errors import OffloadConfigError
+from offload.tiers.disk_checksums import RecordChecksums, VerifiedRead
+from offload.tiers.swap_leftovers import hold_lock, remove_leftovers
 from offload.io import AsyncIO, SwapFile
 from offload.io.swap_file import file_system_of
 from offload.io.future import IOFuture
@@ -140,6 +142,7 @@ class SwapStore:
 
     def __init__(self, directory: str, records: Dict[int, SwapRecord], size: int,
                  weights: Optional[Dict[int, WeightRecord]] = None) -> None:
+        remove_leftovers(directory)  # of crashed runs: before the room check, so their space counts
         check_room(directory, size)
         self.directory = directory
         self.records = records
@@ -150,8 +153,10 @@ class SwapStore:
         ram_backed = warn_if_ram_backed(directory)
         self._file: SwapFile = self._io.open(self.path, size=max(size, ALIGNMENT),
                                              direct=False if ram_backed else None)
+        hold_lock(self._file.buffered_fd, self.path)
         self.bytes_read = 0
         self.bytes_written = 0
+        self.checksums = RecordChecksums()  # sealed on write, verified on read (disk_checksums.py)
         self._write_layout(size)
 
     def _write_layout(self, size: int) -> None:
@@ -183,30 +188,31 @@ class SwapStore:
         on disk; returns one future per piece. The caller keeps the tensors alive and orders a read after
         any write of the same range."""
         record = self.records[id(group)]
-        futures = []
+        futures: List = []
         if weights is not None and id(group) in self.weights:
             futures.append(self.submit_weights(write, group, start, weights[:stop - start]))
         for index, tensor in enumerate(sections):
             offset = record.offset + index * record.section_bytes + 4 * start
-            part = tensor[:stop - start]
-            futures.append(self._io.pwrite(part, self._file, offset) if write
-                           else self._io.pread(part, self._file, offset))
-        if write:
-            self.bytes_written += 12 * (stop - start)
-        else:
-            self.bytes_read += 12 * (stop - start)
+            futures.append(self._transfer(write, (id(group), index), start, tensor[:stop - start], offset,
+                                          record.block))
         return futures
 
     def submit_weights(self, write: bool, group: "FlatGroup", start: int, tensor: Tensor) -> IOFuture:
         """Read (write) the group's compute weights from element `start` into (from) `tensor` (its dtype)."""
         record = self.weights[id(group)]
         offset = record.offset + start * record.itemsize
+        return self._transfer(write, (id(group), "weights"), start, tensor, offset, record.block)
+
+    def _transfer(self, write: bool, key: tuple, start: int, tensor: Tensor, offset: int, block: str):
+        """One piece of a record: sealed before it is written, verified after it is read (disk_checksums.py)."""
         nbytes = tensor.numel() * tensor.element_size()
         if write:
+            self.checksums.seal(key, start, tensor)
             self.bytes_written += nbytes
             return self._io.pwrite(tensor, self._file, offset)
         self.bytes_read += nbytes
-        return self._io.pread(tensor, self._file, offset)
+        future = self._io.pread(tensor, self._file, offset)
+        return VerifiedRead(future, lambda: self.checksums.verify(key, start, tensor, self.path, block, offset))
 
     def close(self) -> None:
         """Close and delete the swap file and its layout (this run's state only)."""

@@ -1,0 +1,62 @@
+"""`manifest.json`: what a checkpoint holds, written last, so its presence marks a complete checkpoint.
+
+Keys: `format`/`version`; `tier` and `compute_dtype` of the engine that saved; `checksum` (the algorithm);
+`step`, `skipped_steps`; `param_groups` (hyperparameters without the params); `blocks` (per block, per
+flat group: dtype and each parameter's name, shape, element offset, trainable flag and Adam step count);
+`tied` (alias name -> stored name); `files` (per file: size, and per tensor its checksum and block);
+`scheduler`, `rng` (file names or null).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict
+
+from offload.checkpoint.atomic import MANIFEST
+from offload.errors import OffloadIntegrityError
+
+FORMAT = "offload-checkpoint"
+VERSION = 1
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+SCHEDULER_FILE = "scheduler.pt"
+RNG_FILE = "rng.pt"
+
+
+def write_manifest(directory: str, manifest: Dict[str, Any]) -> None:
+    path = os.path.join(directory, MANIFEST)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_manifest(directory: str) -> Dict[str, Any]:
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise OffloadIntegrityError(f"{path!r} is missing: not a complete offload checkpoint", path) from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise OffloadIntegrityError(f"{path!r} is damaged ({exc})", path) from None
+    if manifest.get("format") != FORMAT:
+        raise OffloadIntegrityError(f"{path!r} is not an offload checkpoint manifest", path)
+    if manifest.get("version", 0) > VERSION:
+        raise OffloadIntegrityError(f"{path!r} has format version {manifest.get('version')}; this offload reads "
+                                    f"up to {VERSION}: upgrade offload", path)
+    return manifest
+
+
+def jsonable_group(group: Dict[str, Any]) -> Dict[str, Any]:
+    """A param group's hyperparameters that survive JSON (numbers, strings, bools, lists of them)."""
+    out = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if isinstance(value, (int, float, str, bool)) or value is None:
+            out[key] = value
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) for v in value):
+            out[key] = list(value)
+    return out

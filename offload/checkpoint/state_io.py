@@ -1,0 +1,84 @@
+"""Host views of one flat group's optimizer state, for saving and loading it one record at a time.
+
+The only module of the checkpoint package that knows how a tier keeps its state: host tensors (cpu
+tier), device tensors (gpu tier, copied through host memory) or a swap-file record staged through a
+lease of the engine's staging pool (nvme tier), so a checkpoint never holds more than one record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from offload.scheduler.step import DiskGroupState, GroupState
+from offload.tiers.disk import state_views
+
+Views = Tuple[Tensor, Tensor, Tensor]  # master, exp_avg, exp_avg_sq: fp32, host, contiguous
+
+
+@contextlib.contextmanager
+def _disk_record(state: DiskGroupState, load_from_disk: bool, write_back: bool,
+                 commit: Optional[Callable[[Tensor], bool]] = None) -> Iterator[Views]:
+    """One swap record in host memory (one at a time: a checkpoint never holds more). The ring is drained
+    first, so the file holds the latest state and no read-ahead keeps data a load would make stale."""
+    ring = state._ring
+    ring.drain()
+    store = ring._store
+    group = state.group
+    n = group.trainable_numel
+    buffer = torch.empty(store.records[id(group)].nbytes // 4, dtype=torch.float32)
+    views = state_views(buffer, n)
+    try:
+        if load_from_disk:
+            store.read(group, buffer)
+        yield views
+        if write_back:
+            if commit is not None and commit(buffer):
+                for index, view in enumerate(views):  # the record now holds these bytes (cloned)
+                    store.checksums.seal((id(group), index), 0, view)
+            else:
+                store.write(group, buffer)
+    finally:
+        del views, buffer
+
+
+@contextlib.contextmanager
+def reading(state: GroupState) -> Iterator[Views]:
+    """The group's current state as host tensors (read-only use)."""
+    if isinstance(state, DiskGroupState):
+        with _disk_record(state, load_from_disk=True, write_back=False) as views:
+            yield views
+        return
+    yield tuple(t.detach().to("cpu").contiguous() for t in (state.master, state.exp_avg, state.exp_avg_sq))  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def writing(state: GroupState, commit: Optional[Callable[[Tensor], bool]] = None) -> Iterator[Views]:
+    """Host tensors to fill with the group's new state; committed to the tier when the block exits cleanly.
+    For a swap record, `commit(record)` may store it another way (a clone) and return True; else it is written."""
+    if isinstance(state, DiskGroupState):
+        with _disk_record(state, load_from_disk=False, write_back=True, commit=commit) as views:
+            yield views
+        return
+    targets = (state.master, state.exp_avg, state.exp_avg_sq)
+    if all(t.device.type == "cpu" and t.is_contiguous() for t in targets):
+        staged = tuple(torch.empty_like(t) for t in targets)  # the state stays intact if reading fails
+    else:
+        staged = tuple(torch.empty(t.shape, dtype=t.dtype) for t in targets)
+    yield staged  # type: ignore[misc]
+    with torch.no_grad():
+        for target, source in zip(targets, staged):
+            target.copy_(source)
+
+
+def swap_record(state: GroupState) -> Optional[Tuple[int, int, int]]:
+    """(file descriptor, offset, bytes) of the group's swap record, or None when its state is in memory.
+    Lets a checkpoint on the same file system clone the record (copy-on-write) instead of writing it."""
+    if not isinstance(state, DiskGroupState):
+        return None
+    store = state._ring._store
+    record = store.records[id(state.group)]
+    return store._file.buffered_fd, record.offset, record.nbytes

@@ -1,0 +1,230 @@
+"""`save_checkpoint(engine, path)`: stream an engine's weights and optimizer state into a checkpoint.
+
+Files, all written into a temporary directory that replaces `path` atomically (atomic.py):
+`model.safetensors` (every entry of the model's state_dict, readable without offload),
+`optimizer.safetensors` (fp32 `master/<name>`, `exp_avg/<name>`, `exp_avg_sq/<name>` of each trainable
+parameter), `scheduler.pt` and `rng.pt` when asked, and `manifest.json` last. One flat group is in host
+memory at a time: for the nvme tier one swap record, staged through the engine's staging pool.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+import torch
+from tqdm import tqdm
+
+from offload.checkpoint import rng as rng_state
+from offload.checkpoint import state_io
+from offload.checkpoint.atomic import atomic_directory
+from offload.checkpoint.manifest import (FORMAT, MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, SCHEDULER_FILE, VERSION,
+                                         jsonable_group, write_manifest)
+from offload.checkpoint.reflink import BLOCK
+from offload.checkpoint.tensor_file import Entry, TensorFileWriter
+from offload.checksum import checksum, preferred_algorithm
+from offload.errors import OffloadIOError
+
+if TYPE_CHECKING:
+    from offload.engine import Engine
+
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+PAD = "__pad__"  # zero bytes that align each optimizer record to a file-system block (reflink.BLOCK)
+PROGRESS_BYTES = 512 << 20  # show a progress bar above this much data (a few seconds on most disks)
+
+
+def optimizer_key(kind: str, name: str) -> str:
+    return f"{kind}/{name}"
+
+
+def _progress(total: int, progress: Optional[bool], desc: str) -> tqdm:
+    show = total >= PROGRESS_BYTES if progress is None else progress
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not show, leave=False)
+
+
+def save_checkpoint(engine: "Engine", path: str, *, scheduler: Any = None, rng: bool = False,
+                    progress: Optional[bool] = None) -> str:
+    """Write the checkpoint; returns its absolute path. See `Engine.save`.
+
+    Any file error (a full disk above all) raises OffloadIOError after the temporary directory is removed:
+    the previous checkpoint and the engine's state are untouched, so the user can free space and save again.
+    """
+    path = os.path.abspath(os.fspath(path))
+    try:
+        return _save(engine, path, scheduler, rng, progress)
+    except OffloadIOError as exc:
+        raise _explained(exc, path) from None
+    except OSError as exc:
+        raise _explained(OffloadIOError.from_errno(exc.errno or errno.EIO, exc.filename or path, 0, 0, "save"),
+                         path) from None
+
+
+def _explained(exc: OffloadIOError, path: str) -> OffloadIOError:
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return exc
+    return OffloadIOError(exc.errno, f"no space left while saving checkpoint {path!r}; the previous checkpoint "
+                          "there (if any) is intact and training state is unharmed: free space and save again",
+                          exc.path, exc.offset, exc.size, exc.op)
+
+
+@dataclass
+class _Layout:
+    """What the files will hold, known before any data is read: entries in write order, and the manifest's
+    per-block description."""
+
+    blocks: List[Dict[str, Any]] = field(default_factory=list)
+    block_of: Dict[str, str] = field(default_factory=dict)  # tensor name -> block, for error messages
+    model_entries: List[Entry] = field(default_factory=list)
+    optim_entries: List[Entry] = field(default_factory=list)
+    extra: List[Tuple[str, torch.Tensor]] = field(default_factory=list)  # tied aliases, buffers
+    tied: Dict[str, str] = field(default_factory=dict)  # alias -> stored name
+
+
+def _layout(engine: "Engine", groups: list) -> _Layout:
+    out, optim_bytes = _Layout(), 0
+    for block, group, state in groups:
+        if not out.blocks or out.blocks[-1]["name"] != block.name:
+            out.blocks.append({"name": block.name, "groups": []})
+        steps = dict(zip((s.name for s in group.trainable_slots), state.steps)) if state is not None else {}
+        params = [{"name": slot.name, "shape": list(slot.shape), "offset": slot.offset, "trainable": slot.trainable,
+                   "steps": steps.get(slot.name, 0)} for slot in group.slots]
+        out.blocks[-1]["groups"].append({"dtype": str(group.dtype).replace("torch.", ""), "params": params})
+        for slot in group.slots:
+            out.block_of[slot.name] = block.name
+            out.model_entries.append(Entry(slot.name, group.dtype, tuple(slot.shape)))
+        if state is None:
+            continue
+        gap = -optim_bytes % BLOCK  # each record starts on a file-system block, so it can be cloned
+        if gap:
+            out.optim_entries.append(Entry(f"{PAD}/{len(out.optim_entries)}", torch.uint8, (gap,)))
+            out.block_of[out.optim_entries[-1].name] = block.name
+        optim_bytes += gap + 12 * group.trainable_numel
+        for kind in STATE_KINDS:
+            for slot in group.trainable_slots:
+                out.optim_entries.append(Entry(optimizer_key(kind, slot.name), torch.float32, tuple(slot.shape)))
+                out.block_of[optimizer_key(kind, slot.name)] = block.name
+    stored = {id(slot.param): slot.name for _b, g, _s in groups for slot in g.slots}
+    for name, value in engine.module.state_dict(keep_vars=True).items():
+        if id(value) in stored and stored[id(value)] == name:
+            continue
+        if id(value) in stored:
+            out.tied[name] = stored[id(value)]
+            out.block_of[name] = out.block_of[stored[id(value)]]
+        else:
+            out.block_of[name] = "<buffers>"
+        out.extra.append((name, value))
+        out.model_entries.append(Entry(name, value.dtype, tuple(value.shape)))
+    return out
+
+
+def _save(engine: "Engine", path: str, scheduler: Any, rng: bool, progress: Optional[bool]) -> str:
+    groups = list(engine.checkpoint_groups())  # waits for pending updates first
+    if any(state is not None and any(state.has_grad) for _b, _g, state in groups):
+        warnings.warn("offload: saving between backward() and step(): accumulated gradients are not part of a "
+                      "checkpoint; save after step()/zero_grad() to resume exactly", RuntimeWarning, stacklevel=3)
+    algorithm = preferred_algorithm()
+    layout = _layout(engine, groups)
+    total = sum(e.nbytes for e in layout.model_entries + layout.optim_entries)
+    files: Dict[str, Dict[str, Any]] = {}
+    with atomic_directory(path) as tmp, _progress(total, progress, f"offload: saving {os.path.basename(path)}") as bar:
+        if rng:
+            files[RNG_FILE] = _write_pickle(os.path.join(tmp, RNG_FILE), rng_state.capture(), algorithm)
+        if scheduler is not None:
+            files[SCHEDULER_FILE] = _write_pickle(os.path.join(tmp, SCHEDULER_FILE), scheduler.state_dict(), algorithm)
+        files[MODEL_FILE] = _write_weights(engine, groups, layout, os.path.join(tmp, MODEL_FILE), algorithm, bar)
+        files[OPTIMIZER_FILE], transfer = _write_optimizer(groups, layout, os.path.join(tmp, OPTIMIZER_FILE),
+                                                           algorithm, bar)
+        counters = engine.checkpoint_counters()
+        write_manifest(tmp, {
+            "format": FORMAT, "version": VERSION, "created": time.time(), "checksum": algorithm,
+            "tier": engine.policy.tier.value, "compute_dtype": str(engine.policy.dtype).replace("torch.", ""),
+            "step": counters["steps"], "skipped_steps": counters["skipped_steps"],
+            "param_groups": [jsonable_group(g) for g in engine.optimizer.param_groups],
+            "blocks": layout.blocks, "tied": layout.tied, "block_of": layout.block_of, "files": files,
+            "scheduler": SCHEDULER_FILE if scheduler is not None else None, "rng": RNG_FILE if rng else None,
+            "optimizer_state_transfer": transfer,  # bytes cloned copy-on-write from the swap file vs written
+        })
+    return path
+
+
+def _write_weights(engine: "Engine", groups: list, layout: _Layout, path: str, algorithm: str,
+                   bar: tqdm) -> Dict[str, Any]:
+    """model.safetensors: each group's current weights, then tied aliases and buffers."""
+    writer = TensorFileWriter(path, layout.model_entries, algorithm, {"format": "pt"})
+    where = {slot.name: (group, slot) for _b, group, _s in groups for slot in group.slots}
+    try:
+        for _block, group, _state in groups:
+            flat = engine.group_weights(group)
+            for slot in group.slots:
+                writer.write(slot.name, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
+            bar.update(group.nbytes)
+        for name, value in layout.extra:
+            if name in layout.tied:  # the stored parameter's current weights
+                group, slot = where[layout.tied[name]]
+                value = engine.group_weights(group)[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            writer.write(name, value.detach())
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return {"size": os.path.getsize(path), "checksums": writer.checksums}
+
+
+def _write_optimizer(groups: list, layout: _Layout, path: str, algorithm: str,
+                     bar: tqdm) -> Tuple[Dict[str, Any], Dict[str, int]]:
+    """optimizer.safetensors, one record at a time; returns the file's entry and the bytes cloned/written."""
+    writer = TensorFileWriter(path, layout.optim_entries, algorithm, {"format": "pt"}, align=BLOCK)
+    transfer = {"cloned_bytes": 0, "copied_bytes": 0}
+    try_clone = True
+    try:
+        for _block, group, state in groups:
+            if state is None:
+                continue
+            if writer.next_name.startswith(PAD):
+                writer.write_zeros(writer.next_name)
+            cloned = _write_record(writer, group, state, try_clone)
+            if cloned is None:
+                try_clone = False  # a file system that cannot clone one record cannot clone the next
+            transfer["cloned_bytes"] += cloned or 0
+            transfer["copied_bytes"] += 12 * group.trainable_numel - (cloned or 0)
+            bar.update(12 * group.trainable_numel)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return {"size": os.path.getsize(path), "checksums": writer.checksums}, transfer
+
+
+def _write_record(optim: TensorFileWriter, group: Any, state: Any, try_clone: bool) -> Optional[int]:
+    """One group's optimizer state: cloned from its swap record when possible, else written; returns the
+    bytes cloned, None when written. A function of its own so every view of the staging lease is gone
+    when it returns (the lease goes back to the pool only then)."""
+    with state_io.reading(state) as views:
+        items = [(optimizer_key(kind, slot.name), view[slot.offset:slot.offset + slot.numel].view(slot.shape))
+                 for kind, view in zip(STATE_KINDS, views) for slot in group.trainable_slots]
+        source = state_io.swap_record(state) if try_clone else None
+        if source is not None and optim.clone(items, source[0], source[1]):
+            return source[2] // BLOCK * BLOCK
+        for name, tensor in items:
+            optim.write(name, tensor)
+        return None
+
+
+def _write_pickle(path: str, obj: Any, algorithm: str) -> Dict[str, Any]:
+    """A torch.save file (loadable with weights_only=True), with its whole-file checksum."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data = buffer.getvalue()
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise OffloadIOError.from_errno(exc.errno or 5, path, 0, len(data), "write") from None
+    return {"size": len(data), "checksum": checksum(data, algorithm)}

@@ -1,0 +1,70 @@
+"""Checksums of the swap file's contents: sealed when a range is written, verified when it is read back.
+
+The nvme pipeline moves records in chunks, and other readers (checkpoints, weight fetches) read whole
+records, so checksums cover written *pieces*: (section, first element, element count). A write drops the
+seals it overlaps and seals its own piece; a read verifies every sealed piece it covers entirely. A range
+never written by this process (fresh preallocated zeros) has no seal and is not checked.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, Hashable, Tuple
+
+from torch import Tensor
+
+from offload.checksum import checksum, preferred_algorithm
+from offload.errors import OffloadIntegrityError
+
+Piece = Tuple[int, int]  # (first element, element count)
+
+
+class RecordChecksums:
+    """Checksum of each piece of each section as last written by this process. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._pieces: Dict[Hashable, Dict[int, Tuple[int, int]]] = {}  # key -> start -> (count, crc)
+        self._lock = threading.Lock()
+        self.algorithm = preferred_algorithm()  # crc32c with the native core, else zlib's crc32 (both fast)
+
+    def seal(self, key: Hashable, start: int, data: Tensor) -> None:
+        """Record the checksum of `data`, about to be written as elements [start, start + numel) of `key`."""
+        count = data.numel()
+        crc = checksum(data, self.algorithm)
+        with self._lock:
+            pieces = self._pieces.setdefault(key, {})
+            for s in [s for s, (n, _c) in pieces.items() if s < start + count and start < s + n]:
+                del pieces[s]  # overlapped by this write: stale
+            pieces[start] = (count, crc)
+
+    def verify(self, key: Hashable, start: int, data: Tensor, path: str, block: str, offset: int) -> None:
+        """Check every sealed piece inside elements [start, start + numel) of `key` against `data`."""
+        stop = start + data.numel()
+        with self._lock:
+            inside = [(s, n, c) for s, (n, c) in self._pieces.get(key, {}).items() if s >= start and s + n <= stop]
+        itemsize = data.element_size()
+        for s, n, expected in inside:
+            if checksum(data[s - start:s - start + n], self.algorithm) != expected:
+                raise OffloadIntegrityError(
+                    f"swap file {path!r}: block {block!r}, {n * itemsize} bytes at file offset "
+                    f"{offset + (s - start) * itemsize} do not match their checksum: the file was changed or "
+                    "damaged under the running engine", path)
+
+
+class VerifiedRead:
+    """A read's future that checks the data against its seals once the read has completed."""
+
+    def __init__(self, future, check) -> None:
+        self._future = future
+        self._check = check
+        self._checked = False
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout=None) -> int:
+        nbytes = self._future.result(timeout)
+        if not self._checked:
+            self._check()
+            self._checked = True
+        return nbytes

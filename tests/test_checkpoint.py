@@ -1,0 +1,302 @@
+"""Checkpoints: exact resume in a new process for every tier, loading across tiers, files other tools read,
+atomic replacement under SIGKILL, and damaged files found by size checks and checksums."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import safetensors.torch
+import torch
+
+import offload
+from offload.checkpoint import reflink
+from offload.errors import OffloadIntegrityError
+from tests.checkpoint_child import BATCHES, make_engine, train
+from tests.models import TinyGPT, one_intraop_thread
+
+_threads = pytest.fixture(autouse=True, scope="module")(one_intraop_thread)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIERS = ("gpu", "cpu", "nvme")
+K, M = 2, 3  # steps before the save, steps after
+
+
+def _child(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "tests.checkpoint_child", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_resume_in_a_new_process_is_bit_identical(tier, tmp_path):
+    engine, scheduler = make_engine(tier, str(tmp_path))
+    with engine:
+        train(engine, scheduler, range(K))
+        engine.save(tmp_path / "ckpt", scheduler=scheduler, rng=True)
+        losses = train(engine, scheduler, range(K, K + M))
+        weights = engine.state_dict()
+        lr = engine.optimizer.param_groups[0]["lr"]
+    result = _child("resume", tmp_path, tier, M)
+    assert result.returncode == 0, result.stderr
+    resumed = torch.load(tmp_path / f"resumed-{tier}.pt", weights_only=True)
+    assert resumed["losses"] == losses  # bit-identical, not close
+    assert resumed["lr"] == lr
+    assert weights.keys() == resumed["weights"].keys()
+    assert all(torch.equal(weights[k], resumed["weights"][k]) for k in weights)
+
+
+@pytest.mark.parametrize("saved,loaded", [("gpu", "nvme"), ("nvme", "cpu"), ("cpu", "gpu"), ("nvme", "gpu")])
+def test_load_into_another_tier(saved, loaded, tmp_path):
+    engine, scheduler = make_engine(saved, str(tmp_path))
+    with engine:
+        train(engine, scheduler, range(K))
+        engine.save(tmp_path / "ckpt", scheduler=scheduler, rng=True)
+        state = torch.random.get_rng_state()
+        losses = train(engine, scheduler, range(K, K + M))
+        weights = engine.state_dict()
+    torch.random.set_rng_state(state)
+    other, other_scheduler = make_engine(loaded, str(tmp_path))
+    with other:
+        other.load(tmp_path / "ckpt", scheduler=other_scheduler, rng=True)
+        assert other.stats()["steps"] == K
+        other_losses = train(other, other_scheduler, range(K, K + M))
+        other_weights = other.state_dict()
+    # The gpu tier runs torch's AdamW maths, the others the fused kernel: equal to rounding (as in parity tests).
+    assert max(abs(a - b) for a, b in zip(losses, other_losses)) <= 1e-5
+    assert max((weights[k] - other_weights[k]).abs().max().item() for k in weights) <= 1e-5
+
+
+def test_files_are_readable_without_offload(tmp_path):
+    engine, scheduler = make_engine("nvme", str(tmp_path))
+    with engine:
+        train(engine, scheduler, range(K))
+        engine.save(tmp_path / "ckpt", scheduler=scheduler, rng=True)
+        expected = engine.state_dict()
+        trainable = {n for n, p in engine.module.named_parameters() if p.requires_grad}
+    directory = tmp_path / "ckpt"
+    assert sorted(os.listdir(directory)) == ["manifest.json", "model.safetensors", "optimizer.safetensors",
+                                             "rng.pt", "scheduler.pt"]
+    weights = safetensors.torch.load_file(directory / "model.safetensors")
+    assert weights.keys() == expected.keys()  # tied aliases included, so load_state_dict(strict=True) works
+    assert all(torch.equal(weights[k], expected[k]) for k in expected)
+    optim = safetensors.torch.load_file(directory / "optimizer.safetensors")
+    assert {k for k in optim if not k.startswith("__pad__/")} == {f"{kind}/{n}" for kind in ("master", "exp_avg", "exp_avg_sq") for n in trainable}
+    assert all(torch.equal(optim[f"master/{n}"], expected[n]) for n in trainable)  # fp32: master == weights
+    assert torch.load(directory / "scheduler.pt", weights_only=True)["last_epoch"] == K
+    assert "torch" in torch.load(directory / "rng.pt", weights_only=True)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert (manifest["version"], manifest["tier"], manifest["step"]) == (1, "nvme", K)
+    steps = {p["name"]: p["steps"] for b in manifest["blocks"] for g in b["groups"] for p in g["params"]}
+    assert all(steps[n] == K for n in trainable)
+    assert manifest["tied"] == {"lm_head.weight": "wte.weight"}
+    assert manifest["files"]["optimizer.safetensors"]["size"] == os.path.getsize(directory / "optimizer.safetensors")
+
+
+def _damage(path, how):
+    size = os.path.getsize(path)
+    if how == "missing":
+        os.unlink(path)
+    elif how == "truncated":
+        os.truncate(path, size - 100)
+    else:
+        with open(path, "r+b") as f:
+            f.seek(size - 64)
+            data = bytearray(f.read(4))
+            if how == "zeroed":
+                data = bytearray(4) if any(data) else bytearray(b"\1\1\1\1")
+            else:
+                data[0] ^= 0x10  # one bit
+            f.seek(size - 64)
+            f.write(data)
+
+
+@pytest.mark.parametrize("how", ["truncated", "zeroed", "bit-flipped", "missing"])
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors"])
+def test_damaged_checkpoint_file_is_named_not_loaded(name, how, tmp_path):
+    engine, scheduler = make_engine("cpu", str(tmp_path))
+    with engine:
+        train(engine, scheduler, range(1))
+        engine.save(tmp_path / "ckpt")
+        _damage(tmp_path / "ckpt" / name, how)
+        what = {"missing": "is missing", "truncated": "truncated"}.get(how, r"checksum mismatch .* of block '(wte|ln_f)'")
+        pattern = rf"(?=.*{re.escape(name)})(?=.*{what})"
+        with pytest.raises(OffloadIntegrityError, match=pattern):
+            engine.load(tmp_path / "ckpt")
+
+
+def test_damaged_manifest_is_an_integrity_error(tmp_path):
+    engine, scheduler = make_engine("cpu", str(tmp_path))
+    with engine:
+        engine.save(tmp_path / "ckpt")
+        (tmp_path / "ckpt" / "manifest.json").write_text('{"format": "offload-checkpoint", "vers')
+        with pytest.raises(OffloadIntegrityError, match="manifest.json.*damaged"):
+            engine.load(tmp_path / "ckpt")
+
+
+def _kill_during_save(tmp_path, pause_at):
+    proc = subprocess.Popen([sys.executable, "-m", "tests.checkpoint_child", "kill", str(tmp_path), str(pause_at)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().strip()  # "PAUSED", or "DONE <calls>" when pause_at is past the last call
+    if line == "PAUSED":
+        proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=120)
+    assert line.startswith(("PAUSED", "DONE")), proc.stderr.read()
+    engine, _ = make_engine("cpu", str(tmp_path))
+    with engine:
+        manifest = engine.load(tmp_path / "ckpt")
+        expected = torch.load(tmp_path / f"expected-{manifest['step']}.pt", weights_only=True)
+        loaded = engine.state_dict()
+        assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+    return line, manifest["step"]
+
+
+@pytest.mark.parametrize("pause_at", [3, 6, 7])  # inside the file writes, between the renames, after them
+def test_sigkill_during_save_leaves_a_loadable_checkpoint(pause_at, tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "loading the previous checkpoint" is expected
+        line, step = _kill_during_save(tmp_path, pause_at)
+    assert line == "PAUSED" and step in (1, 2)
+
+
+@pytest.mark.slow
+def test_sigkill_at_every_fsync_and_rename_point(tmp_path):
+    import warnings
+
+    steps, pause_at = [], 1
+    while True:
+        directory = tmp_path / str(pause_at)
+        directory.mkdir()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            line, step = _kill_during_save(directory, pause_at)
+        steps.append(step)
+        if line.startswith("DONE"):
+            break
+        pause_at += 1
+    assert steps[0] == 1 and steps[-1] == 2 and steps == sorted(steps)  # old until the switch, then new
+
+
+def test_nvme_save_and_load_stream_without_a_ram_spike(tmp_path):
+    """Peak RSS growth while saving/loading 142 MB of optimizer state stays under 16 MiB: one record
+    (9 MB, through the staging pool the engine already holds) and one group of weights at a time."""
+    result = _child("memory", tmp_path)
+    assert result.returncode == 0, result.stderr
+    state_bytes, save_growth, load_growth = map(int, result.stdout.split("MEMORY")[1].split())
+    assert state_bytes > 100 << 20
+    assert save_growth < 16 << 20 and load_growth < 16 << 20, (save_growth, load_growth)
+
+
+@pytest.fixture
+def xfs_dir(tmp_path):
+    """A loop-mounted 300 MiB XFS with reflink (skipped where mkfs.xfs or mounting is unavailable)."""
+    image, mount = tmp_path / "xfs.img", tmp_path / "xfs"
+    mount.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(300 << 20)
+    made = subprocess.run(["mkfs.xfs", "-q", "-m", "reflink=1", str(image)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"no mkfs.xfs with reflink here ({made.stderr.decode().strip()[:80]})")
+    mounted = subprocess.run(["mount", "-o", "loop", str(image), str(mount)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot loop-mount here ({mounted.stderr.decode().strip()[:80]})")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_nvme_checkpoint_on_the_swap_file_system_is_a_copy_on_write_clone(xfs_dir, tmp_path, monkeypatch):
+    engine, scheduler = make_engine("nvme", str(xfs_dir))
+    with engine:
+        train(engine, scheduler, range(K))
+        engine.save(xfs_dir / "ckpt", scheduler=scheduler, rng=True)
+        saved = engine.state_dict()
+        losses = train(engine, scheduler, range(K, K + M))  # rewrites every swap record: the clone must not change
+    import offload.checkpoint.reader as reader
+
+    clones = []
+    monkeypatch.setattr(reader, "clone_range", lambda *a: clones.append(a) or reflink.clone_range(*a))
+    resumed, resumed_scheduler = make_engine("nvme", str(xfs_dir))
+    with resumed:  # load into the nvme tier: records cloned from the checkpoint into the new swap file
+        resumed.load(xfs_dir / "ckpt", scheduler=resumed_scheduler, rng=True)
+        assert len(clones) == 5  # every group with optimizer state
+        assert train(resumed, resumed_scheduler, range(K, K + M)) == losses
+    manifest = json.loads((xfs_dir / "ckpt" / "manifest.json").read_text())
+    transfer = manifest["optimizer_state_transfer"]
+    assert transfer["cloned_bytes"] > 0 and transfer["cloned_bytes"] > 4 * transfer["copied_bytes"], transfer
+    other, _ = make_engine("cpu", str(tmp_path))
+    with other:
+        other.load(xfs_dir / "ckpt")
+        loaded = other.state_dict()
+        assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    optim = safetensors.torch.load_file(xfs_dir / "ckpt" / "optimizer.safetensors")
+    assert all(torch.equal(optim[f"master/{k}"], saved[k]) for k in ("h.0.fc.weight", "ln_f.bias"))
+
+
+def test_streamed_weights_round_trip_and_progress_bar(tmp_path, capsys):
+    """Weights streamed under a small device_memory are saved from their host copies and loaded back into
+    them; progress=True shows a tqdm bar."""
+    from tests.test_engine_streaming import BUDGET
+
+    torch.manual_seed(0)
+    streamed = offload.wrap(TinyGPT(), tier="cpu", dtype=torch.float32, device="cpu", device_memory=BUDGET)
+    scheduler = torch.optim.lr_scheduler.StepLR(streamed.optimizer, 1)
+    with streamed:
+        assert streamed.stats()["block_evictions"] >= 0 and streamed._streamer.active
+        train(streamed, scheduler, range(K))
+        streamed.save(tmp_path / "ckpt", progress=True, scheduler=scheduler, rng=True)
+        assert "saving ckpt" in capsys.readouterr().err
+        expected = streamed.state_dict()
+        losses = train(streamed, scheduler, range(K, K + 1))
+    for budget in (None, BUDGET):
+        torch.manual_seed(1)
+        engine = offload.wrap(TinyGPT(), tier="cpu", dtype=torch.float32, device="cpu", device_memory=budget)
+        resumed_scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, 1)
+        with engine:
+            engine.load(tmp_path / "ckpt", scheduler=resumed_scheduler, rng=True)
+            assert all(torch.equal(engine.state_dict()[k], expected[k]) for k in expected)
+            again = train(engine, resumed_scheduler, range(K, K + 1))
+            assert again == losses
+
+
+def test_wrong_model_is_refused_before_anything_changes(tmp_path):
+    engine, scheduler = make_engine("cpu", str(tmp_path))
+    with engine:
+        engine.save(tmp_path / "ckpt")
+    other = offload.wrap(TinyGPT(dim=48), tier="cpu", dtype=torch.float32, device="cpu")
+    with other:
+        before = other.state_dict()
+        with pytest.raises(offload.OffloadConfigError, match=r"'wte.weight' is \(64, 48\) in this model but \(64, 32\)"):
+            other.load(tmp_path / "ckpt")
+        assert all(torch.equal(other.state_dict()[k], before[k]) for k in before)
+
+
+def test_saving_with_accumulated_gradients_warns(tmp_path):
+    engine, scheduler = make_engine("cpu", str(tmp_path))
+    with engine:
+        (idx, tgt) = BATCHES[0][0]
+        engine(idx, tgt).backward()
+        with pytest.warns(RuntimeWarning, match="accumulated gradients are not part of a checkpoint"):
+            engine.save(tmp_path / "ckpt")
+
+
+def test_without_the_native_core_checkpoints_use_zlib_crc32(tmp_path, monkeypatch):
+    from offload import _native
+
+    engine, scheduler = make_engine("cpu", str(tmp_path))
+    with engine:
+        train(engine, scheduler, range(1))
+        monkeypatch.setattr(_native, "_C", None)  # checksums only: the engine keeps its kernels
+        engine.save(tmp_path / "ckpt")
+        assert json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["checksum"] == "crc32"
+        engine.load(tmp_path / "ckpt")
+        monkeypatch.undo()
+        engine.load(tmp_path / "ckpt")  # the manifest names the algorithm, whatever this process prefers
+        _damage(tmp_path / "ckpt" / "optimizer.safetensors", "bit-flipped")
+        with pytest.raises(OffloadIntegrityError, match="checksum mismatch"):
+            engine.load(tmp_path / "ckpt")

@@ -1,0 +1,164 @@
+"""Faults: full disks, damaged or leftover swap files, non-finite gradients, Ctrl-C during step()."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import offload
+from offload.errors import OffloadConfigError, OffloadIntegrityError, OffloadIOError
+from tests.checkpoint_child import make_engine, train
+from tests.models import TinyGPT, make_batches, one_intraop_thread
+
+_threads = pytest.fixture(autouse=True, scope="module")(one_intraop_thread)
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 2 MiB tmpfs: a real full disk (skipped where mounting is not permitted)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.decode().strip() or 'not permitted'})")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_disk_full_during_save_keeps_old_checkpoint_and_training_state(tiny_disk, tmp_path):
+    engine, scheduler = make_engine("cpu", str(tmp_path))
+    with engine:
+        train(engine, scheduler, range(1))
+        engine.save(tiny_disk / "ckpt")
+        saved = engine.state_dict()
+        train(engine, scheduler, range(1, 2))
+        before = engine.state_dict()
+        filler = tiny_disk / "filler"
+        free = os.statvfs(tiny_disk).f_bavail * os.statvfs(tiny_disk).f_frsize
+        filler.write_bytes(b"\0" * (free - 64 * 1024))
+        with pytest.raises(OffloadIOError, match="no space left while saving checkpoint .* intact .* save again"):
+            engine.save(tiny_disk / "ckpt")
+        assert sorted(os.listdir(tiny_disk)) == ["ckpt", "filler"]  # no temporary directory left behind
+        assert _same(engine.state_dict(), before)  # training state unharmed
+        train(engine, scheduler, range(2, 3))  # and training goes on
+        filler.unlink()
+        engine.save(tiny_disk / "ckpt")  # after freeing space
+        final = engine.state_dict()
+    other, _ = make_engine("cpu", str(tmp_path))
+    with other:
+        other.load(tiny_disk / "ckpt")
+        assert _same(other.state_dict(), final) and not _same(final, saved)
+
+
+def test_disk_full_at_swap_file_creation_says_needed_and_free(tiny_disk):
+    model = TinyGPT(vocab=4096, dim=64)  # ~ 3.7 MiB of optimizer state for a 2 MiB disk
+    with pytest.raises(OffloadConfigError, match=r"has \d+ bytes free but the optimizer state needs \d+ bytes"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # tmpfs: no O_DIRECT
+            offload.wrap(model, tier="nvme", nvme_path=tiny_disk, dtype=torch.float32, device="cpu")
+    assert os.listdir(tiny_disk) == []
+
+
+def test_bit_flip_in_swap_file_is_an_integrity_error_naming_file_and_block(tmp_path):
+    engine, scheduler = make_engine("nvme", str(tmp_path))
+    train(engine, scheduler, range(1))
+    engine.synchronize()
+    swap = next(p for p in tmp_path.iterdir() if p.suffix == ".swap")
+    layout = json.loads((tmp_path / (swap.name + ".layout.json")).read_text())
+    record = next(r for r in layout["records"] if r["block"] == "h.2")
+    with open(swap, "r+b") as f:
+        f.seek(record["offset"] + 12)
+        byte = f.read(1)
+        f.seek(record["offset"] + 12)
+        f.write(bytes([byte[0] ^ 0x01]))
+    train(engine, scheduler, range(1, 2))
+    with pytest.raises(OffloadIntegrityError, match=rf"{swap.name}.*block 'h.2'.*checksum"):
+        engine.synchronize()
+    engine.close()  # the damaged block was reported once; cleanup still works
+
+
+def test_leftover_swap_files_of_dead_runs_are_removed_live_ones_kept(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    leftover = tmp_path / f"offload-{dead.pid}-0123abcd.swap"
+    leftover.write_bytes(b"\1" * 8192)
+    (tmp_path / (leftover.name + ".layout.json")).write_text("{}")
+    unrelated = tmp_path / "notes.swap"
+    unrelated.write_text("not ours")
+    with pytest.warns(RuntimeWarning, match="removed 1 swap file"):
+        first = offload.wrap(TinyGPT(), tier="nvme", nvme_path=tmp_path, dtype=torch.float32, device="cpu")
+    assert not leftover.exists() and unrelated.exists()
+    with first:
+        second = offload.wrap(TinyGPT(), tier="nvme", nvme_path=tmp_path, dtype=torch.float32, device="cpu")
+        swaps = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".swap" and p.name.startswith("offload-"))
+        assert len(swaps) == 2 and all(n.startswith(f"offload-{os.getpid()}-") for n in swaps)  # both live engines
+        train(first, torch.optim.lr_scheduler.StepLR(first.optimizer, 1), range(1))
+        first.synchronize()
+        second.close()
+
+
+@pytest.mark.timeout(120)  # a skipped nvme block whose reads held ring slots used to hang the next step
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("declared", [None, 1])
+def test_nonfinite_loss_without_clipping_skips_the_step(declared, tier, tmp_path):
+    engine = offload.wrap(TinyGPT(), tier=tier, nvme_path=str(tmp_path) if tier == "nvme" else None,
+                          dtype=torch.float32, device="cpu", grad_accumulation_steps=declared)
+    (idx, tgt), = make_batches(1, 1)[0]
+    with engine:
+        before = engine.state_dict()
+        with pytest.warns(RuntimeWarning, match="step 1: non-finite gradients"):
+            (engine(idx, tgt) * float("nan")).backward()
+            engine.step()
+            engine.synchronize()
+        engine.zero_grad()
+        assert _same(engine.state_dict(), before)
+        stats = engine.stats()
+        assert stats["skipped_steps"] == 1 and stats["skipped_block_updates"] == 5  # every block with state
+        for _ in range(3):  # later steps run normally (and, on nvme, find every ring slot free again)
+            engine(idx, tgt).backward()
+            engine.step()
+            engine.zero_grad()
+        engine.synchronize()
+        assert engine.stats()["skipped_steps"] == 1 and not _same(engine.state_dict(), before)
+
+
+def test_ctrl_c_during_step_applies_the_whole_step(tmp_path):
+    plain, plain_scheduler = make_engine("cpu", str(tmp_path))
+    with plain:
+        train(plain, plain_scheduler, range(2))
+        expected = plain.state_dict()
+    engine, scheduler = make_engine("cpu", str(tmp_path))
+    submit, calls = engine._submit_update, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # a real SIGINT, delivered between two blocks of the step
+            os.kill(os.getpid(), signal.SIGINT)
+        return submit(*args, **kwargs)
+
+    with engine:
+        train(engine, scheduler, range(1))
+        engine._submit_update = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            train(engine, scheduler, range(1, 2))
+        engine._submit_update = submit
+        assert len(calls) == 6 and engine.stats()["steps"] == 2  # every block scheduled; the step counted
+        engine.zero_grad()
+        scheduler.step()  # the interrupt skipped the training loop's scheduler.step()
+        assert _same(engine.state_dict(), expected)
+        engine.save(tmp_path / "ckpt")
+    other, _ = make_engine("cpu", str(tmp_path))
+    with other:
+        other.load(tmp_path / "ckpt")
+        assert _same(other.state_dict(), expected)
