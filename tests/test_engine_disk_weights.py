@@ -47,3 +47,41 @@ def test_parity_with_weights_on_disk_and_checkpointing(checkpointing):
         warnings.simplefilter("ignore")
         _compare("nvme", accum=2, declared=False, checkpointing=checkpointing, device_memory=BUDGET,
                  host_memory=HOST)
+
+
+def test_save_and_load_with_weights_on_disk(tmp_path):
+    """A checkpoint of an engine whose weights live in the swap file reads them from disk, and a load writes
+    them back there; training then continues exactly as without the round trip."""
+    from tests.models import make_batches
+
+    def make(directory):
+        torch.manual_seed(0)
+        return offload.wrap(TinyGPT(), tier="nvme", nvme_path=directory, dtype=torch.float32, device="cpu",
+                            device_memory=BUDGET, host_memory=HOST, lr=1e-3)
+
+    batches = [b for step in make_batches(4, 1) for b in step]
+
+    def train(engine, items):
+        losses = []
+        for idx, tgt in items:
+            loss = engine(idx, tgt)
+            loss.backward()
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.item())
+        engine.synchronize()
+        return losses
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with make(tmp_path / "a") as first:
+        assert first.plan.disk_weight_blocks
+        train(first, batches[:2])
+        first.save(tmp_path / "ckpt")
+        saved = first.state_dict()
+        expected = train(first, batches[2:])
+    with make(tmp_path / "b") as second:
+        second.load(tmp_path / "ckpt")
+        loaded = second.state_dict()
+        assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+        assert train(second, batches[2:]) == expected

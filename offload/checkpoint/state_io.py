@@ -81,4 +81,8 @@ def swap_record(state: GroupState) -> Optional[Tuple[int, int, int]]:
         return None
     store = state._ring._store
     record = store.records[id(state.group)]
+    if record.section_bytes != 4 * record.numel:
+        # Layout v2 pads each section to 4 KiB; the checkpoint stores the three kinds back to back, so
+        # a whole-record clone would misplace them. Cloning section by section is a follow-up: write instead.
+        return None
     return store._file.buffered_fd, record.offset, record.nbytes
