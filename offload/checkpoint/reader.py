@@ -77,6 +77,7 @@ def _load_tensors(engine: "Engine", groups, directory: str, manifest: Dict[str, 
             TensorFileReader(os.path.join(directory, OPTIMIZER_FILE), optim_info["checksums"], algorithm,
                              block_of) as optim, \
             _progress(total, progress, f"offload: loading {os.path.basename(directory)}") as bar:
+        scratch = state_io.RecordScratch(state for _b, _g, state in groups)
         for _block, group, state in groups:
             flat = torch.empty(group.numel, dtype=group.dtype)
             for slot in group.slots:
@@ -87,7 +88,7 @@ def _load_tensors(engine: "Engine", groups, directory: str, manifest: Dict[str, 
             if state is None:
                 continue
             commit = _clone_into_swap(optim, group, state, clone_state) if clone_state["try"] else None
-            with state_io.writing(state, commit) as views:
+            with state_io.writing(state, commit, scratch) as views:
                 for kind, view in zip(STATE_KINDS, views):
                     for slot in group.trainable_slots:
                         optim.read_into(optimizer_key(kind, slot.name), view[slot.offset:slot.offset + slot.numel])

@@ -8,7 +8,7 @@ lease of the engine's staging pool (nvme tier), so a checkpoint never holds more
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Callable, Iterable, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -19,9 +19,23 @@ from offload.tiers.disk import state_views
 Views = Tuple[Tensor, Tensor, Tensor]  # master, exp_avg, exp_avg_sq: fp32, host, contiguous
 
 
+class RecordScratch:
+    """One host buffer the size of the largest swap record among `states`, reused for every record a save or
+    load moves: host memory grows by one record, however many there are (and no allocator churn)."""
+
+    def __init__(self, states: Iterable[Optional[GroupState]]) -> None:
+        sizes = [s._ring._store.records[id(s.group)].nbytes for s in states if isinstance(s, DiskGroupState)]
+        self._buffer = torch.empty(max(sizes) // 4, dtype=torch.float32) if sizes else None
+
+    def take(self, nbytes: int) -> Tensor:
+        assert self._buffer is not None and nbytes <= 4 * self._buffer.numel()
+        return self._buffer[:nbytes // 4]
+
+
 @contextlib.contextmanager
 def _disk_record(state: DiskGroupState, load_from_disk: bool, write_back: bool,
-                 commit: Optional[Callable[[Tensor], bool]] = None) -> Iterator[Views]:
+                 commit: Optional[Callable[[Tensor], bool]] = None,
+                 scratch: Optional[RecordScratch] = None) -> Iterator[Views]:
     """One swap record in host memory (one at a time: a checkpoint never holds more). The ring is drained
     first, so the file holds the latest state and no read-ahead keeps data a load would make stale."""
     ring = state._ring
@@ -29,7 +43,8 @@ def _disk_record(state: DiskGroupState, load_from_disk: bool, write_back: bool,
     store = ring._store
     group = state.group
     n = group.trainable_numel
-    buffer = torch.empty(store.records[id(group)].nbytes // 4, dtype=torch.float32)
+    nbytes = store.records[id(group)].nbytes
+    buffer = scratch.take(nbytes) if scratch is not None else torch.empty(nbytes // 4, dtype=torch.float32)
     views = state_views(buffer, n)
     try:
         if load_from_disk:
@@ -46,21 +61,22 @@ def _disk_record(state: DiskGroupState, load_from_disk: bool, write_back: bool,
 
 
 @contextlib.contextmanager
-def reading(state: GroupState) -> Iterator[Views]:
+def reading(state: GroupState, scratch: Optional[RecordScratch] = None) -> Iterator[Views]:
     """The group's current state as host tensors (read-only use)."""
     if isinstance(state, DiskGroupState):
-        with _disk_record(state, load_from_disk=True, write_back=False) as views:
+        with _disk_record(state, load_from_disk=True, write_back=False, scratch=scratch) as views:
             yield views
         return
     yield tuple(t.detach().to("cpu").contiguous() for t in (state.master, state.exp_avg, state.exp_avg_sq))  # type: ignore[misc]
 
 
 @contextlib.contextmanager
-def writing(state: GroupState, commit: Optional[Callable[[Tensor], bool]] = None) -> Iterator[Views]:
+def writing(state: GroupState, commit: Optional[Callable[[Tensor], bool]] = None,
+            scratch: Optional[RecordScratch] = None) -> Iterator[Views]:
     """Host tensors to fill with the group's new state; committed to the tier when the block exits cleanly.
     For a swap record, `commit(record)` may store it another way (a clone) and return True; else it is written."""
     if isinstance(state, DiskGroupState):
-        with _disk_record(state, load_from_disk=False, write_back=True, commit=commit) as views:
+        with _disk_record(state, load_from_disk=False, write_back=True, commit=commit, scratch=scratch) as views:
             yield views
         return
     targets = (state.master, state.exp_avg, state.exp_avg_sq)

@@ -182,12 +182,13 @@ def _write_optimizer(groups: list, layout: _Layout, path: str, algorithm: str,
     transfer = {"cloned_bytes": 0, "copied_bytes": 0}
     try_clone = True
     try:
+        scratch = state_io.RecordScratch(state for _b, _g, state in groups)
         for _block, group, state in groups:
             if state is None:
                 continue
             if writer.next_name.startswith(PAD):
                 writer.write_zeros(writer.next_name)
-            cloned = _write_record(writer, group, state, try_clone)
+            cloned = _write_record(writer, group, state, try_clone, scratch)
             if cloned is None:
                 try_clone = False  # a file system that cannot clone one record cannot clone the next
             transfer["cloned_bytes"] += cloned or 0
@@ -200,11 +201,12 @@ def _write_optimizer(groups: list, layout: _Layout, path: str, algorithm: str,
     return {"size": os.path.getsize(path), "checksums": writer.checksums}, transfer
 
 
-def _write_record(optim: TensorFileWriter, group: Any, state: Any, try_clone: bool) -> Optional[int]:
+def _write_record(optim: TensorFileWriter, group: Any, state: Any, try_clone: bool,
+                  scratch: "state_io.RecordScratch") -> Optional[int]:
     """One group's optimizer state: cloned from its swap record when possible, else written; returns the
     bytes cloned, None when written. A function of its own so every view of the staging lease is gone
     when it returns (the lease goes back to the pool only then)."""
-    with state_io.reading(state) as views:
+    with state_io.reading(state, scratch) as views:
         items = [(optimizer_key(kind, slot.name), view[slot.offset:slot.offset + slot.numel].view(slot.shape))
                  for kind, view in zip(STATE_KINDS, views) for slot in group.trainable_slots]
         source = state_io.swap_record(state) if try_clone else None
