@@ -24,3 +24,9 @@ def test_bench_crc32c_quick():
     out = _run(["benchmarks/bench_crc32c.py", "--quick"])
     for rival in ("zlib.crc32", "bound: memory read", "per optimizer step"):
         assert rival in out
+
+
+def test_bench_integrity_quick(tmp_path):
+    out = _run(["benchmarks/bench_integrity.py", "--quick", "--nvme-path", str(tmp_path)])
+    for variant in ("both checks", "no checksums", "no finite-gradient check", "neither"):
+        assert variant in out

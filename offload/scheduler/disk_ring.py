@@ -147,8 +147,9 @@ class DiskRing:
     def store(self, group: "FlatGroup", start: int, stop: int, sections: Tuple[Tensor, Tensor, Tensor]) -> None:
         """Write the chunk `load` returned back to disk; the slot returns to the ring when the write is done."""
         slot = self._slot_of(sections[0])
-        futures = self._submit(True, slot, group, start, stop)
-        with self._lock:
+        with self._lock:  # submitted and registered at once: `_read_ahead` (other threads) must never see
+            # this chunk without its write in flight, or it would read the old bytes (submitting never blocks)
+            futures = self._submit(True, slot, group, start, stop)
             self._writes.append(_InFlight(slot, group, start, stop, futures))
         self._read_ahead()
 

@@ -207,12 +207,9 @@ class SwapStore:
         """One piece of a record: sealed before it is written, verified after it is read (disk_checksums.py)."""
         nbytes = tensor.numel() * tensor.element_size()
         if write:
-            # Seal after submitting: the caller keeps `tensor` unchanged until the write completes, so the
-            # checksum covers what lands on disk, and computing it overlaps the write instead of delaying it.
-            self.bytes_written += nbytes
-            future = self._io.pwrite(tensor, self._file, offset)
-            self.checksums.seal(key, start, tensor)
-            return future
+            self.checksums.seal(key, start, tensor)  # before the bytes can reach the file: no reader ever
+            self.bytes_written += nbytes              # checks new bytes against an old seal
+            return self._io.pwrite(tensor, self._file, offset)
         self.bytes_read += nbytes
         future = self._io.pread(tensor, self._file, offset)
         return VerifiedRead(future, lambda: self.checksums.verify(key, start, tensor, self.path, block, offset))
