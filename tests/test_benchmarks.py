@@ -30,3 +30,9 @@ def test_bench_integrity_quick(tmp_path):
     out = _run(["benchmarks/bench_integrity.py", "--quick", "--nvme-path", str(tmp_path)])
     for variant in ("both checks", "no checksums", "no finite-gradient check", "neither"):
         assert variant in out
+
+
+def test_bench_train_quick(tmp_path):
+    out = _run(["benchmarks/bench_train.py", "--quick", "--nvme-path", str(tmp_path)])
+    for rival in ("torch AdamW", "offload gpu tier", "offload cpu tier", "offload nvme tier", "efficiency"):
+        assert rival in out
