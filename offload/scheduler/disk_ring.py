@@ -268,7 +268,7 @@ class DiskRing:
             with self._lock:
                 if not self._writes:
                     return
-                entry = self._writes.popleft()
+                entry = self._writes[0]
             self._finish_write(entry)
 
     def stats(self) -> Dict[str, float]:
@@ -288,17 +288,26 @@ class DiskRing:
             with self._lock:
                 if self._free:
                     return self._free.pop()
-                oldest = self._writes.popleft() if self._writes else None
+                oldest = self._writes[0] if self._writes else None
                 if oldest is None:  # only reads ahead hold slots: wait for one to be consumed
                     self._slot_returned.wait(timeout=1.0)
                     continue
             self._finish_write(oldest)
 
     def _finish_write(self, entry: _InFlight) -> None:
+        """Wait for a write, then unregister it and return its slot. [Note: a write stays registered until it
+        is done] `_read_ahead` on another thread checks `_writes` for overlaps: a write taken off the list
+        while still in flight would let it read the chunk's old bytes. Exactly one thread unregisters an
+        entry (by identity, under the lock), and only that one returns the slot."""
         try:
             self._wait(entry.futures)
         finally:
-            self._give_back(entry.slot)
+            with self._lock:
+                index = next((i for i, w in enumerate(self._writes) if w is entry), None)
+                if index is not None:
+                    del self._writes[index]
+            if index is not None:
+                self._give_back(entry.slot)
 
     def _give_back(self, slot: _Slot) -> None:
         with self._lock:
@@ -309,8 +318,6 @@ class DiskRing:
         """A read of [start, stop) must see the last write of it: finish overlapping writes first."""
         with self._lock:
             overlapping = [w for w in self._writes if w.group is group and w.start < stop and start < w.stop]
-            for entry in overlapping:
-                self._writes.remove(entry)
         for entry in overlapping:
             self._finish_write(entry)
 
@@ -321,7 +328,7 @@ class DiskRing:
             with self._lock:
                 if not self._writes or not all(f.done() for f in self._writes[0].futures):
                     return
-                entry = self._writes.popleft()
+                entry = self._writes[0]
             self._finish_write(entry)
 
     def _read_ahead(self) -> None:
