@@ -4,8 +4,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -28,9 +26,6 @@ def test_bench_crc32c_quick():
         assert rival in out
 
 
-@pytest.mark.xfail(strict=False, reason="open bug: with several live nvme engines in one process (this benchmark "
-                   "keeps four), a swap-record read intermittently fails its checksum (about 1 run in 2 on 2 cores; "
-                   "one engine: 0 in 15 after the ring fixes). Under investigation: docs/benchmarks.md")
 def test_bench_integrity_quick(tmp_path):
     out = _run(["benchmarks/bench_integrity.py", "--quick", "--nvme-path", str(tmp_path)])
     for variant in ("both checks", "no checksums", "no finite-gradient check", "neither"):

@@ -91,6 +91,7 @@ class DiskRing:
             self._slots.append(_Slot(index, buffer, raw, sections))
         self._free: List[_Slot] = list(self._slots)
         self._reads: Dict[ChunkKey, _InFlight] = {}
+        self._checked_out: Dict[int, ChunkKey] = {}  # slot id -> chunk loaded for an update, not yet stored
         self._writes: Deque[_InFlight] = collections.deque()
         self._announced: Deque[Tuple["FlatGroup", int, int]] = collections.deque()
         self._announced_keys: set = set()
@@ -135,9 +136,13 @@ class DiskRing:
             slot = self._take_slot()
             self._wait_writes_of(group, start, stop)
             entry = _InFlight(slot, group, start, stop, self._submit(False, slot, group, start, stop))
+        with self._lock:  # until `store` or `abandon`, no read-ahead of this chunk may start (its bytes change)
+            self._checked_out[id(entry.slot)] = key
         try:
             self._wait(entry.futures)
         except BaseException:
+            with self._lock:
+                self._checked_out.pop(id(entry.slot), None)
             self._give_back(entry.slot)
             raise
         self.chunks_loaded += 1
@@ -151,6 +156,7 @@ class DiskRing:
             # this chunk without its write in flight, or it would read the old bytes (submitting never blocks)
             futures = self._submit(True, slot, group, start, stop)
             self._writes.append(_InFlight(slot, group, start, stop, futures))
+            self._checked_out.pop(id(slot), None)
         self._read_ahead()
 
     def weights_of(self, sections: Tuple[Tensor, Tensor, Tensor], group: "FlatGroup") -> Optional[Tensor]:
@@ -239,7 +245,10 @@ class DiskRing:
 
     def abandon(self, sections: Tuple[Tensor, Tensor, Tensor]) -> None:
         """Return a loaded chunk's slot without writing it (its update failed: the disk keeps the old state)."""
-        self._give_back(self._slot_of(sections[0]))
+        slot = self._slot_of(sections[0])
+        with self._lock:
+            self._checked_out.pop(id(slot), None)
+        self._give_back(slot)
 
     def write_fresh(self, group: "FlatGroup", fill) -> None:
         """Initialise the group's record chunk by chunk: `fill(start, stop, sections)` writes into the slot."""
@@ -339,8 +348,9 @@ class DiskRing:
                 if not self._announced or len(self._free) < 2:
                     return
                 group, start, stop = self._announced[0]
-                if any(w.group is group and w.start < stop and start < w.stop for w in self._writes):
-                    return  # its previous write is still in flight; the worker will read it itself
+                if (id(group), start) in self._checked_out.values() or any(
+                        w.group is group and w.start < stop and start < w.stop for w in self._writes):
+                    return  # being updated, or its write still in flight: read it once the write is registered
                 self._announced.popleft()
                 key = (id(group), start)
                 self._announced_keys.discard(key)
