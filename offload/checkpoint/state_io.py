@@ -24,7 +24,7 @@ class RecordScratch:
     load moves: host memory grows by one record, however many there are (and no allocator churn)."""
 
     def __init__(self, states: Iterable[Optional[GroupState]]) -> None:
-        sizes = [s._ring._store.records[id(s.group)].nbytes for s in states if isinstance(s, DiskGroupState)]
+        sizes = [s.swap.records[id(s.group)].nbytes for s in states if isinstance(s, DiskGroupState)]
         self._buffer = torch.empty(max(sizes) // 4, dtype=torch.float32) if sizes else None
 
     def take(self, nbytes: int) -> Tensor:
@@ -38,9 +38,8 @@ def _disk_record(state: DiskGroupState, load_from_disk: bool, write_back: bool,
                  scratch: Optional[RecordScratch] = None) -> Iterator[Views]:
     """One swap record in host memory (one at a time: a checkpoint never holds more). The ring is drained
     first, so the file holds the latest state and no read-ahead keeps data a load would make stale."""
-    ring = state._ring
-    ring.drain()
-    store = ring._store
+    state.settle()
+    store = state.swap
     group = state.group
     n = group.trainable_numel
     nbytes = store.records[id(group)].nbytes
@@ -95,10 +94,10 @@ def swap_record(state: GroupState) -> Optional[Tuple[int, int, int]]:
     Lets a checkpoint on the same file system clone the record (copy-on-write) instead of writing it."""
     if not isinstance(state, DiskGroupState):
         return None
-    store = state._ring._store
+    store = state.swap
     record = store.records[id(state.group)]
     if record.section_bytes != 4 * record.numel:
         # Layout v2 pads each section to 4 KiB; the checkpoint stores the three kinds back to back, so
         # a whole-record clone would misplace them. Cloning section by section is a follow-up: write instead.
         return None
-    return store._file.buffered_fd, record.offset, record.nbytes
+    return store.record_span(state.group)

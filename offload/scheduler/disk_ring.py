@@ -102,6 +102,11 @@ class DiskRing:
         self.chunks_read_ahead = 0
 
     # ----- chunks ------------------------------------------------------------------------------------
+    @property
+    def swap(self) -> "SwapStore":
+        """The swap file this ring reads and writes."""
+        return self._store
+
     def chunks(self, group: "FlatGroup") -> List[Tuple[int, int]]:
         """Element ranges [start, stop) covering the group's trainable range, each at most one slot."""
         n = group.trainable_numel

@@ -19,6 +19,7 @@ from offload.scheduler.block import FlatGroup
 
 if TYPE_CHECKING:
     from offload.scheduler.disk_ring import DiskRing
+    from offload.tiers.disk import SwapStore
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,15 @@ class DiskGroupState(GroupState):
     def announce(self) -> None:
         """Start reading this group's state ahead of its update (called when the update is scheduled)."""
         self._ring.announce([self.group])
+
+    @property
+    def swap(self) -> "SwapStore":
+        """The swap file holding this group's record (for checkpoints, which read and write it directly)."""
+        return self._ring.swap
+
+    def settle(self) -> None:
+        """Finish every write in flight and drop reads ahead: the swap file then holds the current state."""
+        self._ring.drain()
 
     def skip(self) -> None:
         """The scheduled update will not run (non-finite gradients): release the reads started for it."""

@@ -214,6 +214,11 @@ class SwapStore:
         future = self._io.pread(tensor, self._file, offset)
         return VerifiedRead(future, lambda: self.checksums.verify(key, start, tensor, self.path, block, offset))
 
+    def record_span(self, group: "FlatGroup") -> Tuple[int, int, int]:
+        """(file descriptor, offset, bytes) of the group's record, for copy-on-write clones of it."""
+        record = self.records[id(group)]
+        return self._file.buffered_fd, record.offset, record.nbytes
+
     def close(self) -> None:
         """Close and delete the swap file and its layout (this run's state only)."""
         try:
