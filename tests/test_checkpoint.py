@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -196,6 +197,9 @@ def test_nvme_save_and_load_stream_without_a_ram_spike(tmp_path):
 @pytest.fixture
 def xfs_dir(tmp_path):
     """A loop-mounted 300 MiB XFS with reflink (skipped where mkfs.xfs or mounting is unavailable)."""
+    for tool in ("mkfs.xfs", "mount", "umount"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is not installed here (Debian: apt-get install xfsprogs mount)")
     image, mount = tmp_path / "xfs.img", tmp_path / "xfs"
     mount.mkdir()
     with open(image, "wb") as f:
