@@ -43,3 +43,32 @@ def test_out_of_order_loads_with_the_smallest_ring(tmp_path):
     finally:
         store.close()
         pool.close()
+
+
+def test_an_announcement_while_a_chunk_is_being_loaded_never_reads_it_ahead(tmp_path):
+    """The training thread may announce a group at any moment of the worker's `load`: a read-ahead started
+    before the chunk counts as checked out would keep its pre-update bytes for the next update (once seen
+    as a swap-checksum mismatch in the nvme parity tests)."""
+    model = nn.Sequential(nn.Linear(64, 100))
+    blocks, groups = _groups(model)
+    group = groups[0]
+    records, size = plan_swap_layout(blocks)
+    store = SwapStore(str(tmp_path), records, size)
+    pool = StagingPool(4 * min_ring_bytes())
+    ring = DiskRing(store, pool, 4 * min_ring_bytes())
+    try:
+        ring.write_fresh(group, lambda a, b, sec: [t.fill_(1.0) for t in sec])
+        ring.drain()
+        take_slot = ring._take_slot
+        ring._take_slot = lambda: (ring.announce([group]), take_slot())[1]  # the worst moment to announce
+        for expected in (1.0, 2.0, 3.0):
+            for start, stop in ring.chunks(group):
+                sections = ring.load(group, start, stop)
+                assert all(bool((t == expected).all()) for t in sections), (expected, start)
+                for t in sections:
+                    t.add_(1)
+                ring.store(group, start, stop, sections)
+        ring.drain()
+    finally:
+        store.close()
+        pool.close()

@@ -91,7 +91,7 @@ class DiskRing:
             self._slots.append(_Slot(index, buffer, raw, sections))
         self._free: List[_Slot] = list(self._slots)
         self._reads: Dict[ChunkKey, _InFlight] = {}
-        self._checked_out: Dict[int, ChunkKey] = {}  # slot id -> chunk loaded for an update, not yet stored
+        self._checked_out: Dict[ChunkKey, Optional[_Slot]] = {}  # chunks being updated: from `load` to `store`
         self._writes: Deque[_InFlight] = collections.deque()
         self._announced: Deque[Tuple["FlatGroup", int, int]] = collections.deque()
         self._announced_keys: set = set()
@@ -134,21 +134,25 @@ class DiskRing:
         slot back with `store` (or `abandon` on failure). When the group's compute weights live on disk,
         the slot's weight area (`weights_of`) is read too, and `store` writes it back."""
         key = (id(group), start)
-        with self._lock:
+        with self._lock:  # [Note: checked out in the same step as taken] until `store` or `abandon`, no
+            # read-ahead of this chunk may start (its bytes are about to change)
             entry = self._reads.pop(key, None)
             self._drop_announced(key)
-        if entry is None:
-            slot = self._take_slot()
-            self._wait_writes_of(group, start, stop)
-            entry = _InFlight(slot, group, start, stop, self._submit(False, slot, group, start, stop))
-        with self._lock:  # until `store` or `abandon`, no read-ahead of this chunk may start (its bytes change)
-            self._checked_out[id(entry.slot)] = key
+            self._checked_out[key] = None if entry is None else entry.slot
+        slot = None if entry is None else entry.slot
         try:
+            if entry is None:
+                slot = self._take_slot()
+                with self._lock:
+                    self._checked_out[key] = slot
+                self._wait_writes_of(group, start, stop)
+                entry = _InFlight(slot, group, start, stop, self._submit(False, slot, group, start, stop))
             self._wait(entry.futures)
         except BaseException:
             with self._lock:
-                self._checked_out.pop(id(entry.slot), None)
-            self._give_back(entry.slot)
+                self._checked_out.pop(key, None)
+            if slot is not None:
+                self._give_back(slot)
             raise
         self.chunks_loaded += 1
         self._read_ahead()
@@ -161,7 +165,7 @@ class DiskRing:
             # this chunk without its write in flight, or it would read the old bytes (submitting never blocks)
             futures = self._submit(True, slot, group, start, stop)
             self._writes.append(_InFlight(slot, group, start, stop, futures))
-            self._checked_out.pop(id(slot), None)
+            self._checked_out.pop((id(group), start), None)
         self._read_ahead()
 
     def weights_of(self, sections: Tuple[Tensor, Tensor, Tensor], group: "FlatGroup") -> Optional[Tensor]:
@@ -252,7 +256,8 @@ class DiskRing:
         """Return a loaded chunk's slot without writing it (its update failed: the disk keeps the old state)."""
         slot = self._slot_of(sections[0])
         with self._lock:
-            self._checked_out.pop(id(slot), None)
+            for key in [k for k, s in self._checked_out.items() if s is slot]:
+                del self._checked_out[key]
         self._give_back(slot)
 
     def write_fresh(self, group: "FlatGroup", fill) -> None:
@@ -353,7 +358,7 @@ class DiskRing:
                 if not self._announced or len(self._free) < 2:
                     return
                 group, start, stop = self._announced[0]
-                if (id(group), start) in self._checked_out.values() or any(
+                if (id(group), start) in self._checked_out or any(
                         w.group is group and w.start < stop and start < w.stop for w in self._writes):
                     return  # being updated, or its write still in flight: read it once the write is registered
                 self._announced.popleft()
