@@ -24,7 +24,7 @@ from offload.errors import OffloadConfigError, OffloadError
 from offload.planner import BlockSpec, Plan, make_plan, spec_of
 from offload.policy import OffloadPolicy, Tier
 from offload.scheduler.block import Block, build_blocks, param_owners
-from offload.scheduler.disk_ring import DiskRing, ring_size_for
+from offload.scheduler.disk_ring import DiskRing, ring_depth_for, ring_size_for
 from offload.scheduler.grads import BackwardTracker
 from offload.scheduler.hooks import HookSet
 from offload.scheduler.nonfinite import NonFiniteSkips, grads_finite
@@ -60,7 +60,8 @@ class Engine(CheckpointAccess):
         self._closed = False
         self.blocks: List[Block] = build_blocks(module, policy.dtype)
         records, swap_size = plan_swap_layout(self.blocks) if policy.tier is Tier.NVME else ({}, 0)
-        ring = ring_size_for(max((r.numel for r in records.values()), default=0)) if records else None
+        largest_record = max((r.numel for r in records.values()), default=0)
+        ring = ring_size_for(largest_record) if records else None
         self.plan: Plan = make_plan([_spec(b, policy) for b in self.blocks], policy.tier,
                                     policy.device_memory, policy.host_memory, ring)
         self._swap: Optional[SwapStore] = None
@@ -71,7 +72,8 @@ class Engine(CheckpointAccess):
             weights, swap_size = plan_weight_layout(self.blocks, self.plan.disk_weight_blocks, swap_size)
             self._swap = SwapStore(policy.nvme_path, records, swap_size, weights)
             self._staging = StagingPool(max(_round_up(self.plan.ring_bytes, 4096), 4096))
-            self._ring = DiskRing(self._swap, self._staging, self.plan.ring_bytes)
+            self._ring = DiskRing(self._swap, self._staging, self.plan.ring_bytes,
+                                  ring_depth_for(self.plan.ring_bytes, largest_record))
         self._device_tier = DeviceTier(policy.device, policy.device_memory)
         self._copies = CopyContext(policy.device)
         self._forward_order: List[int] = []

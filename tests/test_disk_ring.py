@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from offload.scheduler.block import build_blocks
-from offload.scheduler.disk_ring import CHUNK_GRANULE, DiskRing, min_ring_bytes
+from offload.scheduler.disk_ring import CHUNK_GRANULE, DiskRing, min_ring_bytes, ring_depth_for, ring_size_for
 from offload.tiers.disk import SwapStore, plan_swap_layout
 from offload.tiers.host import StagingPool
 
@@ -72,3 +72,12 @@ def test_an_announcement_while_a_chunk_is_being_loaded_never_reads_it_ahead(tmp_
     finally:
         store.close()
         pool.close()
+
+
+def test_ring_depth_grows_with_the_budget_up_to_eight_whole_record_slots():
+    record = 3 * CHUNK_GRANULE  # a record of three granules: its preferred slot is 3 x 2048 x 16 bytes
+    slot = 3 * CHUNK_GRANULE * 16
+    assert ring_size_for(record).preferred == 8 * slot
+    assert ring_depth_for(min_ring_bytes(), record) == 4  # too small for whole records: 4 smaller slots
+    assert ring_depth_for(6 * slot, record) == 6
+    assert ring_depth_for(100 * slot, record) == 8

@@ -34,10 +34,11 @@ if TYPE_CHECKING:
 ChunkKey = Tuple[int, int]  # (id of the group, first element)
 CHUNK_GRANULE = 2048  # elements: 8 KiB of fp32 and 4 KiB of bf16, so every chunk is an aligned request
 SLOT_BYTES_PER_ELEMENT = 16  # the state, and room for compute weights (<= 4 bytes) of blocks whose weights are on disk
-RING_DEPTH = 4  # read i+1, update i, write i-1, and one spare so a write can finish while the next read starts
+MIN_DEPTH = 4  # read i+1, update i, write i-1, and one spare so a write can finish while the next read starts
+MAX_DEPTH = 8  # [Note: ring depth] more slots let the forward read ahead more of the coming backward's state
 
 
-def min_ring_bytes(depth: int = RING_DEPTH) -> int:
+def min_ring_bytes(depth: int = MIN_DEPTH) -> int:
     """The smallest ring that works: `depth` slots of one granule each."""
     return depth * CHUNK_GRANULE * SLOT_BYTES_PER_ELEMENT
 
@@ -72,7 +73,7 @@ class DiskRing:
     bookkeeping, and waits on I/O happen outside it.
     """
 
-    def __init__(self, store: "SwapStore", pool: "StagingPool", ring_bytes: int, depth: int = RING_DEPTH) -> None:
+    def __init__(self, store: "SwapStore", pool: "StagingPool", ring_bytes: int, depth: int = MIN_DEPTH) -> None:
         slot_bytes = ring_bytes // depth
         chunk = slot_bytes // SLOT_BYTES_PER_ELEMENT // CHUNK_GRANULE * CHUNK_GRANULE
         if chunk <= 0:
@@ -405,11 +406,21 @@ def _cut(slot: _Slot, numel: int) -> Tuple[Tensor, Tensor, Tensor]:
 PREFERRED_SLOT_BYTES = 32 << 20  # large enough that per-chunk overhead vanishes, small enough to pipeline
 
 
+def _preferred_slot_bytes(largest_record_numel: int) -> int:
+    """A slot that holds the largest record whole (one chunk per update), up to PREFERRED_SLOT_BYTES."""
+    granules = -(-max(largest_record_numel, 1) // CHUNK_GRANULE)
+    unit = CHUNK_GRANULE * SLOT_BYTES_PER_ELEMENT
+    return max(min(granules * unit, PREFERRED_SLOT_BYTES) // unit, 1) * unit
+
+
 def ring_size_for(largest_record_numel: int) -> "RingSize":
     """The least ring that works and the one worth having for records of up to `largest_record_numel`."""
     from offload.planner import RingSize
 
-    granules = -(-max(largest_record_numel, 1) // CHUNK_GRANULE)
-    unit = CHUNK_GRANULE * SLOT_BYTES_PER_ELEMENT
-    slot = max(min(granules * unit, PREFERRED_SLOT_BYTES) // unit, 1) * unit
-    return RingSize(min_ring_bytes(), RING_DEPTH * slot)
+    return RingSize(min_ring_bytes(), MAX_DEPTH * _preferred_slot_bytes(largest_record_numel))
+
+
+def ring_depth_for(ring_bytes: int, largest_record_numel: int) -> int:
+    """How many slots a ring of `ring_bytes` gets: as many preferred-size slots as fit, MIN..MAX_DEPTH (a
+    small ring keeps MIN_DEPTH smaller slots: a record is then simply more chunks)."""
+    return max(MIN_DEPTH, min(MAX_DEPTH, ring_bytes // _preferred_slot_bytes(largest_record_numel)))
