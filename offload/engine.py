@@ -21,7 +21,7 @@ from offload._interrupts import deferred_keyboard_interrupt
 from offload._system import usable_cores
 from offload.checkpoint.engine_access import CheckpointAccess
 from offload.errors import OffloadConfigError, OffloadError
-from offload.planner import BlockSpec, Plan, make_plan, spec_of
+from offload.planner import Plan, make_plan
 from offload.policy import OffloadPolicy, Tier
 from offload.scheduler.block import Block, build_blocks, param_owners
 from offload.scheduler.disk_ring import DiskRing, ring_depth_for, ring_size_for
@@ -62,7 +62,7 @@ class Engine(CheckpointAccess):
         records, swap_size = plan_swap_layout(self.blocks) if policy.tier is Tier.NVME else ({}, 0)
         largest_record = max((r.numel for r in records.values()), default=0)
         ring = ring_size_for(largest_record) if records else None
-        self.plan: Plan = make_plan([_spec(b, policy) for b in self.blocks], policy.tier,
+        self.plan: Plan = make_plan([b.spec(policy.tier) for b in self.blocks], policy.tier,
                                     policy.device_memory, policy.host_memory, ring)
         self._swap: Optional[SwapStore] = None
         self._staging: Optional[StagingPool] = None
@@ -134,12 +134,11 @@ class Engine(CheckpointAccess):
                 for slot in group.slots:
                     slot.param.grad = None
                 if group.trainable_numel:
-                    state = (DiskGroupState(group, self._ring) if self._ring is not None
-                             else GroupState(group, state_device, on_host=state_on_host))
+                    state = (DiskGroupState(group, self._ring, self._copies) if self._ring is not None
+                             else GroupState(group, state_device, state_on_host, self._copies))
                     states.append(state)
                     if state_on_host and self.policy.device.type != "cpu":
-                        self._upload_sources[id(state)] = torch.empty(
-                            group.trainable_numel, dtype=group.dtype, pin_memory=torch.cuda.is_available())
+                        self._upload_sources[id(state)] = self._copies.empty_host(group.trainable_numel, group.dtype)
                     for index, slot in enumerate(group.trainable_slots):
                         self._where[id(slot.param)] = (block, state, index)
             self._states[block.index] = states
@@ -190,7 +189,8 @@ class Engine(CheckpointAccess):
             if self._streamer.is_streamed(block):
                 self._streamer.upload(block, group)  # a released block reads the host copy when fetched
             else:
-                self._copies.to_device(group.device_buffer[:group.trainable_numel], self._host_weights(state))
+                self._copies.upload(id(group), group.device_buffer[:group.trainable_numel], self._host_weights(state))
+            self._copies.use_upload(id(group))  # the compute stream waits for it; see [Note: CUDA streams]
         self._needs_upload.discard(block.index)
 
     def _next_in_forward_order(self, block: Block) -> Optional[Block]:
@@ -276,6 +276,7 @@ class Engine(CheckpointAccess):
             if ready and isinstance(state, DiskGroupState):
                 state.announce()  # its disk reads start now, ahead of the worker reaching it
         stats, threads, skips, step = self._stats, self._worker.num_threads, self._nonfinite, self._stats["steps"]
+        copies = self._copies
         check = self.policy.max_grad_norm is None  # with clipping the global norm decides for the whole step
 
         def work() -> None:
@@ -287,6 +288,7 @@ class Engine(CheckpointAccess):
                         if isinstance(state, DiskGroupState):
                             state.skip()  # its announced disk reads would otherwise hold ring slots
                         continue
+                    copies.release_source(id(state.group))  # the last upload of `out` has read it
                     state.update(ready, hyper, grad_scale, out, threads)
             stats["update_seconds"] += time.perf_counter() - start
 
@@ -403,6 +405,7 @@ class Engine(CheckpointAccess):
         for block in self.blocks:
             if block.index in self._needs_upload:
                 self._upload(block)
+        self._copies.synchronize()
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """The model's state dict as full, real CPU tensors (copies), with all updates applied."""
@@ -421,6 +424,7 @@ class Engine(CheckpointAccess):
         out["skipped_steps"] += self._nonfinite.steps  # steps where some block had non-finite gradients
         out["skipped_block_updates"] = self._nonfinite.block_skips
         out.update(bytes_device_to_host=self._copies.bytes_to_host, bytes_host_to_device=self._copies.bytes_to_device,
+                   copies_on_side_streams=self._copies.async_copies,
                    device_bytes=self._device_tier.in_use, device_peak_bytes=self._device_tier.peak,
                    device_over_budget_events=self._device_tier.over_budget_events,
                    block_fetches=self._streamer.fetches, block_evictions=self._streamer.evictions,
@@ -451,6 +455,7 @@ class Engine(CheckpointAccess):
             if block.index in self._needs_upload:
                 self._upload(block)
         self._streamer.restore_all()
+        self._copies.synchronize()  # the module is plain PyTorch from here on
         self._hooks.remove()
         self._states.clear()
         if self._swap is not None:
@@ -479,11 +484,6 @@ class Engine(CheckpointAccess):
 
 def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
-
-
-def _spec(block: Block, policy: OffloadPolicy) -> BlockSpec:
-    """Bytes of a block's weights and optimizer state (fp32 master unless aliased, m, v, gradient)."""
-    return spec_of(block.name, block.weight_bytes, [(g.trainable_numel, g.dtype) for g in block.groups], policy.tier)
 
 
 __all__ = ["Engine"]

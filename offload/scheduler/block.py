@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from offload.errors import OffloadConfigError, OffloadError
+from offload.planner import BlockSpec, spec_of
+from offload.policy import Tier
 
 # Normalization layers keep their fp32 parameters under a lower compute dtype, as autocast does.
 _NORM_TYPES: Tuple[type, ...] = tuple(
@@ -98,6 +100,10 @@ class Block:
     def slots(self) -> Iterable[ParamSlot]:
         for group in self.groups:
             yield from group.slots
+
+    def spec(self, tier: Tier) -> BlockSpec:
+        """Bytes of the block's weights and optimizer state (fp32 master unless aliased, m, v, gradient)."""
+        return spec_of(self.name, self.weight_bytes, [(g.trainable_numel, g.dtype) for g in self.groups], tier)
 
     def move_to(self, new: Residency) -> None:
         """Change residency; a move the state machine does not allow is a bug, reported loudly."""

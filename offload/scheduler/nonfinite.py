@@ -23,6 +23,7 @@ from offload.scheduler.step import GroupState
 def grads_finite(state: GroupState, num_threads: Optional[int] = None) -> bool:
     """Whether every accumulated gradient element of the group is finite: one read of the gradient (2-4 B
     per parameter, against ~30 B the Adam update moves), with the update's threads."""
+    state.settle_grads()
     grad = state.grad[:state.group.trainable_numel]
     if grad.device.type == "cpu" and grad.dtype in (torch.float32, torch.bfloat16, torch.float16):
         return math.isfinite(sum_of_squares(grad, num_threads=num_threads))

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from offload.optim.functional import adam_step_flat
 from offload.scheduler.block import FlatGroup
+from offload.scheduler.streams import CopyContext, GradDownloads
 
 if TYPE_CHECKING:
     from offload.scheduler.disk_ring import DiskRing
@@ -44,21 +45,26 @@ class GroupState:
 
     `on_host` is True for the CPU tier (state in host memory, the CPU Adam kernel) and False for the GPU
     tier (state on the compute device, torch maths there). In the GPU tier with an fp32 compute dtype the
-    master weights are the device buffer itself (no second copy).
+    master weights are the device buffer itself (no second copy). With `copies` on side streams (CUDA) and
+    the state on the host, gradients arrive asynchronously (`grad_downloads`): every read of `grad` settles
+    them first (`settle_grads`).
     """
 
-    def __init__(self, group: FlatGroup, state_device: torch.device, on_host: bool) -> None:
+    def __init__(self, group: FlatGroup, state_device: torch.device, on_host: bool,
+                 copies: Optional[CopyContext] = None) -> None:
         assert group.device_buffer is not None, "allocate the device buffer first"
         n = group.trainable_numel
         self.group = group
         self.on_host = on_host
+        self.grad_downloads = _downloads(copies, group) if on_host else None
         trainable_weights = group.device_buffer[:n]
         aliased = group.dtype == torch.float32 and not on_host
         self.master = trainable_weights if aliased else trainable_weights.to(state_device, torch.float32, copy=True)
         self.writes_compute_copy = not aliased
         self.exp_avg = torch.zeros(n, dtype=torch.float32, device=state_device)
         self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=state_device)
-        self.grad = torch.zeros(n, dtype=group.dtype, device=state_device)
+        self.grad = (torch.zeros(n, dtype=group.dtype, device=state_device) if self.grad_downloads is None
+                     else self.grad_downloads.new_accumulator())
         self.steps: List[int] = [0] * len(group.trainable_slots)
         self.has_grad: List[bool] = [False] * len(group.trainable_slots)
 
@@ -72,14 +78,23 @@ class GroupState:
         slot = self.group.trainable_slots[index]
         target = self.grad[slot.offset:slot.offset + slot.numel]
         source = grad.detach().reshape(-1)
-        if self.has_grad[index]:
+        if self.grad_downloads is not None:
+            self.grad_downloads.put(target, slot.offset, source, accumulate=self.has_grad[index])
+            self.has_grad[index] = True
+        elif self.has_grad[index]:
             target.add_(source.to(target.device, target.dtype))
         else:
             target.copy_(source)
             self.has_grad[index] = True
         return source.numel() * source.element_size()
 
+    def settle_grads(self) -> None:
+        """Finish the gradient downloads in flight (CUDA): call before reading `grad` (any thread)."""
+        if self.grad_downloads is not None:
+            self.grad_downloads.settle()
+
     def zero_grad(self, set_to_none: bool) -> None:
+        self.settle_grads()  # a copy still in flight would land after the zeroing or the next first copy
         if set_to_none:
             self.has_grad = [False] * len(self.has_grad)
         else:
@@ -93,6 +108,7 @@ class GroupState:
         Computed with torch.linalg.vector_norm in fp32, the reduction torch.nn.utils.clip_grad_norm_ uses:
         a more exact fp64 sum differs in the last bit, and Adam amplifies that in elements whose gradient
         is rounding noise (e.g. attention key biases). See docs/design.md [Note: clipping parity]."""
+        self.settle_grads()
         norms = []
         for index, slot in enumerate(self.group.trainable_slots):
             if self.has_grad[index]:
@@ -109,6 +125,7 @@ class GroupState:
                num_threads: Optional[int] = None) -> None:
         """One AdamW step of the parameters in `ready`; new compute weights written to `out` when given.
         `num_threads` caps the native kernel's threads (None: all usable cores)."""
+        self.settle_grads()
         if not ready:
             return
         if not self.writes_compute_copy:
@@ -143,13 +160,15 @@ class DiskGroupState(GroupState):
     AdamW on each chunk: host memory holds the ring, never the whole state.
     """
 
-    def __init__(self, group: FlatGroup, ring: "DiskRing") -> None:
+    def __init__(self, group: FlatGroup, ring: "DiskRing", copies: Optional[CopyContext] = None) -> None:
         assert group.device_buffer is not None, "allocate the device buffer first"
         n = group.trainable_numel
         self.group = group
         self.on_host = True
         self.writes_compute_copy = True
-        self.grad = torch.zeros(n, dtype=group.dtype)
+        self.grad_downloads = _downloads(copies, group)
+        self.grad = (torch.zeros(n, dtype=group.dtype) if self.grad_downloads is None
+                     else self.grad_downloads.new_accumulator())
         self.steps = [0] * len(group.trainable_slots)
         self.has_grad = [False] * len(group.trainable_slots)
         self._ring = ring
@@ -189,6 +208,7 @@ class DiskGroupState(GroupState):
 
     def update(self, ready: List[int], hyper: AdamHyper, grad_scale: float, out: Optional[Tensor],
                num_threads: Optional[int] = None) -> None:
+        self.settle_grads()
         if not ready:
             return
         spans = self._advance_steps(ready)
@@ -223,6 +243,13 @@ class DiskGroupState(GroupState):
             self.steps[i] += 1
             spans.append((slot.offset, slot.offset + slot.numel, self.steps[i]))
         return spans
+
+
+def _downloads(copies: Optional[CopyContext], group: FlatGroup) -> Optional[GradDownloads]:
+    """Asynchronous gradient downloads for a group whose accumulator is on the host, when copies are."""
+    if copies is None or not copies.is_async:
+        return None
+    return GradDownloads(copies, group.trainable_numel, group.dtype)
 
 
 def clip_scale(norms: List[float], max_norm: float) -> Tuple[float, float]:

@@ -95,8 +95,9 @@ class WeightStreamer:
                 self._disk = disk
                 self._on_disk.add(id(group))
                 disk.write_weights(group, group.device_buffer.to("cpu"))
-            else:
-                self._host[id(group)] = group.device_buffer.to("cpu", copy=True)
+            else:  # pinned on CUDA: uploads read it asynchronously
+                self._host[id(group)] = self._copies.empty_host(group.numel, group.dtype)
+                self._host[id(group)].copy_(group.device_buffer)
             self._by_storage[group.device_buffer.untyped_storage().data_ptr()] = (block.index, group)
         self._lru[block.index] = None
         self._release(block)
@@ -114,6 +115,8 @@ class WeightStreamer:
         if block.residency is Residency.RELEASED:
             self._make_room(block.weight_bytes, keep=block.index)
             self._fetch(block)
+        for group in block.groups:
+            self._copies.use_upload(id(group))  # the compute stream waits for this block's upload (a prefetch)
         self._lru.move_to_end(block.index)
         if pin:
             self.pin(block.index)
@@ -136,7 +139,7 @@ class WeightStreamer:
             if id(group) in self._on_disk:
                 self._read_disk(group)
             else:
-                self._copies.to_device(group.device_buffer[:n], self._host[id(group)][:n])
+                self._copies.upload(id(group), group.device_buffer[:n], self._host[id(group)][:n])
 
     def restore_all(self) -> None:
         """Fetch every streamed block (budget ignored) so the model works as plain PyTorch after close()."""
@@ -169,6 +172,7 @@ class WeightStreamer:
             self.invalidate(block)  # reads a prefetch started would return the old weights
             self._disk.write_weights(group, flat.to(group.dtype).contiguous())
         else:
+            self._copies.release_source(id(group))  # an upload may still read the host copy
             self._host[id(group)].copy_(flat)
 
     # ----- saved-tensor hooks ------------------------------------------------------------------------
@@ -204,7 +208,7 @@ class WeightStreamer:
                 if id(group) in self._on_disk:
                     self._read_disk(group)
                 else:
-                    self._copies.to_device(group.device_buffer, self._host[id(group)])
+                    self._copies.upload(id(group), group.device_buffer, self._host[id(group)])
             self._by_storage[storage.data_ptr()] = (block.index, group)
             group.point_params_at(group.device_buffer)
         block.move_to(Residency.RESIDENT)
