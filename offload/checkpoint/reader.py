@@ -92,8 +92,8 @@ def _partly_loaded(exc: Exception) -> tuple:
             "not be read): the engine now holds a partly loaded state, load an intact checkpoint before "
             "training on")
     if isinstance(exc, OffloadIOError):
-        return (exc.errno, f"{exc.args[1] if len(exc.args) > 1 else exc}{note}", exc.path, exc.offset, exc.size,
-                exc.op)
+        return (exc.errno, f"{os.strerror(exc.errno) if exc.errno else 'I/O error'}{note}", exc.path, exc.offset,
+                exc.size, exc.op)
     return (f"{exc}{note}", exc.path)
 
 
