@@ -2,10 +2,11 @@
 
 The safetensors layout (8-byte little-endian header length, a JSON header giving each tensor's dtype,
 shape and byte range, then the raw bytes) lets us write the header first, because the engine knows every
-name, dtype and shape before it reads any data, and then stream tensors in header order: nothing larger
-than one tensor (or one staged record) is ever held in memory. The result loads with
-`safetensors.torch.load_file`. Reads go straight into the caller's tensor and are checked against the
-checksums the manifest holds.
+name, dtype and shape before it reads any data, and then put each tensor at its place, whole or in parts
+(a swap record arrives chunk by chunk, its three sections interleaved), building each checksum as the
+parts arrive: nothing larger than the caller's buffer is ever held here. The result loads with
+`safetensors.torch.load_file`. Reads go straight into the caller's tensor, whole or in parts, and are
+checked against the checksums the manifest holds; `verify_all` checks a whole file through one buffer.
 """
 
 from __future__ import annotations

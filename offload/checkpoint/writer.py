@@ -3,8 +3,9 @@
 Files, all written into a temporary directory that replaces `path` atomically (atomic.py):
 `model.safetensors` (every entry of the model's state_dict, readable without offload),
 `optimizer.safetensors` (fp32 `master/<name>`, `exp_avg/<name>`, `exp_avg_sq/<name>` of each trainable
-parameter), `scheduler.pt` and `rng.pt` when asked, and `manifest.json` last. One flat group is in host
-memory at a time: for the nvme tier one swap record, staged through the engine's staging pool.
+parameter, each record's three sections 4 KiB-aligned as in the swap file, so they can be cloned),
+`scheduler.pt` and `rng.pt` when asked, and `manifest.json` last. One flat group is in host memory at a
+time; for the nvme tier not even that: one chunk of its record, in a slot of the engine's staging ring.
 """
 
 from __future__ import annotations
