@@ -140,6 +140,8 @@ def test_records_loaded_into_the_nvme_tier_are_sealed_chunk_by_chunk(tmp_path):
     engine, scheduler = _chunked_engine(tmp_path / "swap")
     with engine:
         engine.load(tmp_path / "ckpt")
+        engine.save(tmp_path / "again")  # chunked load, then chunked save: the same state
+        assert _same(_optimizer_tensors(tmp_path / "again"), _optimizer_tensors(tmp_path / "ckpt"))
         swap = _flip_in_swap(tmp_path / "swap", "h.2", 0, 2 * 2048 + 9)  # master, third chunk
         train(engine, scheduler, range(1, 2))
         with pytest.raises(OffloadIntegrityError, match=rf"{swap.name}.*block 'h.2'.*checksum"):
