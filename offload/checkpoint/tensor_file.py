@@ -146,8 +146,9 @@ class TensorFileWriter:
         try:
             if missing:
                 raise AssertionError(f"{self.path}: {len(missing)} tensors were not written (first: {missing[0]})")
-            if os.fstat(self._file.fileno()).st_size != self._size:
-                raise AssertionError(f"{self.path}: {os.fstat(self._file.fileno()).st_size} bytes, expected {self._size}")
+            size = os.fstat(self._file.fileno()).st_size
+            if size != self._size:
+                raise AssertionError(f"{self.path}: {size} bytes written, the header needs {self._size}")
             os.fsync(self._file.fileno())
         except OSError as exc:
             raise OffloadIOError.from_errno(exc.errno or 5, self.path, 0, 0, "fsync") from None
