@@ -87,16 +87,31 @@ def _rss(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
+RING_BYTES = 4 * 128 * 1024 * 16  # 4 slots of 128 Ki elements: the embedding's record is 32 chunks
+
+
 def memory(directory: str) -> None:
-    """Peak RSS growth of save and of load on the nvme tier, against the optimizer state's size."""
+    """Peak RSS growth of save and of load on the nvme tier, for a model whose embedding record is many
+    ring chunks: prints the state's bytes, the largest record's, one chunk's, the largest group's weights
+    and the growth of each phase."""
+    from offload.scheduler.disk_ring import min_ring_bytes
+
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    engine = offload.wrap(TinyGPT(dim=256, layers=16), tier="nvme", nvme_path=directory, dtype=torch.float32,
-                          device="cpu")
+    model = TinyGPT(vocab=16384, dim=256, layers=4)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    grads = 4 * sum(p.numel() for p in trainable)
+    # host_memory = gradients + ring + 3 x (ring - minimum): the planner gives the ring a quarter of the spare
+    engine = offload.wrap(model, tier="nvme", nvme_path=directory, dtype=torch.float32, device="cpu",
+                          host_memory=grads + 4 * RING_BYTES - 3 * min_ring_bytes())
     scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1)
     train(engine, scheduler, range(1))
     engine.synchronize()
-    state_bytes = 12 * sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+    groups = [(g, s) for _b, g, s in engine.checkpoint_groups()]
+    state_bytes = 12 * sum(g.trainable_numel for g, s in groups if s is not None)
+    record_bytes = max(12 * g.trainable_numel for g, s in groups if s is not None)
+    chunk_bytes = 12 * int(engine.stats()["nvme_chunk_numel"])
+    weight_bytes = max(g.nbytes for g, _s in groups)
     growth = {}
     for phase in ("save", "load"):
         with open("/proc/self/clear_refs", "w") as f:
@@ -107,7 +122,7 @@ def memory(directory: str) -> None:
         else:
             engine.load(os.path.join(directory, "ckpt"))
         growth[phase] = _rss("VmHWM") - before
-    print("MEMORY", state_bytes, growth["save"], growth["load"], flush=True)
+    print("MEMORY", state_bytes, record_bytes, chunk_bytes, weight_bytes, growth["save"], growth["load"], flush=True)
     engine.close()
 
 

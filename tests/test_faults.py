@@ -15,6 +15,7 @@ import torch
 import offload
 from offload.errors import OffloadConfigError, OffloadIntegrityError, OffloadIOError
 from tests.checkpoint_child import make_engine, train
+from tests.test_checkpoint import _damage
 from tests.models import TinyGPT, make_batches, one_intraop_thread
 
 _threads = pytest.fixture(autouse=True, scope="module")(one_intraop_thread)
@@ -86,6 +87,122 @@ def test_bit_flip_in_swap_file_is_an_integrity_error_naming_file_and_block(tmp_p
     with pytest.raises(OffloadIntegrityError, match=rf"{swap.name}.*block 'h.2'.*checksum"):
         engine.synchronize()
     engine.close()  # the damaged block was reported once; cleanup still works
+
+
+def _chunked_engine(directory):
+    """An nvme engine with the smallest ring (2048-element chunks): its layer records are several chunks."""
+    from offload.scheduler.disk_ring import min_ring_bytes
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    grads = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    engine = offload.wrap(model, tier="nvme", nvme_path=directory, dtype=torch.float32, device="cpu",
+                          host_memory=grads + min_ring_bytes())
+    return engine, torch.optim.lr_scheduler.StepLR(engine.optimizer, 1)
+
+
+def _flip_in_swap(directory, block, section, element):
+    """Flip one bit of element `element` of a section (0 master, 1 exp_avg, 2 exp_avg_sq) of `block`'s record."""
+    swap = next(p for p in directory.iterdir() if p.suffix == ".swap")
+    layout = json.loads((directory / (swap.name + ".layout.json")).read_text())
+    record = next(r for r in layout["records"] if r["block"] == block)
+    assert record["numel"] > element >= 2048  # the record is several chunks; the element lies past the first
+    offset = record["offset"] + section * record["section_bytes"] + 4 * element + 1
+    with open(swap, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+    return swap
+
+
+def test_bit_flip_in_swap_file_is_caught_by_a_chunked_save(tmp_path):
+    (tmp_path / "swap").mkdir()
+    engine, scheduler = _chunked_engine(tmp_path / "swap")
+    with engine:
+        assert engine.stats()["nvme_chunk_numel"] == 2048
+        train(engine, scheduler, range(1))
+        engine.synchronize()
+        swap = _flip_in_swap(tmp_path / "swap", "h.2", 2, 3 * 2048 + 5)  # exp_avg_sq, fourth chunk
+        with pytest.raises(OffloadIntegrityError, match=rf"{swap.name}.*block 'h.2'.*checksum"):
+            engine.save(tmp_path / "ckpt")
+        assert not (tmp_path / "ckpt").exists()
+
+
+def test_records_loaded_into_the_nvme_tier_are_sealed_chunk_by_chunk(tmp_path):
+    """A load writes and seals records along the ring's chunks, so the step's chunk reads verify them (a
+    whole-record seal would cover no chunk read, and this flip would go unnoticed)."""
+    saved, scheduler = make_engine("cpu", str(tmp_path))
+    with saved:
+        train(saved, scheduler, range(1))
+        saved.save(tmp_path / "ckpt")
+    (tmp_path / "swap").mkdir()
+    engine, scheduler = _chunked_engine(tmp_path / "swap")
+    with engine:
+        engine.load(tmp_path / "ckpt")
+        engine.save(tmp_path / "again")  # chunked load, then chunked save: the same state
+        assert _same(_optimizer_tensors(tmp_path / "again"), _optimizer_tensors(tmp_path / "ckpt"))
+        swap = _flip_in_swap(tmp_path / "swap", "h.2", 0, 2 * 2048 + 9)  # master, third chunk
+        train(engine, scheduler, range(1, 2))
+        with pytest.raises(OffloadIntegrityError, match=rf"{swap.name}.*block 'h.2'.*checksum"):
+            engine.synchronize()
+
+
+def _optimizer_tensors(path):
+    import safetensors.torch
+
+    return {k: v for k, v in safetensors.torch.load_file(path / "optimizer.safetensors").items()}
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_damage_found_by_load_leaves_the_engine_as_it_was(tier, tmp_path):
+    """Load verifies the whole checkpoint before changing anything: a bit flip in the last tensor of
+    optimizer.safetensors raises, and weights, optimizer state, step counts and training are unchanged."""
+    reference, reference_scheduler = make_engine(tier, str(tmp_path))
+    with reference:
+        expected = train(reference, reference_scheduler, range(3))
+        expected_weights = reference.state_dict()
+    engine, scheduler = make_engine(tier, str(tmp_path))
+    with engine:
+        train(engine, scheduler, range(1))
+        engine.save(tmp_path / "damaged")
+        losses = train(engine, scheduler, range(1, 2))
+        engine.save(tmp_path / "before")
+        weights = engine.state_dict()
+        last = list(json.loads((tmp_path / "damaged" / "manifest.json").read_text())["files"][
+            "optimizer.safetensors"]["checksums"])[-1]
+        assert last.startswith("exp_avg_sq/")
+        _damage(tmp_path / "damaged" / "optimizer.safetensors", "bit-flipped")
+        with pytest.raises(OffloadIntegrityError, match=rf"checksum mismatch .*optimizer.safetensors.*{last}") as info:
+            engine.load(tmp_path / "damaged")
+        assert "partly loaded" not in str(info.value)
+        assert _same(engine.state_dict(), weights) and engine.stats()["steps"] == 2
+        engine.save(tmp_path / "after")
+        assert _same(_optimizer_tensors(tmp_path / "after"), _optimizer_tensors(tmp_path / "before"))
+        losses += train(engine, scheduler, range(2, 3))
+        assert losses == expected[2:] and _same(engine.state_dict(), expected_weights)
+
+
+def test_io_error_while_loading_says_the_engine_is_partly_loaded(tmp_path, monkeypatch):
+    """After the first pass verified the files, only an I/O error (or a change under the load) can fail the
+    second; the error then names the file and says the engine holds a partly loaded state."""
+    import errno
+
+    from offload.checkpoint.tensor_file import TensorFileReader
+
+    engine, scheduler = make_engine("cpu", str(tmp_path))
+    with engine:
+        train(engine, scheduler, range(1))
+        engine.save(tmp_path / "ckpt")
+
+        def failing(self, name, start, out):
+            raise OffloadIOError.from_errno(errno.EIO, self.path, 4096, out.numel() * out.element_size(), "read")
+
+        monkeypatch.setattr(TensorFileReader, "read_part", failing)
+        with pytest.raises(OffloadIOError, match=r"read .*model.safetensors.*Input/output error.*after the "
+                           r"checkpoint was verified.*partly loaded state") as info:
+            engine.load(tmp_path / "ckpt")
+        assert info.value.errno == errno.EIO and info.value.path.endswith("model.safetensors")
 
 
 def test_leftover_swap_files_of_dead_runs_are_removed_live_ones_kept(tmp_path):

@@ -26,7 +26,8 @@ class CheckpointAccess:
 
     def load(self, path: str, *, scheduler: Any = None, rng: bool = False, progress: Optional[bool] = None) -> dict:
         """Load a checkpoint saved by any tier (keyed by parameter names); training then continues exactly as
-        it would have. Damaged or missing files raise OffloadIntegrityError naming the file and block."""
+        it would have. Damaged or missing files raise OffloadIntegrityError naming the file and block, and
+        leave the engine as it was: every tensor is verified in a first pass before anything changes."""
         from offload.checkpoint import load_checkpoint
 
         self._check_open()

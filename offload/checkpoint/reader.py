@@ -1,10 +1,13 @@
-"""`load_checkpoint(engine, path)`: stream a checkpoint into an engine of any tier, verifying every tensor.
+"""`load_checkpoint(engine, path)`: stream a checkpoint into an engine of any tier, transactionally.
 
 Keyed by parameter names, so the saving engine's tier, block grouping and compute dtype do not matter
-(weights of another dtype are cast). Files are read tensor by tensor into one flat group's worth of host
-memory at a time (for the nvme tier, one staging lease that is then written to the swap file). Every
-tensor's checksum and every file's size are checked; a mismatch raises OffloadIntegrityError naming the
-file, tensor and block. Checks that need no data (names, shapes, sizes) run before anything is changed.
+(weights of another dtype are cast). Two streamed passes: the first changes nothing; it checks that every
+tensor the engine needs is there with its size (names and shapes against the manifest before that), and
+reads every tensor of both files through one small buffer to check its checksum, so a damaged checkpoint
+raises OffloadIntegrityError naming the file, tensor and block and leaves the engine exactly as it was.
+The second pass loads: one flat group's weights at a time, and its optimizer state chunk by chunk (for the
+nvme tier through one slot of the engine's own staging ring), checking checksums again; only an I/O error
+or a file changed between the passes can fail there, and that error says the engine is partly loaded.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ from offload.checkpoint.manifest import MODEL_FILE, OPTIMIZER_FILE, read_manifes
 from offload.checkpoint.tensor_file import TensorFileReader
 from offload.checkpoint.writer import STATE_KINDS, _progress, optimizer_key
 from offload.checksum import checksum
-from offload.errors import OffloadConfigError, OffloadIntegrityError
+from offload.errors import OffloadConfigError, OffloadIntegrityError, OffloadIOError
 
 if TYPE_CHECKING:
     from offload.engine import Engine
+
+VERIFY_BYTES = 4 << 20  # the first pass reads through one buffer of this size, whatever the checkpoint's size
 
 
 def load_checkpoint(engine: "Engine", path: str, *, scheduler: Any = None, rng: bool = False,
@@ -52,12 +57,24 @@ def load_checkpoint(engine: "Engine", path: str, *, scheduler: Any = None, rng: 
                                          f"save with {kind}={'scheduler' if kind == 'scheduler' else 'True'}")
             extras[kind] = _read_pickle(os.path.join(directory, manifest[key]), manifest["files"][manifest[key]],
                                         algorithm)
-    engine.zero_grad()
-    try:
-        _load_tensors(engine, groups, directory, manifest, steps, block_of, algorithm, progress)
-    except OffloadIntegrityError as exc:
-        raise OffloadIntegrityError(f"{exc}; the engine now holds a partly loaded state: load an intact "
-                                    "checkpoint before training on", exc.path) from None
+    model_info, optim_info = manifest["files"][MODEL_FILE], manifest["files"][OPTIMIZER_FILE]
+    total = sum(info["size"] for info in (model_info, optim_info))
+    with TensorFileReader(os.path.join(directory, MODEL_FILE), model_info["checksums"], algorithm, block_of) as weights, \
+            TensorFileReader(os.path.join(directory, OPTIMIZER_FILE), optim_info["checksums"], algorithm,
+                             block_of) as optim, \
+            _progress(2 * total, progress, f"offload: loading {os.path.basename(directory)}") as bar:
+        # Pass 1 changes nothing: every tensor is found, sized and checksummed before the engine is touched.
+        _check_entries(engine, groups, weights, optim)
+        scratch = memoryview(bytearray(VERIFY_BYTES))
+        weights.verify_all(scratch, bar.update)
+        optim.verify_all(scratch, bar.update)
+        del scratch
+        engine.zero_grad()
+        try:  # pass 2: the files were intact a moment ago; only an I/O error or a concurrent change fails here
+            _load_tensors(engine, groups, weights, optim, steps, bar)
+        except (OffloadIntegrityError, OffloadIOError) as exc:
+            raise type(exc)(*_partly_loaded(exc)) from None
+        bar.update(max(0, bar.total - bar.n))
     for group_now, saved in zip(engine.optimizer.param_groups, manifest["param_groups"]):
         group_now.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()})
     engine.restore_counters({"steps": manifest["step"], "skipped_steps": manifest.get("skipped_steps", 0)})
@@ -68,66 +85,81 @@ def load_checkpoint(engine: "Engine", path: str, *, scheduler: Any = None, rng: 
     return manifest
 
 
-def _load_tensors(engine: "Engine", groups, directory: str, manifest: Dict[str, Any], steps: Dict[str, int],
-                  block_of: Dict[str, str], algorithm: str, progress: Optional[bool]) -> None:
-    total = sum(g.nbytes + 12 * g.trainable_numel for _b, g, _s in groups)
+def _partly_loaded(exc: Exception) -> tuple:
+    """The error's arguments, its message saying the engine is now partly loaded (the checkpoint had been
+    verified, so the file changed or failed to read during the load)."""
+    note = ("; this happened after the checkpoint was verified, while loading it (the file changed or could "
+            "not be read): the engine now holds a partly loaded state, load an intact checkpoint before "
+            "training on")
+    if isinstance(exc, OffloadIOError):
+        return (exc.errno, f"{os.strerror(exc.errno) if exc.errno else 'I/O error'}{note}", exc.path, exc.offset,
+                exc.size, exc.op)
+    return (f"{exc}{note}", exc.path)
+
+
+def _check_entries(engine: "Engine", groups, weights: TensorFileReader, optim: TensorFileReader) -> None:
+    """Every tensor the load will read exists with the size it needs (weights may be of another dtype)."""
+    for _block, group, state in groups:
+        for slot in group.slots:
+            weights.require(slot.name, slot.numel)
+        if state is not None:
+            for kind in STATE_KINDS:
+                for slot in group.trainable_slots:
+                    optim.require(optimizer_key(kind, slot.name), slot.numel, torch.float32)
+    stored = {s.name for _b, g, _s in groups for s in g.slots}
+    for name, buffer in engine.module.named_buffers():
+        if name in weights.entries and name not in stored:
+            weights.require(name, buffer.numel())
+
+
+def _load_tensors(engine: "Engine", groups, weights: TensorFileReader, optim: TensorFileReader,
+                  steps: Dict[str, int], bar: Any) -> None:
     clone_state = {"try": True}
-    model_info, optim_info = manifest["files"][MODEL_FILE], manifest["files"][OPTIMIZER_FILE]
-    with TensorFileReader(os.path.join(directory, MODEL_FILE), model_info["checksums"], algorithm, block_of) as weights, \
-            TensorFileReader(os.path.join(directory, OPTIMIZER_FILE), optim_info["checksums"], algorithm,
-                             block_of) as optim, \
-            _progress(total, progress, f"offload: loading {os.path.basename(directory)}") as bar:
-        scratch = state_io.RecordScratch(state for _b, _g, state in groups)
-        for _block, group, state in groups:
-            flat = torch.empty(group.numel, dtype=group.dtype)
-            for slot in group.slots:
-                _read_cast(weights, slot.name, flat[slot.offset:slot.offset + slot.numel])
-            engine.set_group_weights(group, flat)
-            del flat
-            bar.update(group.nbytes)
-            if state is None:
-                continue
-            commit = _clone_into_swap(optim, group, state, clone_state) if clone_state["try"] else None
-            with state_io.writing(state, commit, scratch) as views:
-                for kind, view in zip(STATE_KINDS, views):
-                    for slot in group.trainable_slots:
-                        optim.read_into(optimizer_key(kind, slot.name), view[slot.offset:slot.offset + slot.numel])
-                del views, view
-            state.steps = [steps[slot.name] for slot in group.trainable_slots]
-            bar.update(12 * group.trainable_numel)
-        stored = {s.name for _b, g, _s in groups for s in g.slots}
-        for name, buffer in engine.module.named_buffers():
-            if name in weights.entries and name not in stored:
-                host = torch.empty(buffer.shape, dtype=buffer.dtype)
-                _read_cast(weights, name, host.reshape(-1))
-                with torch.no_grad():
-                    buffer.copy_(host)
-        weights.verify_rest()
-        optim.verify_rest()
+    for _block, group, state in groups:
+        flat = torch.empty(group.numel, dtype=group.dtype)
+        for slot in group.slots:
+            _read_cast(weights, slot.name, flat[slot.offset:slot.offset + slot.numel])
+        engine.set_group_weights(group, flat)
+        del flat
+        bar.update(group.nbytes)
+        if state is None:
+            continue
+        _load_record(optim, group, state, clone_state)
+        state.steps = [steps[slot.name] for slot in group.trainable_slots]
+        bar.update(12 * group.trainable_numel)
+    stored = {s.name for _b, g, _s in groups for s in g.slots}
+    for name, buffer in engine.module.named_buffers():
+        if name in weights.entries and name not in stored:
+            host = torch.empty(buffer.shape, dtype=buffer.dtype)
+            _read_cast(weights, name, host.reshape(-1))
+            with torch.no_grad():
+                buffer.copy_(host)
 
 
-def _clone_into_swap(optim: TensorFileReader, group: Any, state: Any, clone_state: Dict[str, bool]):
-    """A commit for state_io.writing: clone the verified record from the checkpoint into the swap file
-    (copy-on-write, same file system) instead of writing it; after one failure, records are written."""
-    target = state_io.swap_record(state)
-    if target is None:
-        return None
-    names = [optimizer_key(kind, slot.name) for kind in STATE_KINDS for slot in group.trainable_slots]
+def _load_record(optim: TensorFileReader, group: Any, state: Any, clone_state: Dict[str, bool]) -> None:
+    """One group's optimizer state, chunk by chunk. Into the nvme tier each section's block-aligned part
+    is first cloned from the checkpoint (copy-on-write, same file system, sections aligned as the swap
+    record's); every chunk is still read, for its checksums and the swap file's seals, and only the part
+    no clone covered is written."""
+    names = [[optimizer_key(kind, slot.name) for slot in group.trainable_slots] for kind in STATE_KINDS]
+    cloned = [0, 0, 0]
+    target = state_io.swap_sections(state) if clone_state["try"] else None
+    if target is not None:
+        aligned = target.nbytes // BLOCK * BLOCK
+        for index, offset in enumerate(target.offsets):
+            span = optim.span(names[index])
+            if aligned and (span is None or span[1] != target.nbytes
+                            or not clone_range(optim.fileno(), span[0], aligned, target.fd, offset)):
+                clone_state["try"] = False  # a file system that cannot clone one section cannot clone the next
+                break
+            cloned[index] = aligned // 4
 
-    def commit(record: Tensor) -> bool:
-        span = optim.span(names)
-        nbytes = record.numel() * record.element_size()
-        aligned = nbytes // BLOCK * BLOCK
-        if span is None or span[1] != nbytes or not clone_range(optim.fileno(), span[0], aligned, target[0], target[1]):
-            clone_state["try"] = False
-            return False
-        tail = memoryview(record.view(torch.uint8).numpy())[aligned:]
-        while tail:
-            written = os.pwrite(target[0], tail, target[1] + aligned + (nbytes - aligned - len(tail)))
-            tail = tail[written:]
-        return True
+    def fill(start: int, stop: int, views: state_io.Views) -> None:
+        for index, view in enumerate(views):
+            for slot, first, _lo, piece in state_io.pieces(group, start, stop, view):
+                optim.read_part(names[index][slot], 4 * first, piece)
 
-    return commit
+    state_io.write(state, fill, cloned)
 
 
 def _read_cast(reader: TensorFileReader, name: str, out: Tensor) -> None:

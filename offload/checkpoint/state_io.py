@@ -1,103 +1,128 @@
-"""Host views of one flat group's optimizer state, for saving and loading it one record at a time.
+"""One flat group's optimizer state moved in chunks, for saving and loading it without a copy of its own.
 
 The only module of the checkpoint package that knows how a tier keeps its state: host tensors (cpu
-tier), device tensors (gpu tier, copied through host memory) or a swap-file record staged through a
-lease of the engine's staging pool (nvme tier), so a checkpoint never holds more than one record.
+tier: one chunk, the tensors themselves), device tensors (gpu tier: one chunk, copied through host
+memory) or a swap-file record (nvme tier: the ring's chunks, through one slot of the ring, so a
+checkpoint holds at most one chunk of a record however large the record is). Chunks follow the ring's
+boundaries, so every piece the swap checksums sealed is read whole and verified, and a load seals exactly
+the pieces the ring will read back.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator, Optional, Tuple
+from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from offload.scheduler.block import FlatGroup
 from offload.scheduler.step import DiskGroupState, GroupState
-from offload.tiers.disk import state_views
 
 Views = Tuple[Tensor, Tensor, Tensor]  # master, exp_avg, exp_avg_sq: fp32, host, contiguous
+Chunk = Tuple[int, int, Views]  # elements [start, stop) of the group's trainable range, and their state
+Cloned = Sequence[int]  # per section, how many leading elements the swap file already holds (cloned)
 
 
-class RecordScratch:
-    """One host buffer the size of the largest swap record among `states`, reused for every record a save or
-    load moves: host memory grows by one record, however many there are (and no allocator churn)."""
+class SwapSections(NamedTuple):
+    """Where a disk-resident record's three sections are, for copy-on-write clones section by section."""
 
-    def __init__(self, states: Iterable[Optional[GroupState]]) -> None:
-        sizes = [s.swap.records[id(s.group)].nbytes for s in states if isinstance(s, DiskGroupState)]
-        self._buffer = torch.empty(max(sizes) // 4, dtype=torch.float32) if sizes else None
-
-    def take(self, nbytes: int) -> Tensor:
-        assert self._buffer is not None and nbytes <= 4 * self._buffer.numel()
-        return self._buffer[:nbytes // 4]
+    fd: int
+    offsets: Tuple[int, int, int]  # file offset of each section (4 KiB-aligned)
+    nbytes: int  # data bytes of each section (4 x numel; the padding after it is not state)
 
 
-@contextlib.contextmanager
-def _disk_record(state: DiskGroupState, load_from_disk: bool, write_back: bool,
-                 commit: Optional[Callable[[Tensor], bool]] = None,
-                 scratch: Optional[RecordScratch] = None) -> Iterator[Views]:
-    """One swap record in host memory (one at a time: a checkpoint never holds more). The ring is drained
-    first, so the file holds the latest state and no read-ahead keeps data a load would make stale."""
+def swap_sections(state: GroupState) -> Optional[SwapSections]:
+    """The group's swap-record sections, or None when its state is in memory. The ring is drained first,
+    so the file holds the current state and nothing reads ahead while a caller clones to or from it."""
+    if not isinstance(state, DiskGroupState):
+        return None
     state.settle()
-    store = state.swap
-    group = state.group
-    n = group.trainable_numel
-    nbytes = store.records[id(group)].nbytes
-    buffer = scratch.take(nbytes) if scratch is not None else torch.empty(nbytes // 4, dtype=torch.float32)
-    views = state_views(buffer, n)
-    try:
-        if load_from_disk:
-            store.read(group, buffer)
-        yield views
-        if write_back:
-            if commit is not None and commit(buffer):
-                for index, view in enumerate(views):  # the record now holds these bytes (cloned)
-                    store.checksums.seal((id(group), index), 0, view)
-            else:
-                store.write(group, buffer)
-    finally:
-        del views, buffer
+    fd, offsets, nbytes = state.swap.section_spans(state.group)
+    return SwapSections(fd, offsets, nbytes)
 
 
 @contextlib.contextmanager
-def reading(state: GroupState, scratch: Optional[RecordScratch] = None) -> Iterator[Views]:
-    """The group's current state as host tensors (read-only use)."""
+def reading(state: GroupState) -> Iterator[Iterator[Chunk]]:
+    """The group's current state as host chunks, in order (read-only; a chunk's views are valid until the
+    next one is taken)."""
     if isinstance(state, DiskGroupState):
-        with _disk_record(state, load_from_disk=True, write_back=False, scratch=scratch) as views:
-            yield views
+        state.settle()
+        with state.staging() as slot:
+            yield _disk_chunks(state, slot)
         return
-    yield tuple(t.detach().to("cpu").contiguous() for t in (state.master, state.exp_avg, state.exp_avg_sq))  # type: ignore[misc]
+    views = tuple(t.detach().to("cpu").contiguous() for t in (state.master, state.exp_avg, state.exp_avg_sq))
+    yield iter([(0, state.group.trainable_numel, views)])  # type: ignore[list-item]
 
 
-@contextlib.contextmanager
-def writing(state: GroupState, commit: Optional[Callable[[Tensor], bool]] = None,
-            scratch: Optional[RecordScratch] = None) -> Iterator[Views]:
-    """Host tensors to fill with the group's new state; committed to the tier when the block exits cleanly.
-    For a swap record, `commit(record)` may store it another way (a clone) and return True; else it is written."""
+def _disk_chunks(state: DiskGroupState, slot: Views) -> Iterator[Chunk]:
+    for start, stop in state.chunks():
+        views = tuple(section[:stop - start] for section in slot)
+        # verifies every sealed piece: the read covers the ring's chunk exactly
+        _wait_all(state.swap.submit(False, state.group, start, stop, views))  # type: ignore[arg-type]
+        yield start, stop, views  # type: ignore[misc]
+
+
+def write(state: GroupState, fill: Callable[[int, int, Views], None], cloned: Cloned = (0, 0, 0)) -> None:
+    """Give the group new state: `fill(start, stop, views)` writes each chunk's values into host views,
+    which then go to the tier. `cloned[i]`: the swap file already holds that many leading elements of
+    section i (cloned copy-on-write); they are sealed, not written. Memory tiers change only after every
+    chunk was filled, so a failing `fill` leaves them as they were; a swap record may be partly written."""
     if isinstance(state, DiskGroupState):
-        with _disk_record(state, load_from_disk=False, write_back=True, commit=commit, scratch=scratch) as views:
-            yield views
+        state.settle()
+        with state.staging() as slot:
+            for start, stop in state.chunks():
+                views = tuple(section[:stop - start] for section in slot)
+                fill(start, stop, views)  # type: ignore[arg-type]
+                _store_chunk(state, start, stop, views, cloned)  # type: ignore[arg-type]
         return
     targets = (state.master, state.exp_avg, state.exp_avg_sq)
     if all(t.device.type == "cpu" and t.is_contiguous() for t in targets):
-        staged = tuple(torch.empty_like(t) for t in targets)  # the state stays intact if reading fails
+        staged = tuple(torch.empty_like(t) for t in targets)
     else:
         staged = tuple(torch.empty(t.shape, dtype=t.dtype) for t in targets)
-    yield staged  # type: ignore[misc]
+    fill(0, state.group.trainable_numel, staged)  # type: ignore[arg-type]
     with torch.no_grad():
         for target, source in zip(targets, staged):
             target.copy_(source)
 
 
-def swap_record(state: GroupState) -> Optional[Tuple[int, int, int]]:
-    """(file descriptor, offset, bytes) of the group's swap record, or None when its state is in memory.
-    Lets a checkpoint on the same file system clone the record (copy-on-write) instead of writing it."""
-    if not isinstance(state, DiskGroupState):
-        return None
-    store = state.swap
-    record = store.records[id(state.group)]
-    if record.section_bytes != 4 * record.numel:
-        # Layout v2 pads each section to 4 KiB; the checkpoint stores the three kinds back to back, so
-        # a whole-record clone would misplace them. Cloning section by section is a follow-up: write instead.
-        return None
-    return store.record_span(state.group)
+def _store_chunk(state: DiskGroupState, start: int, stop: int, views: Views, cloned: Cloned) -> None:
+    """Write the chunk's sections, except what a clone already put in the file; seal the whole chunk of
+    each section as one piece (the ring reads it back as one)."""
+    store, group = state.swap, state.group
+    futures, adopted = [], []
+    for index, (view, below) in enumerate(zip(views, cloned)):
+        if below <= start:
+            futures.append(store.submit_section(True, group, index, start, view))
+            continue
+        if below < stop:  # the unaligned tail of a cloned section
+            futures.append(store.submit_section(True, group, index, below, view[below - start:]))
+        adopted.append((index, view))
+    _wait_all(futures)
+    for index, view in adopted:  # after the tail's write: one seal replaces the tail's
+        store.adopt(group, index, start, view)
+
+
+def _wait_all(futures: list) -> None:
+    """Wait for every request, then raise the first error: the slot goes back to the ring only when no
+    request still reads into it or writes from it."""
+    errors = []
+    for future in futures:
+        try:
+            future.result()
+        except BaseException as exc:  # noqa: B902 - re-raised below, after the others are done
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+def pieces(group: FlatGroup, start: int, stop: int, view: Tensor) -> List[Tuple[int, int, int, Tensor]]:
+    """The parameters a chunk [start, stop) of one section covers: (trainable slot index, first element of
+    the piece within the parameter, first element within the group, the piece's view of `view`)."""
+    out = []
+    for index, slot in enumerate(group.trainable_slots):
+        lo, hi = max(start, slot.offset), min(stop, slot.offset + slot.numel)
+        if lo < hi:
+            out.append((index, lo - slot.offset, lo, view[lo - start:hi - start]))
+    return out

@@ -2,10 +2,11 @@
 
 The safetensors layout (8-byte little-endian header length, a JSON header giving each tensor's dtype,
 shape and byte range, then the raw bytes) lets us write the header first, because the engine knows every
-name, dtype and shape before it reads any data, and then stream tensors in header order: nothing larger
-than one tensor (or one staged record) is ever held in memory. The result loads with
-`safetensors.torch.load_file`. Reads go straight into the caller's tensor and are checked against the
-checksums the manifest holds.
+name, dtype and shape before it reads any data, and then put each tensor at its place, whole or in parts
+(a swap record arrives chunk by chunk, its three sections interleaved), building each checksum as the
+parts arrive: nothing larger than the caller's buffer is ever held here. The result loads with
+`safetensors.torch.load_file`. Reads go straight into the caller's tensor, whole or in parts, and are
+checked against the checksums the manifest holds; `verify_all` checks a whole file through one buffer.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -66,79 +67,88 @@ def _bytes_of(tensor: Tensor) -> memoryview:
 
 
 class TensorFileWriter:
-    """Writes `entries` in order; `write(name, tensor)` returns the tensor's checksum. `close()` fsyncs."""
+    """Writes the data of `entries` behind their header, each tensor at its place: whole (`write`) or in
+    parts, in order within a tensor (`put`), so a record can arrive chunk by chunk and section by section.
+    Each tensor's checksum is built as its parts arrive. `close()` fsyncs."""
 
     def __init__(self, path: str, entries: Sequence[Entry], algorithm: str,
                  metadata: Optional[Dict[str, str]] = None, align: int = 8) -> None:
         self.path = path
-        self._entries = list(entries)
-        self._next = 0
         self._algorithm = algorithm
         self.checksums: Dict[str, int] = {}
+        self._running: Dict[str, Tuple[int, int]] = {}  # name -> (bytes so far, checksum so far)
         self._file = open(path, "wb", buffering=0)
-        self._put(_header(entries, metadata, align))
+        header = _header(entries, metadata, align)
+        self._places: Dict[str, Tuple[Entry, int]] = {}  # name -> (entry, absolute file offset)
+        offset = len(header)
+        for entry in entries:
+            self._places[entry.name] = (entry, offset)
+            offset += entry.nbytes
+        self._size = offset
+        self._pwrite(header, 0)
 
-    def _put(self, data) -> None:
+    def _pwrite(self, data, offset: int) -> None:
         view = memoryview(data).cast("B")
         try:
             while view:
-                written = self._file.write(view)
-                view = view[written:]
+                written = os.pwrite(self._file.fileno(), view, offset)
+                view, offset = view[written:], offset + written
         except OSError as exc:
-            raise OffloadIOError.from_errno(exc.errno or 5, self.path, self._file.tell(), len(view), "write") from None
+            raise OffloadIOError.from_errno(exc.errno or 5, self.path, offset, len(view), "write") from None
 
-    def write(self, name: str, tensor: Tensor) -> int:
-        entry = self._entries[self._next]
-        if entry.name != name or tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
-            raise AssertionError(f"{self.path}: expected {entry} next, got {name} {tensor.dtype} {tuple(tensor.shape)}")
+    def offset_of(self, name: str) -> int:
+        """Absolute file offset of tensor `name`'s data."""
+        return self._places[name][1]
+
+    def put(self, name: str, start: int, data: memoryview, written: bool = True) -> None:
+        """Bytes [start, start + len(data)) of tensor `name`, which must follow the part before; `written`
+        False: the file already holds them (cloned), they only enter the checksum."""
+        entry, offset = self._places[name]
+        done, value = self._running.get(name, (0, 0))
+        if start != done or done + len(data) > entry.nbytes or name in self.checksums:
+            raise AssertionError(f"{self.path}: {name} part at byte {start} of {entry.nbytes}, expected {done}")
+        if written:
+            self._pwrite(data, offset + start)
+        value = checksum(data, self._algorithm, value)
+        if done + len(data) == entry.nbytes:
+            self.checksums[name] = value
+            self._running.pop(name, None)
+        else:
+            self._running[name] = (done + len(data), value)
+
+    def write(self, name: str, tensor: Tensor) -> None:
+        """The whole tensor `name` (its dtype and shape checked against the header)."""
+        entry = self._places[name][0]
+        if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
+            raise AssertionError(f"{self.path}: expected {entry}, got {name} {tensor.dtype} {tuple(tensor.shape)}")
         host = tensor.detach().contiguous().cpu() if tensor.device.type != "cpu" else tensor.detach().contiguous()
-        data = _bytes_of(host)
-        self._put(data)
-        value = checksum(data, self._algorithm)
-        self.checksums[name] = value
-        self._next += 1
-        return value
-
-    @property
-    def next_name(self) -> str:
-        """Name of the entry the next write must be ("" when all are written)."""
-        return self._entries[self._next].name if self._next < len(self._entries) else ""
+        self.put(name, 0, _bytes_of(host))
 
     def write_zeros(self, name: str) -> None:
-        """The next entry (alignment padding) as zeros."""
-        entry = self._entries[self._next]
+        """Tensor `name` (alignment padding) as zeros."""
+        entry = self._places[name][0]
         self.write(name, torch.zeros(entry.shape, dtype=entry.dtype))
 
-    def clone(self, items: Sequence[Tuple[str, Tensor]], src_fd: int, src_offset: int) -> bool:
-        """The next entries, whose bytes are src[src_offset:...] in order, as a copy-on-write clone of that
-        range (the unaligned tail is written). `items` are host copies, for the checksums. False (nothing
-        done) when the file system cannot clone."""
-        from offload.checkpoint.reflink import BLOCK, clone_range
+    def clone(self, name: str, nbytes: int, src_fd: int, src_offset: int) -> bool:
+        """Make the first `nbytes` from tensor `name` on a copy-on-write clone of src[src_offset:+nbytes]
+        (they may run on into the tensors after it). False (nothing done) when the file system cannot clone
+        or a range is not block-aligned. The bytes still go through `put(..., written=False)`."""
+        from offload.checkpoint.reflink import clone_range
 
-        position = self._file.tell()
-        total = sum(t.numel() * t.element_size() for _n, t in items)
-        aligned = total // BLOCK * BLOCK
-        if not clone_range(src_fd, src_offset, aligned, self._file.fileno(), position):
-            return False
-        self._file.seek(position + aligned)
-        skip = aligned
-        for name, tensor in items:
-            entry = self._entries[self._next]
-            if entry.name != name or tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
-                raise AssertionError(f"{self.path}: expected {entry} next, got {name}")
-            data = _bytes_of(tensor.contiguous())
-            if skip < len(data):
-                self._put(data[skip:])
-            skip = max(0, skip - len(data))
-            self.checksums[name] = checksum(data, self._algorithm)
-            self._next += 1
-        return True
+        return clone_range(src_fd, src_offset, nbytes, self._file.fileno(), self.offset_of(name))
 
     def close(self) -> None:
         """Flush to stable storage; an incomplete file is a bug in the caller."""
-        if self._next != len(self._entries):
-            raise AssertionError(f"{self.path}: {len(self._entries) - self._next} tensors were not written")
+        for name, (entry, _offset) in self._places.items():
+            if entry.nbytes == 0 and name not in self.checksums:
+                self.checksums[name] = checksum(b"", self._algorithm)
+        missing = [name for name in self._places if name not in self.checksums]
         try:
+            if missing:
+                raise AssertionError(f"{self.path}: {len(missing)} tensors were not written (first: {missing[0]})")
+            size = os.fstat(self._file.fileno()).st_size
+            if size != self._size:
+                raise AssertionError(f"{self.path}: {size} bytes written, the header needs {self._size}")
             os.fsync(self._file.fileno())
         except OSError as exc:
             raise OffloadIOError.from_errno(exc.errno or 5, self.path, 0, 0, "fsync") from None
@@ -174,7 +184,7 @@ class TensorFileReader:
         header.pop("__metadata__", None)
         self._base = 8 + length
         self.entries: Dict[str, Tuple[torch.dtype, Tuple[int, ...], int, int]] = {}
-        self._verified: set = set()
+        self._running: Dict[str, Tuple[int, int]] = {}  # name -> (bytes read so far, checksum so far)
         end = 0
         for name, info in header.items():
             start, stop = info["data_offsets"]
@@ -186,31 +196,78 @@ class TensorFileReader:
                 f"checkpoint file {path!r} is {size} bytes, its header says {self._base + end}: truncated or "
                 "extended after it was written", path)
 
-    def read_into(self, name: str, out: Tensor) -> None:
-        """Fill the contiguous CPU tensor `out` with tensor `name`, verifying its checksum."""
+    def require(self, name: str, numel: int, dtype: Optional[torch.dtype] = None) -> None:
+        """Tensor `name` exists with `numel` elements (of `dtype` when given), else the checkpoint belongs
+        to another model: checked before anything is read."""
         if name not in self.entries:
             raise OffloadIntegrityError(f"checkpoint file {self.path!r} has no tensor {name!r} "
                                         f"(block {self._blocks.get(name, '?')!r})", self.path)
-        dtype, shape, start, stop = self.entries[name]
-        if dtype != out.dtype or stop - start != out.numel() * out.element_size():
+        have, shape, start, stop = self.entries[name]
+        count = 1
+        for d in shape:
+            count *= d
+        itemsize = torch.empty((), dtype=have).element_size()
+        if count != numel or stop - start != count * itemsize or (dtype is not None and have != dtype):
             raise OffloadIntegrityError(
-                f"{self.path!r}: tensor {name!r} is {dtype} {shape}, the model needs {out.dtype} "
-                f"{tuple(out.shape)}: the checkpoint belongs to another model", self.path)
+                f"{self.path!r}: tensor {name!r} is {have} {shape}, the model needs {numel} elements"
+                f"{f' of {dtype}' if dtype is not None else ''}: the checkpoint belongs to another model", self.path)
+
+    def read_into(self, name: str, out: Tensor) -> None:
+        """Fill the contiguous CPU tensor `out` with tensor `name`, verifying its checksum."""
+        self.require(name, out.numel(), out.dtype)
+        self.read_part(name, 0, out)
+
+    def read_part(self, name: str, start: int, out: Tensor) -> None:
+        """Fill the contiguous CPU tensor `out` with bytes [start, ...) of tensor `name`. Parts of a tensor
+        come in order (each starting where the one before ended, or at 0 to start over); the tensor's
+        checksum is verified when its last byte has been read."""
+        _dtype, _shape, first, stop = self.entries[name]
         view = _bytes_of(out)
+        done, value = self._running.get(name, (0, 0)) if start else (0, 0)
+        if start != done or first + start + len(view) > stop:
+            raise AssertionError(f"{self.path}: part of {name!r} at byte {start}, expected {done}")
+        self._pread(view, self._base + first + start, name)
+        value = checksum(view, self._algorithm, value)
+        done += len(view)
+        if done < stop - first:
+            self._running[name] = (done, value)
+            return
+        self._running.pop(name, None)
+        self._check(name, value)
+
+    def verify_all(self, scratch: memoryview, progress: Callable[[int], object] = lambda n: None) -> None:
+        """Read every tensor through `scratch` (bounded memory, the caller's buffer) and check its checksum:
+        the first pass of a load, which changes nothing."""
+        for name, (_dtype, _shape, start, stop) in self.entries.items():
+            value, offset = 0, start
+            while offset < stop:
+                piece = scratch[:min(len(scratch), stop - offset)]
+                self._pread(piece, self._base + offset, name)
+                value = checksum(piece, self._algorithm, value)
+                offset += len(piece)
+                progress(len(piece))
+            self._check(name, value)
+
+    def _pread(self, view: memoryview, offset: int, name: str) -> None:
         done = 0
         while done < len(view):
-            got = os.preadv(self._file.fileno(), [view[done:]], self._base + start + done)
+            try:
+                got = os.preadv(self._file.fileno(), [view[done:]], offset + done)
+            except OSError as exc:
+                raise OffloadIOError.from_errno(exc.errno or 5, self.path, offset + done, len(view) - done,
+                                                "read") from None
             if got <= 0:
                 raise OffloadIntegrityError(f"{self.path!r}: short read of tensor {name!r}", self.path)
             done += got
+
+    def _check(self, name: str, value: int) -> None:
         expected = self._checksums.get(name)
         if expected is None:
             raise OffloadIntegrityError(f"the manifest has no checksum for {name!r} of {self.path!r}", self.path)
-        if checksum(view, self._algorithm) != expected:
+        if value != expected:
             raise OffloadIntegrityError(
                 f"checksum mismatch in {self.path!r}, tensor {name!r} of block {self._blocks.get(name, '?')!r}: "
                 "the file was damaged after it was written", self.path)
-        self._verified.add(name)
 
     def span(self, names: Sequence[str]) -> Optional[Tuple[int, int]]:
         """(file offset, bytes) when the named tensors lie back to back in this order, else None."""
@@ -226,12 +283,6 @@ class TensorFileReader:
 
     def fileno(self) -> int:
         return self._file.fileno()
-
-    def verify_rest(self) -> None:
-        """Check the tensors not read so far (tied aliases, entries this model does not use), one at a time."""
-        for name, (dtype, shape, _start, _stop) in self.entries.items():
-            if name not in self._verified:
-                self.read_into(name, torch.empty(shape, dtype=dtype))
 
     def close(self) -> None:
         self._file.close()

@@ -3,8 +3,9 @@
 Files, all written into a temporary directory that replaces `path` atomically (atomic.py):
 `model.safetensors` (every entry of the model's state_dict, readable without offload),
 `optimizer.safetensors` (fp32 `master/<name>`, `exp_avg/<name>`, `exp_avg_sq/<name>` of each trainable
-parameter), `scheduler.pt` and `rng.pt` when asked, and `manifest.json` last. One flat group is in host
-memory at a time: for the nvme tier one swap record, staged through the engine's staging pool.
+parameter, each record's three sections 4 KiB-aligned as in the swap file, so they can be cloned),
+`scheduler.pt` and `rng.pt` when asked, and `manifest.json` last. One flat group is in host memory at a
+time; for the nvme tier not even that: one chunk of its record, in a slot of the engine's staging ring.
 """
 
 from __future__ import annotations
@@ -99,12 +100,12 @@ def _layout(engine: "Engine", groups: list) -> _Layout:
             out.model_entries.append(Entry(slot.name, group.dtype, tuple(slot.shape)))
         if state is None:
             continue
-        gap = -optim_bytes % BLOCK  # each record starts on a file-system block, so it can be cloned
-        if gap:
-            out.optim_entries.append(Entry(f"{PAD}/{len(out.optim_entries)}", torch.uint8, (gap,)))
-            out.block_of[out.optim_entries[-1].name] = block.name
-        optim_bytes += gap + 12 * group.trainable_numel
-        for kind in STATE_KINDS:
+        for kind in STATE_KINDS:  # each section starts on a file-system block, as in the swap record (v2)
+            gap = -optim_bytes % BLOCK
+            if gap:
+                out.optim_entries.append(Entry(f"{PAD}/{len(out.optim_entries)}", torch.uint8, (gap,)))
+                out.block_of[out.optim_entries[-1].name] = block.name
+            optim_bytes += gap + 4 * group.trainable_numel
             for slot in group.trainable_slots:
                 out.optim_entries.append(Entry(optimizer_key(kind, slot.name), torch.float32, tuple(slot.shape)))
                 out.block_of[optimizer_key(kind, slot.name)] = block.name
@@ -177,22 +178,22 @@ def _write_weights(engine: "Engine", groups: list, layout: _Layout, path: str, a
 
 def _write_optimizer(groups: list, layout: _Layout, path: str, algorithm: str,
                      bar: tqdm) -> Tuple[Dict[str, Any], Dict[str, int]]:
-    """optimizer.safetensors, one record at a time; returns the file's entry and the bytes cloned/written."""
+    """optimizer.safetensors, one record at a time and each record chunk by chunk; returns the file's entry
+    and the bytes cloned/written."""
     writer = TensorFileWriter(path, layout.optim_entries, algorithm, {"format": "pt"}, align=BLOCK)
     transfer = {"cloned_bytes": 0, "copied_bytes": 0}
     try_clone = True
     try:
-        scratch = state_io.RecordScratch(state for _b, _g, state in groups)
+        for entry in layout.optim_entries:
+            if entry.name.startswith(PAD + "/"):
+                writer.write_zeros(entry.name)
         for _block, group, state in groups:
             if state is None:
                 continue
-            if writer.next_name.startswith(PAD):
-                writer.write_zeros(writer.next_name)
-            cloned = _write_record(writer, group, state, try_clone, scratch)
-            if cloned is None:
-                try_clone = False  # a file system that cannot clone one record cannot clone the next
-            transfer["cloned_bytes"] += cloned or 0
-            transfer["copied_bytes"] += 12 * group.trainable_numel - (cloned or 0)
+            cloned, complete = _write_record(writer, group, state, try_clone)
+            try_clone = try_clone and complete  # a file system that cannot clone one record cannot clone the next
+            transfer["cloned_bytes"] += cloned
+            transfer["copied_bytes"] += 12 * group.trainable_numel - cloned
             bar.update(12 * group.trainable_numel)
         writer.close()
     except BaseException:
@@ -201,20 +202,39 @@ def _write_optimizer(groups: list, layout: _Layout, path: str, algorithm: str,
     return {"size": os.path.getsize(path), "checksums": writer.checksums}, transfer
 
 
-def _write_record(optim: TensorFileWriter, group: Any, state: Any, try_clone: bool,
-                  scratch: "state_io.RecordScratch") -> Optional[int]:
-    """One group's optimizer state: cloned from its swap record when possible, else written; returns the
-    bytes cloned, None when written. A function of its own so every view of the staging lease is gone
-    when it returns (the lease goes back to the pool only then)."""
-    with state_io.reading(state, scratch) as views:
-        items = [(optimizer_key(kind, slot.name), view[slot.offset:slot.offset + slot.numel].view(slot.shape))
-                 for kind, view in zip(STATE_KINDS, views) for slot in group.trainable_slots]
-        source = state_io.swap_record(state) if try_clone else None
-        if source is not None and optim.clone(items, source[0], source[1]):
-            return source[2] // BLOCK * BLOCK
-        for name, tensor in items:
-            optim.write(name, tensor)
-        return None
+def _write_record(optim: TensorFileWriter, group: Any, state: Any, try_clone: bool) -> Tuple[int, bool]:
+    """One group's optimizer state, chunk by chunk through a ring slot (nvme) or from memory. Each
+    section's block-aligned part is first cloned from its swap-record section when possible (the file
+    mirrors the record's padded sections), and only the rest written; every byte still passes through
+    the per-tensor checksums. Returns (bytes cloned, whether every clone tried worked)."""
+    names = [[optimizer_key(kind, slot.name) for slot in group.trainable_slots] for kind in STATE_KINDS]
+    cloned = [0, 0, 0]  # per section: leading elements the clone covered
+    source = state_io.swap_sections(state) if try_clone else None
+    complete = True
+    if source is not None:
+        aligned = source.nbytes // BLOCK * BLOCK
+        for index, offset in enumerate(source.offsets):
+            if aligned and not optim.clone(names[index][0], aligned, source.fd, offset):
+                complete = False
+                break
+            cloned[index] = aligned // 4
+    with state_io.reading(state) as chunks:
+        for start, stop, views in chunks:
+            for index, view in enumerate(views):
+                for slot, first, lo, piece in state_io.pieces(group, start, stop, view):
+                    _put(optim, names[index][slot], first, lo, piece, cloned[index])
+    return 4 * sum(cloned), complete
+
+
+def _put(optim: TensorFileWriter, name: str, first: int, lo: int, piece: torch.Tensor, cloned: int) -> None:
+    """A piece starting at element `first` of tensor `name` (element `lo` of its section): elements below
+    `cloned` are in the file already, the rest is written."""
+    data = memoryview(piece.view(torch.uint8).numpy())
+    split = 4 * min(max(cloned - lo, 0), piece.numel())
+    if split:
+        optim.put(name, 4 * first, data[:split], written=False)
+    if split < len(data):
+        optim.put(name, 4 * first + split, data[split:])
 
 
 def _write_pickle(path: str, obj: Any, algorithm: str) -> Dict[str, Any]:

@@ -15,10 +15,11 @@ announced order and the update order differ).
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Deque, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -252,6 +253,17 @@ class DiskRing:
                     copy(tensor[start:stop], staged)
             finally:
                 self._give_back(slot)
+
+    @contextlib.contextmanager
+    def borrow(self) -> Iterator[Tuple[Tensor, Tensor, Tensor]]:
+        """One slot's three fp32 sections (`chunk_numel` elements each) for a caller that moves a record
+        itself (checkpoints), given back on exit: memory the ring already holds, so a checkpoint of any size
+        needs none of its own. Use it after `drain()`, with no update running."""
+        slot = self._take_slot()
+        try:
+            yield slot.sections
+        finally:
+            self._give_back(slot)
 
     def abandon(self, sections: Tuple[Tensor, Tensor, Tensor]) -> None:
         """Return a loaded chunk's slot without writing it (its update failed: the disk keeps the old state)."""

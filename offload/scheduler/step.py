@@ -9,7 +9,7 @@ in one flat call.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING, ContextManager, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -197,6 +197,15 @@ class DiskGroupState(GroupState):
     def swap(self) -> "SwapStore":
         """The swap file holding this group's record (for checkpoints, which read and write it directly)."""
         return self._ring.swap
+
+    def chunks(self) -> List[Tuple[int, int]]:
+        """The element ranges the ring moves this record in; a reader that follows them covers every piece
+        the swap checksums sealed, so it verifies all it reads (tiers/disk_checksums.py)."""
+        return self._ring.chunks(self.group)
+
+    def staging(self) -> ContextManager[Tuple[Tensor, Tensor, Tensor]]:
+        """A ring slot (three fp32 sections of one chunk each) to move this record through; after `settle`."""
+        return self._ring.borrow()
 
     def settle(self) -> None:
         """Finish every write in flight and drop reads ahead: the swap file then holds the current state."""

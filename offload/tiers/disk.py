@@ -192,10 +192,20 @@ class SwapStore:
         if weights is not None and id(group) in self.weights:
             futures.append(self.submit_weights(write, group, start, weights[:stop - start]))
         for index, tensor in enumerate(sections):
-            offset = record.offset + index * record.section_bytes + 4 * start
-            futures.append(self._transfer(write, (id(group), index), start, tensor[:stop - start], offset,
-                                          record.block))
+            futures.append(self.submit_section(write, group, index, start, tensor[:stop - start]))
         return futures
+
+    def submit_section(self, write: bool, group: "FlatGroup", index: int, start: int, tensor: Tensor) -> IOFuture:
+        """Read (write) elements [start, start + numel) of one section (0 master, 1 exp_avg, 2 exp_avg_sq)
+        into (from) the fp32 `tensor`: sealed before a write, verified after a read (`_transfer`)."""
+        record = self.records[id(group)]
+        offset = record.offset + index * record.section_bytes + 4 * start
+        return self._transfer(write, (id(group), index), start, tensor, offset, record.block)
+
+    def adopt(self, group: "FlatGroup", index: int, start: int, tensor: Tensor) -> None:
+        """The file already holds `tensor` at elements [start, ...) of a section (a checkpoint cloned it there
+        copy-on-write): seal it as if it had been written, so later reads of the piece are verified."""
+        self.checksums.seal((id(group), index), start, tensor)
 
     def submit_weights(self, write: bool, group: "FlatGroup", start: int, tensor: Tensor) -> IOFuture:
         """Read (write) the group's compute weights from element `start` into (from) `tensor` (its dtype)."""
@@ -214,10 +224,12 @@ class SwapStore:
         future = self._io.pread(tensor, self._file, offset)
         return VerifiedRead(future, lambda: self.checksums.verify(key, start, tensor, self.path, block, offset))
 
-    def record_span(self, group: "FlatGroup") -> Tuple[int, int, int]:
-        """(file descriptor, offset, bytes) of the group's record, for copy-on-write clones of it."""
+    def section_spans(self, group: "FlatGroup") -> Tuple[int, Tuple[int, int, int], int]:
+        """(file descriptor, file offset of each of the three sections, data bytes per section = 4 x numel),
+        for copy-on-write clones of a record section by section (each section starts 4 KiB-aligned)."""
         record = self.records[id(group)]
-        return self._file.buffered_fd, record.offset, record.nbytes
+        offsets = tuple(record.offset + index * record.section_bytes for index in range(3))
+        return self._file.buffered_fd, offsets, 4 * record.numel  # type: ignore[return-value]
 
     def close(self) -> None:
         """Close and delete the swap file and its layout (this run's state only)."""

@@ -1,7 +1,8 @@
 """Checksums of the swap file's contents: sealed when a range is written, verified when it is read back.
 
-The nvme pipeline moves records in chunks, and other readers (checkpoints, weight fetches) read whole
-records, so checksums cover written *pieces*: (section, first element, element count). A write drops the
+The nvme pipeline moves records in chunks, and other readers (weight fetches) may read whole records, so
+checksums cover written *pieces*: (section, first element, element count). Checkpoints read and write
+records along the ring's chunks, so they verify, and seal, exactly the pieces the ring uses. A write drops the
 seals it overlaps and seals its own piece; a read verifies every sealed piece it covers entirely. A range
 never written by this process (fresh preallocated zeros) has no seal and is not checked.
 """
