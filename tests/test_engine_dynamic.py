@@ -125,3 +125,32 @@ def test_changed_order_second_forward_generate_and_retain_graph_match_adamw(tier
         assert stats["disk_weight_blocks"] > 0  # and weights really lived on disk
     assert stats["steps"] == STEPS
 
+
+
+@pytest.mark.parametrize("tier,budgets", [("cpu", {}), ("cpu", {"device_memory": 80_000})], ids=["cpu", "cpu-streamed"])
+def test_torch_compile_of_the_wrapped_model_gives_the_eager_losses(tier, budgets):
+    """NEEDS.md P18: `torch.compile(engine.module)` works; dynamo breaks the graph at the engine's hooks (each
+    module owning parameters), so the losses are the eager engine's. aot_eager keeps the test fast; it runs
+    the same capture and autograd as inductor without generating kernels."""
+
+    def losses(compiled: bool):
+        torch.manual_seed(0)
+        model = TinyGPT()
+        with offload.wrap(model, tier=tier, lr=LR, weight_decay=WD, dtype=torch.float32, device="cpu",
+                          **budgets) as engine:
+            forward = torch.compile(engine.module, backend="aot_eager") if compiled else engine
+            out = []
+            for ((idx, tgt),) in make_batches(STEPS, 1):
+                loss = forward(idx, tgt)
+                loss.backward()
+                engine.step()
+                engine.zero_grad()
+                out.append(loss.item())
+            return out, engine.state_dict()
+
+    torch._dynamo.reset()
+    eager, eager_state = losses(False)
+    compiled, compiled_state = losses(True)
+    torch._dynamo.reset()
+    assert compiled == eager
+    assert all(torch.equal(compiled_state[k], eager_state[k]) for k in eager_state)
