@@ -330,6 +330,7 @@ class Engine(CheckpointAccess):
         """engine.optimizer.step(): schedule the remaining block updates in forward order and return.
         Ctrl-C waits until the step is fully scheduled (offload/_interrupts.py)."""
         self._check_open()
+        self._worker.raise_if_failed()
         with deferred_keyboard_interrupt():
             self._schedule_step()
 
@@ -386,6 +387,7 @@ class Engine(CheckpointAccess):
     def __call__(self, *args, **kwargs):
         """The wrapped model's forward."""
         self._check_open()
+        self._worker.raise_if_failed()
         return self.module(*args, **kwargs)
 
     def step(self) -> None:

@@ -163,6 +163,7 @@ def test_non_finite_gradient_norm_skips_the_step_with_a_warning():
 
 
 def test_an_update_that_fails_surfaces_at_the_next_use_of_its_block(monkeypatch):
+    from offload.errors import OffloadError
     from offload.scheduler.step import GroupState
 
     model = Net()
@@ -176,8 +177,22 @@ def test_an_update_that_fails_surfaces_at_the_next_use_of_its_block(monkeypatch)
     engine.step()  # returns before the updates run
     with pytest.raises(RuntimeError, match="update failed on purpose"):
         model(torch.ones(4, 8))  # block layers.0
-    with pytest.raises(RuntimeError, match="update failed on purpose"):
-        engine.close()  # block layers.1 failed too: reported, after the cleanup
+    with pytest.raises(OffloadError, match="failed earlier.*update failed on purpose"):
+        model(torch.ones(4, 8))  # block layers.1 failed too: every later use names the first failure
+    engine.close()  # the failure was reported: cleanup does not raise it again
+    assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_failure_never_reported_is_raised_by_close(monkeypatch):
+    from offload.scheduler.step import GroupState
+
+    model = Net()
+    engine = offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu")
+    model(torch.ones(4, 8)).backward()
+    monkeypatch.setattr(GroupState, "update", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("late")))
+    engine.step()
+    with pytest.raises(RuntimeError, match="late"):
+        engine.close()
     assert not any(m._forward_pre_hooks for m in model.modules())
 
 
@@ -194,3 +209,36 @@ def test_changing_lr_after_an_early_update_warns():
                 engine.step()
             engine.zero_grad()
         assert engine.stats()["early_block_updates"] > 0
+
+
+def test_after_a_failed_update_the_engine_refuses_to_train_or_save_until_a_checkpoint_is_loaded(tmp_path,
+                                                                                                 monkeypatch):
+    """Some blocks updated and some not: training on (or saving) would silently use inconsistent state."""
+    from offload.errors import OffloadError
+    from offload.scheduler.step import GroupState
+
+    torch.manual_seed(0)
+    model = Net()
+    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu") as engine:
+        model(torch.ones(4, 8)).sum().backward()
+        engine.step()
+        engine.zero_grad()
+        engine.save(tmp_path / "good")
+        saved = engine.state_dict()
+        model(torch.ones(4, 8)).sum().backward()
+        real_update = GroupState.update
+        monkeypatch.setattr(GroupState, "update", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+        engine.step()
+        with pytest.raises(RuntimeError, match="boom"):
+            model(torch.ones(4, 8))
+        for action in (lambda: model(torch.ones(4, 8)), engine.step, lambda: engine.save(tmp_path / "bad"),
+                       engine.state_dict):
+            with pytest.raises(OffloadError, match="failed earlier.*RuntimeError: boom.*engine.load"):
+                action()
+        assert not (tmp_path / "bad").exists()
+        monkeypatch.setattr(GroupState, "update", real_update)
+        engine.load(tmp_path / "good")
+        assert all(torch.equal(engine.state_dict()[k], v) for k, v in saved.items())
+        model(torch.ones(4, 8)).sum().backward()  # training goes on from the checkpoint
+        engine.step()
+        assert not torch.equal(engine.state_dict()["layers.0.a.weight"], saved["layers.0.a.weight"])

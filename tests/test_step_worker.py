@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from offload.errors import OffloadError
 from offload.scheduler.worker import StepWorker
 
 
@@ -36,6 +37,10 @@ def test_an_error_surfaces_at_the_wait_for_its_block_only():
         worker.wait(2)
         with pytest.raises(ZeroDivisionError):
             worker.wait(1)
-        worker.wait(1)  # reported once
+        with pytest.raises(OffloadError, match="failed earlier.*ZeroDivisionError"):
+            worker.wait(2)  # every later wait: the state is inconsistent until a checkpoint is loaded
+        worker.clear_failure()
+        worker.submit(2, lambda: None)
+        worker.wait(2)
     finally:
         worker.close()

@@ -31,6 +31,13 @@ class CheckpointAccess:
         from offload.checkpoint import load_checkpoint
 
         self._check_open()
+        if self._worker.failure is not None:  # a failed update left inconsistent state: a load replaces it all
+            self._worker.clear_failure()
+            if self._ring is not None:
+                try:
+                    self._ring.drain()  # every slot comes back; the load rewrites the state it held
+                except Exception:
+                    pass
         return load_checkpoint(self, path, scheduler=scheduler, rng=rng, progress=progress)
 
     # ----- accessors for offload/checkpoint -----

@@ -286,22 +286,31 @@ class DiskRing:
             self.store(group, start, stop, sections)
 
     def drain(self) -> None:
-        """Wait for every write in flight (their errors raise here) and drop reads issued ahead."""
+        """Wait for every write in flight and drop reads issued ahead; every slot is back when this returns,
+        and the first error of any of them is raised at the end."""
         with self._lock:
             reads, self._reads = list(self._reads.values()), {}
             self._announced.clear()
             self._announced_keys.clear()
+        first: Optional[BaseException] = None
         for entry in reads:
             try:
                 self._wait(entry.futures)
+            except BaseException as exc:
+                first = first or exc
             finally:
                 self._give_back(entry.slot)
         while True:
             with self._lock:
                 if not self._writes:
-                    return
+                    break
                 entry = self._writes[0]
-            self._finish_write(entry)
+            try:
+                self._finish_write(entry)
+            except BaseException as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     def stats(self) -> Dict[str, float]:
         """Chunk size, chunks updated, how many were read ahead, seconds the worker waited on the disk."""
@@ -402,12 +411,20 @@ class DiskRing:
         raise ValueError("not a view of a ring slot")
 
     def _wait(self, futures: List[IOFuture]) -> None:
+        """Wait for every request of a chunk, then raise the first error: a slot is handed back only when
+        the kernel no longer reads into or writes from it, even when one of its requests failed."""
         begin = time.perf_counter()
+        first: Optional[BaseException] = None
         try:
             for future in futures:
-                future.result()
+                try:
+                    future.result()
+                except BaseException as exc:
+                    first = first or exc
         finally:
             self.io_wait_seconds += time.perf_counter() - begin
+        if first is not None:
+            raise first
 
 
 def _cut(slot: _Slot, numel: int) -> Tuple[Tensor, Tensor, Tensor]:

@@ -16,6 +16,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from offload.errors import OffloadError
+
 Job = Tuple[float, int, int, Callable[[], object], Future]  # (priority, sequence, block index, work, future)
 
 
@@ -23,7 +25,9 @@ class StepWorker:
     """One thread; one future per block. `num_threads` caps torch's intra-op threads *of this thread only*
     (OpenMP's thread count is per thread): when the CPU also computes, two full OpenMP teams spinning on the
     same cores slow both down several-fold. Every wait goes through `wait(block_index)`, so an exception
-    raised in an update surfaces at the next use of that block."""
+    raised in an update surfaces at the next use of that block, and every later wait raises too (`failure`):
+    some blocks were updated and some not, so training on would silently use inconsistent state.
+    [Note: a failed update poisons the engine]"""
 
     def __init__(self, num_threads: int, on_next: Optional[Callable[[List[int]], None]] = None) -> None:
         self.num_threads = num_threads
@@ -32,6 +36,7 @@ class StepWorker:
         self._pending: Dict[int, Future] = {}
         self._sequence = 0
         self._stopping = False
+        self.failure: Optional[BaseException] = None  # the first update that raised, until `clear_failure`
         self._lock = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="offload-step", daemon=True)
         self._thread.start()
@@ -53,19 +58,62 @@ class StepWorker:
         return future is not None and not future.done()
 
     def wait(self, block_index: int) -> None:
-        """Block until the block's last submitted work is done; re-raise its exception here."""
+        """Block until the block's last submitted work is done; re-raise its exception here. After any update
+        has failed, every wait raises (OffloadError naming the first failure) until `clear_failure`."""
         with self._lock:
             future = self._pending.pop(block_index, None)
         if future is not None:
-            future.result()
+            try:
+                future.result()
+            except BaseException as exc:
+                if self.failure is None:
+                    self.failure = exc
+                    raise
+                # a later failure: reported as the consequence of the first, below
+        self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        """Raise OffloadError naming the first failed update, if any update has failed."""
+        if self.failure is not None:
+            raise OffloadError(
+                f"an optimizer update failed earlier ({type(self.failure).__name__}: {self.failure}); the weights "
+                "and optimizer state are no longer consistent (some blocks were updated, some not): load a "
+                "checkpoint with engine.load(path) to continue, or close() the engine") from self.failure
+
+    def clear_failure(self) -> None:
+        """Finish all queued work, dropping its errors, and forget the failure (the state is about to be
+        replaced by a checkpoint load)."""
+        with self._lock:
+            futures = list(self._pending.values())
+            self._pending.clear()
+        for future in futures:
+            try:
+                future.result()
+            except BaseException:
+                pass
+        self.failure = None
 
     def wait_all(self) -> None:
         for index in list(self._pending):
             self.wait(index)
+        self.raise_if_failed()
 
     def close(self) -> None:
+        """Finish the queued work and stop the thread. Raises the first failed update if it was never
+        reported; failures after a reported one are its consequences and are not raised again."""
         try:
-            self.wait_all()
+            unreported: Optional[BaseException] = None
+            with self._lock:
+                futures = list(self._pending.values())
+                self._pending.clear()
+            for future in futures:
+                try:
+                    future.result()
+                except BaseException as exc:
+                    if self.failure is None:
+                        self.failure = unreported = exc
+            if unreported is not None:
+                raise unreported
         finally:
             with self._lock:
                 self._stopping = True
