@@ -2,12 +2,12 @@
 disk bound measured in the same run.
 
     python benchmarks/bench_checkpoint.py              # DemoGPT 8 layers, dim 512, vocab 8192: 29.6M params,
-                                                       # a 474 MB checkpoint, 3 rounds (~2-3 min on 2 cores)
+                                                       # a 489 MB checkpoint, 5 rounds (~2-3 min on 2 cores)
     python benchmarks/bench_checkpoint.py --dim 768    # larger
     python benchmarks/bench_checkpoint.py --quick      # a tiny model, 1 round (a smoke run)
 
 One model, trained one step (so the Adam moments are real), is saved by each rival, interleaved round by
-round: offload's cpu and nvme tiers (`engine.save`, swap file on the checkpoint's file system), the nvme
+round (the order rotated each round): offload's cpu and nvme tiers (`engine.save`, swap file on the checkpoint's file system), the nvme
 tier on a loop-mounted XFS where sections are cloned copy-on-write (when mkfs.xfs and loop mounts work
 here: root), plain PyTorch (`torch.save({'model': ..., 'optimizer': AdamW.state_dict()})` + fsync: neither
 atomic nor checksummed) and `safetensors.torch.save_file` of the same tensors + fsync. Each save goes to a
@@ -301,7 +301,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where checkpoints and the swap file go (default: a temp dir)")
     parser.add_argument("--no-xfs", action="store_true", help="skip the loop-mounted XFS (clone) rows")
     parser.add_argument("--quick", action="store_true", help="a tiny model and 1 round (a smoke run)")
@@ -360,7 +360,11 @@ def main(argv: Optional[List[str]] = None) -> None:
             for round_index in range(args.rounds):
                 for probe in probes.values():
                     probe.sample()
-                for index, (name, rival) in enumerate(rivals.items()):
+                # rotated, so that no rival always runs right after the probe or after a given rival's rmtree
+                names = list(rivals)
+                order = names[round_index % len(names):] + names[:round_index % len(names)]
+                for name in order:
+                    rival, index = rivals[name], names.index(name)
                     where = xfs.mount if "XFS" in name else base
                     path = where / f"ckpt-{round_index}-{index}"
                     t0 = time.perf_counter()
@@ -410,7 +414,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                "of_bound", "verify"]
     print(machine_header())
     print(f"DemoGPT layers={args.layers} dim={args.dim} vocab={args.vocab} | {n_params / 1e6:.2f}M params fp32, "
-          f"AdamW after 1 step | {args.rounds} rounds, interleaved | native core: {offload.native_available()}")
+          f"AdamW after 1 step | {args.rounds} rounds, interleaved, order rotated | native core: {offload.native_available()}")
     for key, disk in disks.items():
         where = (f"loop-mounted XFS (reflink=1, loop direct-io {'on' if xfs.direct else 'off'}) on an image "
                  "in that directory" if key == "xfs" else "the checkpoint directory")
