@@ -1,19 +1,20 @@
 """Checkpoint save and load: offload's tiers against torch.save/torch.load and safetensors, and against the
 disk bound measured in the same run.
 
-    python benchmarks/bench_checkpoint.py              # DemoGPT 8 layers, dim 512, vocab 8192: 29.6M params,
+    python benchmarks/bench_checkpoint.py              # DemoGPT 8 layers, dim 512, vocab 8192: 29.5M params,
                                                        # a 489 MB checkpoint, 5 rounds (~2-3 min on 2 cores)
     python benchmarks/bench_checkpoint.py --dim 768    # larger
     python benchmarks/bench_checkpoint.py --quick      # a tiny model, 1 round (a smoke run)
 
 One model, trained one step (so the Adam moments are real), is saved by each rival, interleaved round by
-round (the order rotated each round): offload's cpu and nvme tiers (`engine.save`, swap file on the checkpoint's file system), the nvme
-tier on a loop-mounted XFS where sections are cloned copy-on-write (when mkfs.xfs and loop mounts work
-here: root), plain PyTorch (`torch.save({'model': ..., 'optimizer': AdamW.state_dict()})` + fsync: neither
-atomic nor checksummed) and `safetensors.torch.save_file` of the same tensors + fsync. Each save goes to a
-fresh directory; then the page cache is dropped (/proc/sys/vm/drop_caches, root; else fadvise DONTNEED),
-the checkpoint is loaded into a freshly wrapped engine (or a fresh model and AdamW: `torch.load(...,
-weights_only=True)` + `load_state_dict`), and the directory is removed. Wrapping is not timed.
+round (the order rotated each round): offload's cpu and nvme tiers (`engine.save`, swap file on the
+checkpoint's file system), the nvme tier on a loop-mounted XFS where sections are cloned copy-on-write
+(when mkfs.xfs and loop mounts work here: root), plain PyTorch (`torch.save({'model': ..., 'optimizer':
+AdamW.state_dict()})` + fsync: neither atomic nor checksummed) and `safetensors.torch.save_file` of the
+same tensors + fsync. Each save goes to a fresh directory; then the page cache is dropped
+(/proc/sys/vm/drop_caches, root; else fadvise DONTNEED), the checkpoint is loaded into a freshly wrapped
+engine (or a fresh model and AdamW: `torch.load(..., weights_only=True)` + `load_state_dict`), and the
+directory is removed. Wrapping is not timed.
 
 The bound of a row is the disk traffic it cannot avoid at the bandwidths offload.measure.DiskProbe measures
 in the same rounds, in the same directory (O_DIRECT writes of fresh regions to durability, then reads):
@@ -414,7 +415,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                "of_bound", "verify"]
     print(machine_header())
     print(f"DemoGPT layers={args.layers} dim={args.dim} vocab={args.vocab} | {n_params / 1e6:.2f}M params fp32, "
-          f"AdamW after 1 step | {args.rounds} rounds, interleaved, order rotated | native core: {offload.native_available()}")
+          f"AdamW after 1 step | {args.rounds} rounds, interleaved, order rotated | "
+          f"native core: {offload.native_available()}")
     for key, disk in disks.items():
         where = (f"loop-mounted XFS (reflink=1, loop direct-io {'on' if xfs.direct else 'off'}) on an image "
                  "in that directory" if key == "xfs" else "the checkpoint directory")
@@ -423,7 +425,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(f"{preferred_algorithm()} {crc / 1e9:.1f} GB/s on one core; page cache before each load: {evict}")
     print_table(rows, columns)
     print(f"torch.save and safetensors: neither atomic nor checksummed; offload: atomic directory swap, a "
-          f"checksum per tensor, load verifies everything before changing the engine; {time.perf_counter() - start_all:.0f} s")
+          f"checksum per tensor, load verifies everything before changing the engine; "
+          f"{time.perf_counter() - start_all:.0f} s")
     if not args.no_csv and not args.quick:
         append_csv("checkpoint", [dict(r, params=n_params, layers=args.layers, dim=args.dim, vocab=args.vocab,
                                        rounds=args.rounds) for r in rows])
