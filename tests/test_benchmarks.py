@@ -36,3 +36,13 @@ def test_bench_train_quick(tmp_path):
     out = _run(["benchmarks/bench_train.py", "--quick", "--nvme-path", str(tmp_path)])
     for rival in ("torch AdamW", "offload gpu tier", "offload cpu tier", "offload nvme tier", "efficiency"):
         assert rival in out
+
+
+def test_bench_checkpoint_quick(tmp_path):
+    out = _run(["benchmarks/bench_checkpoint.py", "--quick", "--dir", str(tmp_path)])
+    rows = [line for line in out.splitlines() if line.split("  ")[0].strip() in (
+        "offload cpu tier", "offload nvme tier", "offload nvme tier, XFS clones", "torch.save/load",
+        "safetensors save_file/load_file")]
+    assert len(rows) == 10, out  # every rival saves and loads (the XFS rows say "skipped: why" where no XFS)
+    assert "disk bound, the checkpoint directory" in out and "of_bound" in out
+    assert list(tmp_path.iterdir()) == []  # checkpoints, swap files, probe and XFS image all removed
