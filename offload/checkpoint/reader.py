@@ -32,7 +32,7 @@ from offload.errors import OffloadConfigError, OffloadIntegrityError, OffloadIOE
 if TYPE_CHECKING:
     from offload.engine import Engine
 
-VERIFY_BYTES = 4 << 20  # the first pass reads through one buffer of this size, whatever the checkpoint's size
+VERIFY_BYTES = 16 << 20  # the first pass reads through one buffer of this size (two halves), whatever the size
 
 
 def load_checkpoint(engine: "Engine", path: str, *, scheduler: Any = None, rng: bool = False,

@@ -66,8 +66,9 @@ def _disk_chunks(state: DiskGroupState, slot: Views) -> Iterator[Chunk]:
 def write(state: GroupState, fill: Callable[[int, int, Views], None], cloned: Cloned = (0, 0, 0)) -> None:
     """Give the group new state: `fill(start, stop, views)` writes each chunk's values into host views,
     which then go to the tier. `cloned[i]`: the swap file already holds that many leading elements of
-    section i (cloned copy-on-write); they are sealed, not written. Memory tiers change only after every
-    chunk was filled, so a failing `fill` leaves them as they were; a swap record may be partly written."""
+    section i (cloned copy-on-write); they are sealed, not written. Host state is filled in place (the
+    load verified the files first); a `fill` that fails anyway (an I/O error) leaves the group partly
+    written, which the load reports."""
     if isinstance(state, DiskGroupState):
         state.settle()
         with state.staging() as slot:
@@ -78,9 +79,10 @@ def write(state: GroupState, fill: Callable[[int, int, Views], None], cloned: Cl
         return
     targets = (state.master, state.exp_avg, state.exp_avg_sq)
     if all(t.device.type == "cpu" and t.is_contiguous() for t in targets):
-        staged = tuple(torch.empty_like(t) for t in targets)
-    else:
-        staged = tuple(torch.empty(t.shape, dtype=t.dtype) for t in targets)
+        # straight into the state: the load's first pass verified every byte before anything changes
+        fill(0, state.group.trainable_numel, targets)  # type: ignore[arg-type]
+        return
+    staged = tuple(torch.empty(t.shape, dtype=t.dtype) for t in targets)  # device state: through the host
     fill(0, state.group.trainable_numel, staged)  # type: ignore[arg-type]
     with torch.no_grad():
         for target, source in zip(targets, staged):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -237,16 +238,37 @@ class TensorFileReader:
 
     def verify_all(self, scratch: memoryview, progress: Callable[[int], object] = lambda n: None) -> None:
         """Read every tensor through `scratch` (bounded memory, the caller's buffer) and check its checksum:
-        the first pass of a load, which changes nothing."""
+        the first pass of a load, which changes nothing. The two halves of `scratch` alternate: a helper
+        thread reads the next piece while this one checksums the last (both release the GIL), and the
+        kernel is told the file is read sequentially, so the pass runs at the disk's speed, not at the sum
+        of read and checksum times."""
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._file.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        half = len(scratch) // 2
+        buffers = (scratch[:half], scratch[half:2 * half])
+        plan = []  # (name, file offset, bytes, last piece of the tensor)
         for name, (_dtype, _shape, start, stop) in self.entries.items():
-            value, offset = 0, start
-            while offset < stop:
-                piece = scratch[:min(len(scratch), stop - offset)]
-                self._pread(piece, self._base + offset, name)
-                value = checksum(piece, self._algorithm, value)
-                offset += len(piece)
-                progress(len(piece))
-            self._check(name, value)
+            for offset in range(start, stop, half):
+                plan.append((name, offset, min(half, stop - offset), offset + half >= stop))
+        with ThreadPoolExecutor(1, thread_name_prefix="offload-verify") as reader:
+            def read(i: int):
+                name, offset, size, _last = plan[i]
+                view = buffers[i % 2][:size]
+                return reader.submit(self._pread, view, self._base + offset, name)
+
+            pending = read(0) if plan else None
+            value = 0
+            for i, (name, _offset, size, last) in enumerate(plan):
+                assert pending is not None
+                pending.result()
+                pending = read(i + 1) if i + 1 < len(plan) else None  # the other half: free since piece i-1
+                value = checksum(buffers[i % 2][:size], self._algorithm, value)
+                progress(size)
+                if last:
+                    self._check(name, value)
+                    value = 0
+            if pending is not None:
+                pending.result()
 
     def _pread(self, view: memoryview, offset: int, name: str) -> None:
         done = 0
