@@ -46,7 +46,7 @@ import offload  # noqa: E402
 from benchmarks.common import append_csv, machine_header, print_table, summarize  # noqa: E402
 from offload.checkpoint import tensor_file  # noqa: E402
 from offload.checksum import checksum, preferred_algorithm  # noqa: E402
-from offload.demo import DemoGPT  # noqa: E402
+from offload.cli.demo import DemoGPT  # noqa: E402
 from offload.measure import DiskProbe  # noqa: E402
 
 MB = 1e6

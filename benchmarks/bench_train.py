@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import offload  # noqa: E402
 from common import append_csv, machine_header, print_table, summarize  # noqa: E402
-from offload.demo import DemoGPT  # noqa: E402
+from offload.cli.demo import DemoGPT  # noqa: E402
 from offload.measure import DiskProbe, dram_bandwidth, step_bound  # noqa: E402
 
 

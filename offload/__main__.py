@@ -14,9 +14,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     doctor = sub.add_parser("doctor", help="print which native parts, CPU features, I/O backend and limits are active")
     doctor.add_argument("--dir", default=None, help="directory to choose the I/O backend for (default: the temp dir)")
-    from offload import demo as demo_module
-    from offload import estimate as estimate_module
-    from offload.verify_cli import add_arguments as add_verify_arguments, run as run_verify
+    from offload.cli import demo as demo_module
+    from offload.cli import estimate as estimate_module
+    from offload.cli.verify import add_arguments as add_verify_arguments, run as run_verify
 
     demo_module.add_arguments(sub.add_parser("demo", help="a short nvme-tier training run and its efficiency"))
     estimate_module.add_arguments(sub.add_parser("estimate", help="memory per tier for a model size and budgets"))
@@ -30,7 +30,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "verify":
         return run_verify(args)
     if args.command == "doctor":
-        from offload import doctor as doctor_module
+        from offload.cli import doctor as doctor_module
 
         return doctor_module.main(args.dir)
     parser.error(f"unknown command {args.command!r}")

@@ -8,7 +8,7 @@ import re
 import torch
 
 from offload.__main__ import main
-from offload.demo import synthetic_batches
+from offload.cli.demo import synthetic_batches
 
 
 def test_synthetic_tokens_count_up_by_one():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from offload.__main__ import main
-from offload.estimate import ModelShape, estimate
+from offload.cli.estimate import ModelShape, estimate
 from offload.planner import Location
 from offload.policy import Tier
 

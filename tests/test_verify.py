@@ -7,7 +7,7 @@ import torch
 
 from offload.__main__ import main
 from offload.parity import verify
-from offload.verify_model import tiny_gpt
+from offload.cli.verify_model import tiny_gpt
 from tests.models import one_intraop_thread
 
 _threads = pytest.fixture(autouse=True, scope="module")(one_intraop_thread)

@@ -11,7 +11,7 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-1}  # bf16: rounding of weights and
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="offload.verify_model:tiny_gpt",
+    parser.add_argument("--model", default="offload.cli.verify_model:tiny_gpt",
                         help="module:function returning (model, batch_fn); default: a built-in tiny GPT")
     parser.add_argument("--tier", default="all", choices=["all", "gpu", "cpu", "nvme"])
     parser.add_argument("--steps", type=int, default=4)
