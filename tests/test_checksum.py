@@ -12,7 +12,7 @@ from offload import _native, checksum
 from offload.errors import OffloadConfigError
 
 needs_native = pytest.mark.skipif(_native._C is None, reason="offload._C is not built")
-PATH_NAMES = ("vpclmulqdq-avx512", "pclmulqdq", "sse4.2", "table")
+PATH_NAMES = ("vpclmulqdq-avx512", "pclmulqdq", "sse4.2", "table")  # preferred first
 PATHS = _native._C.crc32c_paths() if _native._C is not None else []  # those this CPU runs; tests use each
 
 
@@ -64,7 +64,7 @@ def _bytes(nbytes: int, seed: int) -> torch.Tensor:
 
 
 @needs_native
-def test_paths_are_named_fastest_first_and_checked():
+def test_paths_are_named_preferred_first_and_checked():
     C = _native._C
     assert PATHS[0] == C.crc32c_path() and PATHS[-1] == "table"
     assert [name for name in PATH_NAMES if name in PATHS] == PATHS
@@ -106,7 +106,7 @@ def test_each_path_equals_table_for_every_short_length_misalignment_and_seed(pat
 
 @needs_native
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("nbytes", [1023, 1024, 1025, 3 * 8192 * 5 + 13, (1 << 20) + 1, (1 << 20) + 255 + 64 + 16 + 7])
+@pytest.mark.parametrize("nbytes", [1023, 1024, 1025, 24575, 24576, 24576 + 255, 24576 + 256 + 64 + 17, 3 * 8192 * 5 + 13, (1 << 20) + 1, (1 << 20) + 255 + 64 + 16 + 7])
 def test_each_path_equals_table_for_large_sizes(path, nbytes):
     C = _native._C
     buffer = _bytes(nbytes + 64, nbytes)

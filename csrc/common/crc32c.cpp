@@ -94,7 +94,8 @@ __attribute__((target("sse4.2"))) uint32_t hw_serial(uint32_t crc, const uint8_t
 
 constexpr size_t kLaneBytes = 8192;  // each of the three chains covers this many bytes per round
 
-__attribute__((target("sse4.2"))) uint32_t hw_update(uint32_t crc, const uint8_t* p, size_t n) {
+// The three-chain rounds: consumes whole rounds of 3 * kLaneBytes from p and n, returns the state.
+__attribute__((target("sse4.2"))) uint32_t hw_rounds(uint32_t crc, const uint8_t*& p, size_t& n) {
   if (n >= 3 * kLaneBytes) {
     static const uint32_t shift = shift_operator(kLaneBytes);  // ~2K cycles: once, not per call
     while (n >= 3 * kLaneBytes) {
@@ -118,6 +119,11 @@ __attribute__((target("sse4.2"))) uint32_t hw_update(uint32_t crc, const uint8_t
       n -= 3 * kLaneBytes;
     }
   }
+  return crc;
+}
+
+__attribute__((target("sse4.2"))) uint32_t hw_update(uint32_t crc, const uint8_t* p, size_t n) {
+  crc = hw_rounds(crc, p, n);
   return hw_serial(crc, p, n);
 }
 
@@ -234,7 +240,10 @@ OFFLOAD_AVX512_CLMUL uint32_t fold512_update(uint32_t crc, const uint8_t* p, siz
 
 enum class Path { kTable, kSse42, kPclmul, kVpclmul };
 
-constexpr Path kFastestFirst[] = {Path::kVpclmul, Path::kPclmul, Path::kSse42, Path::kTable};
+// Preferred first. On a Zen 4 core 4 x 128-bit folding runs at 14.5 GB/s (its multiplies issue about one
+// per 2 cycles) against 25.5 for the three crc32 chains, which only start at 24 KiB: so "pclmulqdq" folds
+// what the single crc32 chain would take (256 B up to 24 KiB, and the rest after the rounds).
+constexpr Path kPreferredFirst[] = {Path::kVpclmul, Path::kPclmul, Path::kSse42, Path::kTable};
 
 const char* path_name(Path path) {
   switch (path) {
@@ -256,7 +265,7 @@ bool supported(Path path) {
 }
 
 Path best_path() {
-  for (Path path : kFastestFirst)
+  for (Path path : kPreferredFirst)
     if (supported(path)) return path;
   return Path::kTable;
 }
@@ -265,7 +274,9 @@ Path best_path() {
 uint32_t update(Path path, uint32_t crc, const uint8_t* p, size_t n) {
   switch (path) {
     case Path::kVpclmul: return n >= kFoldMinBytes ? fold512_update(crc, p, n) : hw_update(crc, p, n);
-    case Path::kPclmul: return n >= kFoldMinBytes ? fold128_update(crc, p, n) : hw_update(crc, p, n);
+    case Path::kPclmul:  // the crc32 rounds are faster where they apply; folding replaces the single chain
+      crc = hw_rounds(crc, p, n);
+      return n >= kFoldMinBytes ? fold128_update(crc, p, n) : hw_serial(crc, p, n);
     case Path::kSse42: return hw_update(crc, p, n);
     default: return table_update(crc, p, n);
   }
@@ -290,13 +301,13 @@ const char* crc32c_path() { return path_name(chosen_path()); }
 
 std::vector<std::string> crc32c_paths() {
   std::vector<std::string> names;
-  for (Path path : kFastestFirst)
+  for (Path path : kPreferredFirst)
     if (supported(path)) names.emplace_back(path_name(path));
   return names;
 }
 
 uint32_t crc32c_with(const std::string& path, const void* data, size_t nbytes, uint32_t seed) {
-  for (Path p : kFastestFirst) {
+  for (Path p : kPreferredFirst) {
     if (path != path_name(p)) continue;
     if (!supported(p)) throw std::invalid_argument("this CPU cannot run the crc32c path '" + path + "'");
     return ~update(p, ~seed, static_cast<const uint8_t*>(data), nbytes);
@@ -323,7 +334,7 @@ void bind_crc32c(pybind11::module_& m) {
       "The table path of crc32c (same values; for tests and measurements).");
   m.def("crc32c_path", [] { return std::string(crc32c_path()); },
         "The path crc32c takes on this CPU: 'vpclmulqdq-avx512', 'pclmulqdq', 'sse4.2' or 'table'.");
-  m.def("crc32c_paths", &crc32c_paths, "The crc32c paths this CPU can run, fastest first (ends with 'table').");
+  m.def("crc32c_paths", &crc32c_paths, "The crc32c paths this CPU can run, preferred first (the first is crc32c_path(), the last 'table').");
   m.def(
       "crc32c_with",
       [](const std::string& path, uintptr_t ptr, size_t nbytes, uint32_t seed) {
