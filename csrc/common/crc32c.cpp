@@ -147,7 +147,7 @@ struct FoldKeys {
 };
 
 const FoldKeys& fold_keys() {
-  static const FoldKeys keys;  // ~20 us: once
+  static const FoldKeys keys;  // 14 powers by square-and-multiply, ~10 us: once
   return keys;
 }
 
