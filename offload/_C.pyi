@@ -29,7 +29,9 @@ def memory_traffic_probe(param: int, exp_avg: int, exp_avg_sq: int, grad: int, n
 # --- CRC-32C (csrc/common/crc32c.cpp) -------------------------------------------------------------------
 def crc32c(ptr: int, nbytes: int, seed: int = 0) -> int: ...
 def crc32c_portable(ptr: int, nbytes: int, seed: int = 0) -> int: ...
-def crc32c_path() -> str: ...  # 'sse4.2' | 'table'
+def crc32c_path() -> str: ...  # 'vpclmulqdq-avx512' | 'pclmulqdq' | 'sse4.2' | 'table'
+def crc32c_paths() -> list[str]: ...  # those this CPU runs, preferred first
+def crc32c_with(path: str, ptr: int, nbytes: int, seed: int = 0) -> int: ...  # ValueError if not runnable here
 
 # --- staging arena (csrc/buffers/) ----------------------------------------------------------------------
 class ArenaExhausted(MemoryError): ...

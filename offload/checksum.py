@@ -1,9 +1,9 @@
 """Checksums of swap records and checkpoint files: CRC-32C, native when `_C` is built.
 
-`crc32c` always computes CRC-32C (the native multi-lane SSE4.2 path, or a slow pure-Python table when `_C`
-is missing). `preferred_algorithm()` is what new files record: "crc32c" with the native core, else
-"crc32" (zlib's, fast everywhere); `checksum(data, algorithm)` computes either, so a checkpoint written
-without `_C` is verified with the algorithm its manifest names.
+`crc32c` always computes CRC-32C (the native path chosen for this CPU: carry-less folding or SSE4.2 lanes;
+or a slow pure-Python table when `_C` is missing). `preferred_algorithm()` is what new files record:
+"crc32c" with the native core, else "crc32" (zlib's, fast everywhere); `checksum(data, algorithm)` computes
+either, so a checkpoint written without `_C` is verified with the algorithm its manifest names.
 """
 
 from __future__ import annotations

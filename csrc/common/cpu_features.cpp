@@ -16,6 +16,9 @@ CpuFeatures detect() {
   f.avx512bw = __builtin_cpu_supports("avx512bw");
   f.avx512vl = __builtin_cpu_supports("avx512vl");
   f.avx512bf16 = __builtin_cpu_supports("avx512bf16");
+  f.sse42 = __builtin_cpu_supports("sse4.2");
+  f.pclmul = __builtin_cpu_supports("pclmul");
+  f.vpclmulqdq = __builtin_cpu_supports("vpclmulqdq");
 #endif
   return f;
 }
@@ -55,6 +58,9 @@ void bind_cpu_features(pybind11::module_& m) {
         d["avx512bw"] = f.avx512bw;
         d["avx512vl"] = f.avx512vl;
         d["avx512bf16"] = f.avx512bf16;
+        d["sse4.2"] = f.sse42;
+        d["pclmul"] = f.pclmul;
+        d["vpclmulqdq"] = f.vpclmulqdq;
         return d;
       },
       "The CPU features the kernels may use, detected at run time.");

@@ -14,6 +14,9 @@ struct CpuFeatures {
   bool avx512bw = false;
   bool avx512vl = false;
   bool avx512bf16 = false;
+  bool sse42 = false;       // crc32 instruction
+  bool pclmul = false;      // carry-less multiply, 128-bit
+  bool vpclmulqdq = false;  // carry-less multiply on 256/512-bit vectors
 };
 
 // Detected on first call, constant afterwards (the CPU does not change under a running process).
