@@ -46,3 +46,19 @@ def test_bench_checkpoint_quick(tmp_path):
     assert len(rows) == 10, out  # every rival saves and loads (the XFS rows say "skipped: why" where no XFS)
     assert "disk bound, the checkpoint directory" in out and "of_bound" in out
     assert list(tmp_path.iterdir()) == []  # checkpoints, swap files, probe and XFS image all removed
+
+
+def test_trace_step_quick(tmp_path):
+    """The timeline writes a Chrome trace whose spans cover both threads (and a PNG where matplotlib is)."""
+    import json
+
+    trace = tmp_path / "timeline.json"
+    out = _run(["benchmarks/trace_step.py", "--quick", "--trace", str(trace), "--png", str(tmp_path / "t.png"),
+                "--nvme-path", str(tmp_path)])
+    for span in ("forward", "backward", "update", "ms_per_step"):
+        assert span in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    threads = {e["args"]["name"]: e["tid"] for e in events if e["ph"] == "M"}
+    kinds = {(e["tid"], e["cat"]) for e in events if e["ph"] == "X"}
+    assert (threads["training thread"], "backward") in kinds and (threads["update worker"], "update") in kinds
+    assert ("picture:" in out) == (tmp_path / "t.png").exists()

@@ -1,0 +1,209 @@
+"""A timeline of training steps: what the training thread and the update worker do, and when each waits.
+
+    python benchmarks/trace_step.py                      # nvme tier, GPT 6 x 256 fp32, 3 recorded steps
+    python benchmarks/trace_step.py --tier cpu --dtype bfloat16 --png docs/img/step_timeline_cpu.png
+    python benchmarks/trace_step.py --quick              # a tiny model (smoke run)
+
+Writes a Chrome/Perfetto trace (open it at ui.perfetto.dev or chrome://tracing) and, when matplotlib is
+installed (`pip install offload[bench]`), a PNG of the same spans. Spans come from wrappers this script puts
+around the engine's own methods for its whole life (a measurement device: offload has no tracing switch):
+forward, backward and step() on the training thread; each block update and, inside it, each wait for the
+disk on the update worker; a forward that waits for a block's pending update. Prints a table of time per
+step in each span kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import offload  # noqa: E402
+import offload.engine as engine_module  # noqa: E402
+from common import machine_header, print_table  # noqa: E402
+from offload.cli.demo import DemoGPT  # noqa: E402
+from offload.scheduler.disk_ring import DiskRing  # noqa: E402
+from offload.scheduler.step import DiskGroupState, GroupState  # noqa: E402
+
+Span = Tuple[str, str, float, float, str]  # (thread, kind, start, end, label)
+COLORS = {"forward": "#4c78a8", "backward": "#f58518", "step()": "#54a24b", "wait for update": "#e45756",
+          "update": "#72b7b2", "disk wait": "#b279a2"}
+
+
+class Recorder:
+    """Collects spans from every thread; `wrap` times a method of a class for as long as the recorder lives."""
+
+    def __init__(self) -> None:
+        self.spans: List[Span] = []
+        self.on = False
+        self._lock = threading.Lock()
+        self._restore: List[Callable[[], None]] = []
+
+    def add(self, kind: str, start: float, end: float, label: str = "") -> None:
+        if self.on:
+            with self._lock:
+                self.spans.append((threading.current_thread().name, kind, start, end, label))
+
+    def wrap(self, owner: type, name: str, kind: str, label: Callable[..., str] = lambda *a, **k: "") -> None:
+        original = owner.__dict__[name]
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.add(kind, start, time.perf_counter(), label(*args, **kwargs))
+
+        setattr(owner, name, timed)
+        self._restore.append(lambda: setattr(owner, name, original))
+
+    def close(self) -> None:
+        for restore in reversed(self._restore):
+            restore()
+
+
+def _block_name(state: GroupState, *_args, **_kwargs) -> str:
+    return f"{state.group.slots[0].name.rsplit('.', 1)[0]}"
+
+
+def main(argv: List[str] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tier", default="nvme", choices=["gpu", "cpu", "nvme"])
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--steps", type=int, default=3, help="steps recorded after 3 warm-up steps")
+    parser.add_argument("--nvme-path", default=None)
+    parser.add_argument("--trace", default=None, help="Chrome trace path (default: benchmarks/results/)")
+    parser.add_argument("--png", default=None, help="PNG path (default: next to the trace)")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.dim, args.vocab, args.context, args.steps = 2, 64, 256, 32, 2
+    stem = f"step_timeline_{args.tier}{'_quick' if args.quick else ''}"
+    trace_path = Path(args.trace or Path(__file__).resolve().parent / "results" / f"{stem}.json")
+    png_path = Path(args.png) if args.png else trace_path.with_suffix(".png")
+    dtype = getattr(torch, args.dtype)
+    print(machine_header())
+
+    recorder = Recorder()
+    recorder.wrap(GroupState, "update", "update", _block_name)
+    recorder.wrap(DiskGroupState, "update", "update", _block_name)
+    recorder.wrap(DiskRing, "_wait", "disk wait")
+    recorder.wrap(engine_module.Engine, "_step", "step()")
+    real_wait = engine_module.StepWorker.wait
+
+    def wait(worker, block_index):  # a forward (or a gradient hook) that waits for a pending update
+        start, pending = time.perf_counter(), worker.is_pending(block_index)
+        try:
+            return real_wait(worker, block_index)
+        finally:
+            if pending:
+                recorder.add("wait for update", start, time.perf_counter(), f"block {block_index}")
+
+    engine_module.StepWorker.wait = wait
+    torch.manual_seed(0)
+    idx = torch.randint(0, args.vocab, (args.batch, args.context))
+    tgt = torch.randint(0, args.vocab, (args.batch, args.context))
+    try:
+        with tempfile.TemporaryDirectory(dir=args.nvme_path) as directory:
+            model = DemoGPT(args.vocab, args.dim, args.layers, args.context)
+            with offload.wrap(model, tier=args.tier, nvme_path=directory if args.tier == "nvme" else None,
+                              dtype=dtype, device="cpu", grad_accumulation_steps=1) as engine:
+                for step in range(3 + args.steps):
+                    recorder.on = step >= 3
+                    start = time.perf_counter()
+                    loss = engine(idx, tgt)
+                    middle = time.perf_counter()
+                    loss.backward()
+                    end = time.perf_counter()
+                    recorder.add("forward", start, middle, f"step {step - 2}")
+                    recorder.add("backward", middle, end, f"step {step - 2}")
+                    engine.step()
+                    engine.zero_grad()
+                recorder.on = False  # the last updates run on into the synchronize: not a step's steady state
+                engine.synchronize()
+    finally:
+        engine_module.StepWorker.wait = real_wait
+        recorder.close()
+
+    spans = recorder.spans
+    origin = min(s[2] for s in spans)
+    per_kind: Dict[Tuple[str, str], float] = defaultdict(float)
+    for thread, kind, start, end, _label in spans:
+        per_kind[(_lane(thread), kind)] += (end - start) / args.steps
+    wall = (max(s[3] for s in spans) - origin) / args.steps
+    rows = [dict(thread=lane, span=kind, ms_per_step=f"{1e3 * seconds:.1f}", share_of_step=f"{seconds / wall:.2f}")
+            for (lane, kind), seconds in sorted(per_kind.items())]
+    print(f"tier={args.tier} GPT {args.layers}x{args.dim} {args.dtype}; {args.steps} steps recorded, "
+          f"{1e3 * wall:.1f} ms per step (wall)")
+    print_table(rows, ["thread", "span", "ms_per_step", "share_of_step"])
+    _write_trace(spans, origin, trace_path)
+    print(f"trace: {trace_path}")
+    if _plot(spans, origin, png_path, f"offload tier={args.tier}, GPT {args.layers}x{args.dim} {args.dtype}, "
+             f"{args.steps} steps on the CPU (2 cores)"):
+        print(f"picture: {png_path}")
+
+
+def _lane(thread: str) -> str:
+    return "update worker" if thread.startswith("offload-step") else "training thread"
+
+
+def _write_trace(spans: List[Span], origin: float, path: Path) -> None:
+    """Chrome trace format: one complete ('X') event per span, microseconds, one row per thread."""
+    lanes = {"training thread": 1, "update worker": 2}
+    events = [{"name": f"{kind} {label}".strip(), "cat": kind, "ph": "X", "pid": 1, "tid": lanes[_lane(thread)],
+               "ts": (start - origin) * 1e6, "dur": (end - start) * 1e6}
+              for thread, kind, start, end, label in spans]
+    events += [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": lane}}
+               for lane, tid in lanes.items()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def _plot(spans: List[Span], origin: float, path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no matplotlib: no picture (pip install offload[bench])")
+        return False
+    rows = [("training thread", ("forward", "backward", "step()", "wait for update")),
+            ("update worker", ("update", "disk wait"))]
+    fig, ax = plt.subplots(figsize=(14, 2.8))
+    for y, (lane, kinds) in enumerate(rows):
+        for kind in kinds:
+            bars = [((s - origin) * 1e3, (e - s) * 1e3) for t, k, s, e, _l in spans if _lane(t) == lane and k == kind]
+            inner = kind in ("disk wait", "wait for update")  # drawn thinner, on top of what they interrupt
+            ax.broken_barh(bars, (y - (0.15 if inner else 0.35), 0.3 if inner else 0.7), color=COLORS[kind],
+                           label=kind, zorder=3 if inner else 2)
+    ax.set_yticks(range(len(rows)), [lane for lane, _k in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.32), ncol=len(COLORS), fontsize=8, frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+if __name__ == "__main__":
+    main()
