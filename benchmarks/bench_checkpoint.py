@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import offload  # noqa: E402
-from benchmarks.common import append_csv, machine_header, print_table, summarize  # noqa: E402
+from benchmarks.common import append_csv, machine_header, print_table, summarize, sync_file  # noqa: E402
 from offload.checkpoint import tensor_file  # noqa: E402
 from offload.checksum import checksum, preferred_algorithm  # noqa: E402
 from offload.cli.demo import DemoGPT  # noqa: E402
@@ -98,14 +98,6 @@ def drop_cache(directory: Path) -> str:
 
 def tree_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LoopXFS:
@@ -263,7 +255,7 @@ class SafetensorsSave(TorchRival):
             for key, value in state.items():
                 tensors[f"optimizer/{index}/{key}"] = value
         safetensors.torch.save_file(tensors, str(path / "checkpoint.safetensors"))
-        fsync_file(path / "checkpoint.safetensors")
+        sync_file(path / "checkpoint.safetensors")
         size = tree_bytes(path)
         return Result(0, size, 0, size)
 

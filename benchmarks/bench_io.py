@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import append_csv, machine_header, print_table, summarize  # noqa: E402
+from benchmarks.common import append_csv, machine_header, print_table, summarize, sync_file  # noqa: E402
 from offload.io import AsyncIO, choose_backend  # noqa: E402
 
 ALIGN = 4096
@@ -57,14 +57,6 @@ def drop_cache(path: Path) -> str:
         return "drop_caches"
     except OSError:
         return "fadvise"
-
-
-def fdatasync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- rivals: each has write(buf, path, request) and read(buf, path, request), both blocking ---------------
@@ -132,7 +124,7 @@ class Aiofiles:
 class TorchSave:
     def write(self, buf: torch.Tensor, path: Path, request: int) -> None:
         torch.save(buf, path)
-        fdatasync_path(path)
+        sync_file(path, data_only=True)
 
     def read(self, buf: torch.Tensor, path: Path, request: int) -> None:
         buf.copy_(torch.load(path, weights_only=True))
@@ -152,7 +144,7 @@ class DeepSpeedAio:
 
     def write(self, buf: torch.Tensor, path: Path, request: int) -> None:
         self._handle(request).sync_pwrite(buf, str(path))
-        fdatasync_path(path)
+        sync_file(path, data_only=True)
 
     def read(self, buf: torch.Tensor, path: Path, request: int) -> None:
         self._handle(request).sync_pread(buf, str(path))

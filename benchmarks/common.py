@@ -80,3 +80,12 @@ def append_csv(name: str, rows: Iterable[Dict[str, object]]) -> Path:
         for row in rows:
             writer.writerow({"timestamp": stamp, **row})
     return path
+
+
+def sync_file(path, data_only: bool = False) -> None:
+    """fsync (or fdatasync) a file by path: writes timed "to durability" end with this."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        (os.fdatasync if data_only else os.fsync)(fd)
+    finally:
+        os.close(fd)

@@ -83,14 +83,7 @@ class StepWorker:
     def clear_failure(self) -> None:
         """Finish all queued work, dropping its errors, and forget the failure (the state is about to be
         replaced by a checkpoint load)."""
-        with self._lock:
-            futures = list(self._pending.values())
-            self._pending.clear()
-        for future in futures:
-            try:
-                future.result()
-            except BaseException:
-                pass
+        self._drain_pending()
         self.failure = None
 
     def wait_all(self) -> None:
@@ -102,23 +95,28 @@ class StepWorker:
         """Finish the queued work and stop the thread. Raises the first failed update if it was never
         reported; failures after a reported one are its consequences and are not raised again."""
         try:
-            unreported: Optional[BaseException] = None
-            with self._lock:
-                futures = list(self._pending.values())
-                self._pending.clear()
-            for future in futures:
-                try:
-                    future.result()
-                except BaseException as exc:
-                    if self.failure is None:
-                        self.failure = unreported = exc
-            if unreported is not None:
-                raise unreported
+            errors = self._drain_pending()
+            if errors and self.failure is None:
+                self.failure = errors[0]
+                raise errors[0]
         finally:
             with self._lock:
                 self._stopping = True
                 self._lock.notify()
             self._thread.join()
+
+    def _drain_pending(self) -> List[BaseException]:
+        """Wait for every queued job; return their errors in submission order of the blocks."""
+        with self._lock:
+            futures = list(self._pending.values())
+            self._pending.clear()
+        errors: List[BaseException] = []
+        for future in futures:
+            try:
+                future.result()
+            except BaseException as exc:
+                errors.append(exc)
+        return errors
 
     def _run(self) -> None:
         torch.set_num_threads(self.num_threads)
