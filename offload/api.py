@@ -5,13 +5,14 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
-from typing import List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from offload.engine import Engine
 from offload.errors import OffloadConfigError
+from offload.param_groups import parse_param_groups
 from offload.policy import OffloadPolicy, Tier, parse_bytes, resolve_device
 
 Bytes = Union[int, str, None]
@@ -32,6 +33,7 @@ def wrap(
     device_memory: Bytes = None,
     host_memory: Bytes = None,
     grad_accumulation_steps: Optional[int] = None,
+    param_groups: Optional[Sequence[Dict[str, Any]]] = None,
     **unknown: object,
 ) -> Engine:
     """Wrap `model` for training with AdamW, its optimizer state offloaded to `tier`.
@@ -49,6 +51,9 @@ def wrap(
         device_memory, host_memory: budgets, as bytes or strings like "24GB" or "512MiB".
         grad_accumulation_steps: backward calls per optimizer step, if you know it: then each block is
             updated during the last backward. Unset, results are the same, updates wait for `step()`.
+        param_groups: AdamW options per group, as torch.optim takes them, e.g. no weight decay on biases
+            and norms: `[{"params": no_decay, "weight_decay": 0.0}]`. Keys: params, lr, betas, eps,
+            weight_decay; parameters not listed form a last group with the options above.
 
     Returns:
         An `Engine`: call it like the model, then `loss.backward()`, `engine.step()`, `engine.zero_grad()`.
@@ -68,6 +73,7 @@ def wrap(
         device_memory=parse_bytes(device_memory, "device_memory"),
         host_memory=parse_bytes(host_memory, "host_memory"),
         grad_accumulation_steps=grad_accumulation_steps,
+        param_groups=parse_param_groups(param_groups),
     )
     if policy.tier is Tier.NVME:
         _check_nvme_path(policy.nvme_path)

@@ -21,6 +21,7 @@ from offload._interrupts import deferred_keyboard_interrupt
 from offload._system import usable_cores
 from offload.checkpoint.engine_access import CheckpointAccess
 from offload.errors import OffloadConfigError, OffloadError
+from offload.param_groups import optimizer_groups, slot_group_indices
 from offload.planner import Plan, make_plan
 from offload.policy import OffloadPolicy, Tier
 from offload.scheduler.block import Block, build_blocks, param_owners
@@ -96,14 +97,17 @@ class Engine(CheckpointAccess):
             raise
         trainable = [s.param for b in self.blocks for s in b.slots if s.trainable]
         defaults = dict(lr=policy.lr, betas=policy.betas, eps=policy.eps, weight_decay=policy.weight_decay)
-        self.optimizer = EngineOptimizer(trainable, defaults, self._step, self._zero_grad)
+        names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
+        self.optimizer = EngineOptimizer(optimizer_groups(policy.param_groups, trainable, names), defaults,
+                                         self._step, self._zero_grad)
+        self._slot_groups = slot_group_indices(self.optimizer.param_groups, self._states.values())
         self._tracker = BackwardTracker(policy.grad_accumulation_steps)
         cores = usable_cores()
         self._worker = StepWorker(max(1, cores // 2) if policy.device.type == "cpu" else cores,
                                   on_next=self._read_ahead_of if self._ring is not None else None)
         self._needs_upload: set = set()
         self._updated_early: set = set()
-        self._early_hyper: Optional[AdamHyper] = None
+        self._early_hyper: Optional[Tuple[AdamHyper, ...]] = None
         self._block_norms: Dict[int, list] = {}
         self._param_position = {id(p): i for i, p in enumerate(module.parameters())}
         self._stats = dict(steps=0, skipped_steps=0, block_updates=0, early_block_updates=0,
@@ -241,7 +245,7 @@ class Engine(CheckpointAccess):
         self._offload_grad(block, state, index, param)
         if tracker.is_last_backward and tracker.completes(self._trainable_ids[block.index]):
             if self.policy.max_grad_norm is None:
-                self._early_hyper = AdamHyper.from_group(self.optimizer.param_groups[0])
+                self._early_hyper = self._hypers()
                 self._updated_early.add(block.index)
                 self._stats["early_block_updates"] += 1
                 self._submit_update(block, self._early_hyper, 1.0)
@@ -268,11 +272,16 @@ class Engine(CheckpointAccess):
         copy = self._upload_sources.get(id(state))
         return group.device_buffer[:group.trainable_numel] if copy is None else copy
 
-    def _submit_update(self, block: Block, hyper: AdamHyper, grad_scale: float) -> None:
-        jobs = [(state, state.ready_indices(), self._host_weights(state)) for state in self._states[block.index]]
-        if not any(ready for _s, ready, _o in jobs):
+    def _hypers(self) -> Tuple[AdamHyper, ...]:
+        """Each optimizer group's hyperparameters as they are now (read when updates are scheduled)."""
+        return tuple(AdamHyper.from_group(group) for group in self.optimizer.param_groups)
+
+    def _submit_update(self, block: Block, hypers: Tuple[AdamHyper, ...], grad_scale: float) -> None:
+        jobs = [(state, state.ready_indices(), self._host_weights(state),
+                 [hypers[g] for g in self._slot_groups[id(state)]]) for state in self._states[block.index]]
+        if not any(ready for _s, ready, _o, _h in jobs):
             return
-        for state, ready, _out in jobs:
+        for state, ready, _out, _h in jobs:
             if ready and isinstance(state, DiskGroupState):
                 state.announce()  # its disk reads start now, ahead of the worker reaching it
         stats, threads, skips, step = self._stats, self._worker.num_threads, self._nonfinite, self._stats["steps"]
@@ -282,7 +291,7 @@ class Engine(CheckpointAccess):
         def work() -> None:
             start = time.perf_counter()
             with torch.profiler.record_function("offload::cpu_step"):
-                for state, ready, out in jobs:
+                for state, ready, out, hyper in jobs:
                     if check and not grads_finite(state, threads):
                         skips.record(step, block.name)
                         if isinstance(state, DiskGroupState):
@@ -297,7 +306,7 @@ class Engine(CheckpointAccess):
         self._worker.submit(block.index, work, self._priority(block))
         self._stats["block_updates"] += 1
         self._order_known = True
-        if self._streamer.is_streamed(block) or any(id(state) in self._upload_sources for state, _r, _o in jobs):
+        if self._streamer.is_streamed(block) or any(id(state) in self._upload_sources for state, *_rest in jobs):
             self._needs_upload.add(block.index)
 
     def _submit_norms(self, block: Block) -> None:
@@ -336,7 +345,7 @@ class Engine(CheckpointAccess):
 
     def _schedule_step(self) -> None:
         self._tracker.end_step()
-        hyper = AdamHyper.from_group(self.optimizer.param_groups[0])
+        hyper = self._hypers()
         for block in self.blocks:  # gradients still on the device (fewer backward calls than declared)
             for slot in block.slots:
                 if slot.trainable and slot.param.grad is not None:

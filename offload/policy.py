@@ -14,6 +14,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from offload.errors import OffloadConfigError
+from offload.param_groups import GroupOptions
 
 
 class Tier(enum.Enum):
@@ -92,6 +93,8 @@ class OffloadPolicy:
         grad_accumulation_steps: how many backward calls make one optimizer step, when the user knows it.
             Declared, it lets the engine update each block during the last backward; None (the default)
             means "not told": results are still exact, but updates wait for `step()`.
+        param_groups: per-group overrides of lr, betas, eps, weight_decay (offload/param_groups.py); empty:
+            one group.
     """
 
     tier: Tier = Tier.CPU
@@ -106,6 +109,7 @@ class OffloadPolicy:
     device_memory: Optional[int] = None
     host_memory: Optional[int] = None
     grad_accumulation_steps: Optional[int] = None
+    param_groups: Tuple[GroupOptions, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.tier, Tier):

@@ -45,6 +45,11 @@ def load_checkpoint(engine: "Engine", path: str, *, scheduler: Any = None, rng: 
     steps = {p["name"]: p["steps"] for b in manifest["blocks"] for g in b["groups"] for p in g["params"]}
     groups = list(engine.checkpoint_groups())
     _check_compatible(groups, manifest, directory)
+    saved_groups, groups_now = len(manifest["param_groups"]), len(engine.optimizer.param_groups)
+    if saved_groups != groups_now:
+        raise OffloadConfigError(
+            f"checkpoint {directory!r} has {saved_groups} optimizer parameter groups but this engine has "
+            f"{groups_now}: wrap the model with the same param_groups as the run that saved it")
     for name in (MODEL_FILE, OPTIMIZER_FILE):
         if name not in manifest["files"]:
             raise OffloadIntegrityError(f"the manifest of {directory!r} lists no {name}", directory)

@@ -11,23 +11,26 @@ from __future__ import annotations
 from typing import Callable, Iterable, Optional
 
 import torch
-from torch import nn
 
 from offload.errors import OffloadConfigError
 
 
 class EngineOptimizer(torch.optim.Optimizer):
-    """One parameter group; hyperparameters are read from it each time updates are scheduled."""
+    """The groups given at `wrap()` (offload/param_groups.py); hyperparameters are read from them each time
+    updates are scheduled. Groups cannot be added later: the engine placed every parameter at `wrap()`."""
 
-    def __init__(self, params: Iterable[nn.Parameter], defaults: dict, step_fn: Callable[[], None],
+    def __init__(self, groups: Iterable[dict], defaults: dict, step_fn: Callable[[], None],
                  zero_grad_fn: Callable[[bool], None]) -> None:
         self._step_fn = step_fn
         self._zero_grad_fn = zero_grad_fn
-        super().__init__(list(params), defaults)
+        self._built = False
+        super().__init__(list(groups), defaults)
+        self._built = True
 
     def add_param_group(self, param_group: dict) -> None:
-        if getattr(self, "param_groups", None):
-            raise OffloadConfigError("engine.optimizer has one parameter group; per-group options are not supported yet")
+        if self._built:
+            raise OffloadConfigError("engine.optimizer's groups are fixed at wrap(): pass param_groups=[...] to "
+                                     "offload.wrap instead of adding a group afterwards")
         super().add_param_group(param_group)
 
     @torch.no_grad()

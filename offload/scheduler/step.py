@@ -9,7 +9,7 @@ in one flat call.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ContextManager, List, Optional, Tuple
+from typing import TYPE_CHECKING, ContextManager, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -38,6 +38,9 @@ class AdamHyper:
         beta1, beta2 = group["betas"]
         return AdamHyper(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
                          float(group["weight_decay"]))
+
+
+Hypers = Union[AdamHyper, Sequence[AdamHyper]]  # one for the whole group, or one per trainable slot
 
 
 class GroupState:
@@ -121,24 +124,33 @@ class GroupState:
         `zero_grad()` may clear the flags before the background update runs."""
         return [i for i, has in enumerate(self.has_grad) if has]
 
-    def update(self, ready: List[int], hyper: AdamHyper, grad_scale: float, out: Optional[Tensor],
+    def update(self, ready: List[int], hyper: Hypers, grad_scale: float, out: Optional[Tensor],
                num_threads: Optional[int] = None) -> None:
         """One AdamW step of the parameters in `ready`; new compute weights written to `out` when given.
-        `num_threads` caps the native kernel's threads (None: all usable cores)."""
+        `hyper`: one for all, or one per trainable slot (its optimizer group's). `num_threads` caps the native
+        kernel's threads (None: all usable cores)."""
         self.settle_grads()
         if not ready:
             return
         if not self.writes_compute_copy:
             out = None
-        if len(ready) == len(self.steps) and len(set(self.steps)) == 1:
+        for start, stop, step, slot_hyper in self._advance_steps(ready, hyper):
+            self._adam(slice(start, stop), step, slot_hyper, grad_scale, out, num_threads)
+
+    def _advance_steps(self, ready: List[int], hyper: Hypers) -> List[Tuple[int, int, int, AdamHyper]]:
+        """Count the step of every ready parameter; (start, stop, step, hyperparameters) element spans to
+        update: the whole group in one span when every parameter is ready, at the same step and in the same
+        optimizer group (the usual case), else one span per parameter."""
+        hypers = [hyper] * len(self.steps) if isinstance(hyper, AdamHyper) else list(hyper)
+        if len(ready) == len(self.steps) and len(set(self.steps)) == 1 and len(set(hypers)) == 1:
             self.steps = [self.steps[0] + 1] * len(self.steps)
-            self._adam(slice(0, self.group.trainable_numel), self.steps[0], hyper, grad_scale, out, num_threads)
-            return
+            return [(0, self.group.trainable_numel, self.steps[0], hypers[0])]
+        spans = []
         for i in ready:
             slot = self.group.trainable_slots[i]
             self.steps[i] += 1
-            self._adam(slice(slot.offset, slot.offset + slot.numel), self.steps[i], hyper, grad_scale, out,
-                       num_threads)
+            spans.append((slot.offset, slot.offset + slot.numel, self.steps[i], hypers[i]))
+        return spans
 
     def _adam(self, span: slice, step: int, hyper: AdamHyper, grad_scale: float, out: Optional[Tensor],
               num_threads: Optional[int]) -> None:
@@ -215,43 +227,32 @@ class DiskGroupState(GroupState):
         """The scheduled update will not run (non-finite gradients): release the reads started for it."""
         self._ring.discard(self.group)
 
-    def update(self, ready: List[int], hyper: AdamHyper, grad_scale: float, out: Optional[Tensor],
+    def update(self, ready: List[int], hyper: Hypers, grad_scale: float, out: Optional[Tensor],
                num_threads: Optional[int] = None) -> None:
         self.settle_grads()
         if not ready:
             return
-        spans = self._advance_steps(ready)
+        spans = self._advance_steps(ready, hyper)
         for start, stop in self._ring.chunks(self.group):
             sections = self._ring.load(self.group, start, stop)
             weights = self._ring.weights_of(sections, self.group)  # compute weights on disk: written back
             target = out if weights is None else weights
             base = 0 if weights is None else start
             try:
-                for a, b, step in spans:
+                for a, b, step, span_hyper in spans:
                     lo, hi = max(a, start), min(b, stop)
                     if lo < hi:
                         master, exp_avg, exp_avg_sq = (t[lo - start:hi - start] for t in sections)
-                        adam_step_flat(master, self.grad[lo:hi], exp_avg, exp_avg_sq, step=step, lr=hyper.lr,
-                                       beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps,
-                                       weight_decay=hyper.weight_decay, adamw=True, grad_scale=grad_scale,
+                        adam_step_flat(master, self.grad[lo:hi], exp_avg, exp_avg_sq, step=step,
+                                       lr=span_hyper.lr, beta1=span_hyper.beta1, beta2=span_hyper.beta2,
+                                       eps=span_hyper.eps, weight_decay=span_hyper.weight_decay, adamw=True,
+                                       grad_scale=grad_scale,
                                        out=None if target is None else target[lo - base:hi - base],
                                        num_threads=num_threads)
             except BaseException:
                 self._ring.abandon(sections)
                 raise
             self._ring.store(self.group, start, stop, sections)
-
-    def _advance_steps(self, ready: List[int]) -> List[Tuple[int, int, int]]:
-        """Count the step of every ready parameter; (start, stop, step) element spans to update."""
-        if len(ready) == len(self.steps) and len(set(self.steps)) == 1:
-            self.steps = [self.steps[0] + 1] * len(self.steps)
-            return [(0, self.group.trainable_numel, self.steps[0])]
-        spans = []
-        for i in ready:
-            slot = self.group.trainable_slots[i]
-            self.steps[i] += 1
-            spans.append((slot.offset, slot.offset + slot.numel, self.steps[i]))
-        return spans
 
 
 def _downloads(copies: Optional[CopyContext], group: FlatGroup) -> Optional[GradDownloads]:
