@@ -30,6 +30,7 @@ from offload.scheduler.grads import BackwardTracker
 from offload.scheduler.hooks import HookSet
 from offload.scheduler.nonfinite import NonFiniteSkips, grads_finite
 from offload.scheduler.optimizer_view import EngineOptimizer
+from offload.scheduler.phase_clock import PhaseClock
 from offload.scheduler.step import AdamHyper, DiskGroupState, GroupState, clip_scale
 from offload.scheduler.worker import StepWorker
 from offload.scheduler.streaming import WeightStreamer
@@ -113,11 +114,11 @@ class Engine(CheckpointAccess):
         self._stats = dict(steps=0, skipped_steps=0, block_updates=0, early_block_updates=0,
                            update_seconds=0.0, wait_seconds=0.0)
         self._nonfinite = NonFiniteSkips()
+        self._clock = PhaseClock()
         self._hooks = HookSet()
         self._hooks.attach(module, self.blocks, param_owners(module), self._ensure_blocks, self._leave_blocks,
                            self._on_backward_begin, self._on_grad)
-        if self._streamer.active:
-            self._hooks.attach_root_context(module, self._enter_forward, self._exit_forward)
+        self._hooks.attach_root_context(module, self._enter_forward, self._exit_forward)
         setattr(module, _MARKER, weakref.ref(self))
 
     # ----- setup -----------------------------------------------------------------------------------
@@ -206,16 +207,21 @@ class Engine(CheckpointAccess):
         return self.blocks[following[0]] if following else None
 
     def _enter_forward(self) -> None:
-        """Root pre-hook when streaming: autograd saves streamed weights as handles (fetched again in backward)."""
-        context = torch.autograd.graph.saved_tensors_hooks(self._streamer.pack, self._streamer.unpack)
-        context.__enter__()
-        self._saved_tensor_hooks.append(context)
+        """Root pre-hook: time the forward; when streaming, autograd saves streamed weights as handles
+        (fetched again in backward)."""
+        self._clock.forward_begins()
+        if self._streamer.active:
+            context = torch.autograd.graph.saved_tensors_hooks(self._streamer.pack, self._streamer.unpack)
+            context.__enter__()
+            self._saved_tensor_hooks.append(context)
 
     def _exit_forward(self) -> None:
-        if self._saved_tensor_hooks:
+        if self._streamer.active and self._saved_tensor_hooks:
             self._saved_tensor_hooks.pop().__exit__(None, None, None)
+        self._clock.forward_ends()
 
     def _on_backward_begin(self) -> None:
+        self._clock.backward_begins(torch._C._current_graph_task_id())
         self._tracker.begin_backward(torch._C._current_graph_task_id())
         if self._tracker.is_last_backward:
             self._read_ahead_for_backward()
@@ -430,10 +436,12 @@ class Engine(CheckpointAccess):
 
     def stats(self) -> Dict[str, float]:
         """Counters since `wrap()`: steps, skipped steps, block updates (and how many ran during backward),
-        bytes moved per link, seconds spent updating and waiting for updates, device-tier bytes."""
+        bytes moved per link, seconds in forward and backward, seconds spent updating (worker) and waiting
+        for updates (training thread), the nvme ring's disk waits, device-tier bytes."""
         out: Dict[str, float] = dict(self._stats)
         out["skipped_steps"] += self._nonfinite.steps  # steps where some block had non-finite gradients
         out["skipped_block_updates"] = self._nonfinite.block_skips
+        out.update(forward_seconds=self._clock.forward_seconds, backward_seconds=self._clock.backward_seconds)
         out.update(bytes_device_to_host=self._copies.bytes_to_host, bytes_host_to_device=self._copies.bytes_to_device,
                    copies_on_side_streams=self._copies.async_copies,
                    device_bytes=self._device_tier.in_use, device_peak_bytes=self._device_tier.peak,

@@ -242,3 +242,22 @@ def test_after_a_failed_update_the_engine_refuses_to_train_or_save_until_a_check
         model(torch.ones(4, 8)).sum().backward()  # training goes on from the checkpoint
         engine.step()
         assert not torch.equal(engine.state_dict()["layers.0.a.weight"], saved["layers.0.a.weight"])
+
+
+def test_stats_split_the_time_into_forward_backward_and_updates():
+    model = Net()
+    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu") as engine:
+        stats = engine.stats()
+        assert stats["forward_seconds"] == 0.0 and stats["backward_seconds"] == 0.0
+        for _ in range(2):
+            engine(torch.ones(4, 8)).sum().backward()
+            engine.step()
+            engine.zero_grad()
+        engine.synchronize()
+        trained = engine.stats()
+        assert trained["forward_seconds"] > 0 and trained["backward_seconds"] > 0 and trained["update_seconds"] > 0
+        with torch.no_grad():
+            engine(torch.ones(4, 8))  # an evaluation forward: forward time only
+        after_eval = engine.stats()
+        assert after_eval["forward_seconds"] > trained["forward_seconds"]
+        assert after_eval["backward_seconds"] == trained["backward_seconds"]

@@ -165,6 +165,11 @@ def run(args: argparse.Namespace) -> int:
           f"{disk.read / 1e9:.2f} GB/s, write {disk.write / 1e9:.2f} GB/s ({disk.backend}, O_DIRECT {disk.direct})")
     print(f"efficiency = bound / step = {bound.efficiency(step):.2f}; disk I/O wait in updates "
           f"{stats.get('nvme_io_wait_seconds', 0.0) / len(losses) * 1e3:.1f} ms/step")
+    per_step = {k: (stats[k] - at_wrap.get(k, 0.0)) / len(losses) * 1e3
+                for k in ("forward_seconds", "backward_seconds", "update_seconds", "wait_seconds")}
+    print(f"per step: forward {per_step['forward_seconds']:.1f} ms, backward {per_step['backward_seconds']:.1f} ms "
+          f"(training thread); updates {per_step['update_seconds']:.1f} ms (worker, overlapped); the forward "
+          f"waited {per_step['wait_seconds']:.1f} ms for pending updates")
     return 0
 
 
