@@ -26,6 +26,7 @@ from offload.planner import Plan, make_plan
 from offload.policy import OffloadPolicy, Tier
 from offload.scheduler.block import Block, build_blocks, param_owners
 from offload.scheduler.disk_ring import DiskRing, ring_depth_for, ring_size_for
+from offload.scheduler.forward_order import ForwardOrder
 from offload.scheduler.grads import BackwardTracker
 from offload.scheduler.hooks import HookSet
 from offload.scheduler.nonfinite import NonFiniteSkips, grads_finite
@@ -78,9 +79,7 @@ class Engine(CheckpointAccess):
                                   ring_depth_for(self.plan.ring_bytes, largest_record))
         self._device_tier = DeviceTier(policy.device, policy.device_memory)
         self._copies = CopyContext(policy.device)
-        self._forward_order: List[int] = []
-        self._seen: set = set()
-        self._order_known = False
+        self._order = ForwardOrder(len(self.blocks))
         self._streamer = WeightStreamer(self._device_tier, self._copies, self._next_in_forward_order,
                                         settled=lambda block: not self._worker.is_pending(block.index))
         self._saved_tensor_hooks: List[object] = []
@@ -171,15 +170,13 @@ class Engine(CheckpointAccess):
                 self._worker.wait(block.index)  # surfaces an exception of a finished update
             if block.index in self._needs_upload:
                 self._upload(block)  # before a fetch, which reads the updated host copy anyway
-            self._streamer.ensure(block, pin=True, prefetch=self._order_known and not in_backward)
+            self._streamer.ensure(block, pin=True, prefetch=self._order.known and not in_backward)
             if in_backward and self._streamer.is_streamed(block):
                 self._streamer.pin(block.index)
                 torch.autograd.Variable._execution_engine.queue_callback(
                     lambda index=block.index: self._streamer.unpin(index))
-            if block.index not in self._seen:
-                self._seen.add(block.index)
-                self._forward_order.append(block.index)
-            elif not in_backward and block.index == self._forward_order[0] and self._tracker.next_is_last:
+            if not self._order.record(block.index) and not in_backward and block.index == self._order.first \
+                    and self._tracker.next_is_last:
                 self._read_ahead_for_backward()  # the disk is otherwise idle during the forward
 
     def _leave_blocks(self, blocks: List[Block]) -> None:
@@ -199,12 +196,8 @@ class Engine(CheckpointAccess):
         self._needs_upload.discard(block.index)
 
     def _next_in_forward_order(self, block: Block) -> Optional[Block]:
-        try:
-            position = self._forward_order.index(block.index)
-        except ValueError:
-            return None
-        following = self._forward_order[position + 1:position + 2]
-        return self.blocks[following[0]] if following else None
+        following = self._order.after(block.index)
+        return None if following is None else self.blocks[following]
 
     def _enter_forward(self) -> None:
         """Root pre-hook: time the forward; when streaming, autograd saves streamed weights as handles
@@ -229,8 +222,8 @@ class Engine(CheckpointAccess):
     def _read_ahead_for_backward(self) -> None:
         """Blocks update as their gradients complete, roughly in reverse forward order: start reading their
         state as soon as slots allow (from the forward on), not when each block's gradients are in."""
-        if self._ring is not None and self._order_known and self.policy.max_grad_norm is None:
-            order = [self.blocks[i] for i in reversed(self._forward_order)]
+        if self._ring is not None and self._order.known and self.policy.max_grad_norm is None:
+            order = [self.blocks[i] for i in self._order.reversed()]
             self._ring.announce([s.group for b in order for s in self._states[b.index]
                                  if isinstance(s, DiskGroupState)])
 
@@ -311,7 +304,7 @@ class Engine(CheckpointAccess):
             self._streamer.invalidate(block)  # disk reads a prefetch started would be stale
         self._worker.submit(block.index, work, self._priority(block))
         self._stats["block_updates"] += 1
-        self._order_known = True
+        self._order.known = True
         if self._streamer.is_streamed(block) or any(id(state) in self._upload_sources for state, *_rest in jobs):
             self._needs_upload.add(block.index)
 
@@ -326,9 +319,7 @@ class Engine(CheckpointAccess):
 
     def _priority(self, block: Block) -> int:
         """Updates run in the order the next forward needs the blocks (see scheduler/worker.py)."""
-        if block.index in self._seen:
-            return self._forward_order.index(block.index)
-        return len(self.blocks) + block.index
+        return self._order.priority(block.index)
 
     def _read_ahead_of(self, block_indices: List[int]) -> None:
         """Worker callback: the ring reads ahead the state of the queued updates, in the order they will run."""
@@ -338,8 +329,7 @@ class Engine(CheckpointAccess):
 
     def _update_order(self) -> List[Block]:
         """Blocks in the order the forward used them first, then any never seen in a forward."""
-        seen = [self.blocks[i] for i in self._forward_order]
-        return seen + [b for b in self.blocks if b.index not in self._seen]
+        return [self.blocks[i] for i in self._order.update_order()]
 
     def _step(self) -> None:
         """engine.optimizer.step(): schedule the remaining block updates in forward order and return.
