@@ -27,6 +27,8 @@ class HookSet:
     def attach(self, root: nn.Module, blocks: List[Block], owners: Dict[int, List[nn.Module]],
                ensure_blocks: Callable[[List[Block]], None], leave_blocks: Callable[[List[Block]], None],
                on_backward_begin: Callable[[], None], on_grad: Callable[[nn.Parameter], None]) -> None:
+        ensure_blocks, leave_blocks = _eager(ensure_blocks), _eager(leave_blocks)
+        on_backward_begin, on_grad = _eager(on_backward_begin), _eager(on_grad)
         blocks_of_module: Dict[int, List[Block]] = {}
         modules: Dict[int, nn.Module] = {}
         for block in blocks:
@@ -57,6 +59,7 @@ class HookSet:
         """Run `enter` before the root module's forward and `exit_` after it, even when it raises.
 
         Registered before nothing else on the root, so the output hook sees the same context."""
+        enter, exit_ = _eager(enter), _eager(exit_)
         self._handles.append(root.register_forward_pre_hook(lambda _m, _a: enter(), prepend=True))
         self._handles.append(root.register_forward_hook(lambda _m, _a, _o: exit_(), always_call=True))
 
@@ -64,3 +67,10 @@ class HookSet:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _eager(callback: Callable) -> Callable:
+    """The hooks wait on threads, move memory and read clocks: torch.compile must run them as they are
+    (a graph break) rather than try to trace into them."""
+    disable = getattr(torch.compiler, "disable", None)
+    return callback if disable is None else disable(callback)
