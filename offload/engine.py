@@ -408,7 +408,11 @@ class Engine(CheckpointAccess):
         self._check_open()
         self._worker.wait_all()
         if self._ring is not None:
-            self._ring.drain()
+            try:
+                self._ring.drain()
+            except BaseException as exc:  # a swap write failed: the file no longer holds the state
+                self._worker.fail(exc)
+                raise
         for block in self.blocks:
             if block.index in self._needs_upload:
                 self._upload(block)
@@ -476,6 +480,10 @@ class Engine(CheckpointAccess):
             delattr(self.module, _MARKER)
         if failure is not None:
             raise failure
+        if self._worker.failure is not None:
+            warnings.warn(f"offload: closed after a failed update ({self._worker.failure}); the model keeps "
+                          "inconsistent weights (some blocks updated, some not): load a checkpoint into it",
+                          RuntimeWarning)
 
     def __enter__(self) -> "Engine":
         return self

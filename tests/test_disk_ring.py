@@ -81,3 +81,37 @@ def test_ring_depth_grows_with_the_budget_up_to_eight_whole_record_slots():
     assert ring_depth_for(min_ring_bytes(), record) == 4  # too small for whole records: 4 smaller slots
     assert ring_depth_for(6 * slot, record) == 6
     assert ring_depth_for(100 * slot, record) == 8
+
+
+def test_a_write_error_met_by_the_training_thread_is_raised_by_the_workers_next_load(tmp_path):
+    """announce() runs in hooks on the training thread; a failed write it reaps must fail an update (which
+    poisons the engine), not escape from the middle of scheduling a step."""
+    import pytest
+
+    model = nn.Sequential(nn.Linear(64, 100))
+    blocks, groups = _groups(model)
+    group = groups[0]
+    records, size = plan_swap_layout(blocks)
+    store = SwapStore(str(tmp_path), records, size)
+    pool = StagingPool(4 * min_ring_bytes())
+    ring = DiskRing(store, pool, 4 * min_ring_bytes())
+    try:
+        ring.write_fresh(group, lambda a, b, sec: [t.fill_(1.0) for t in sec])
+        real_reap = ring._reap_finished_writes
+
+        def failing_reap():
+            ring._reap_finished_writes = real_reap
+            raise OSError(5, "write failed")
+
+        ring._reap_finished_writes = failing_reap
+        ring.announce([group])  # does not raise on the training thread
+        start, stop = ring.chunks(group)[0]
+        with pytest.raises(OSError, match="write failed"):
+            ring.load(group, start, stop)
+        sections = ring.load(group, start, stop)  # reported once; the ring still works
+        assert bool((sections[0] == 1.0).all())
+        ring.abandon(sections)
+        ring.drain()
+    finally:
+        store.close()
+        pool.close()

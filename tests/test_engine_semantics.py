@@ -261,3 +261,90 @@ def test_stats_split_the_time_into_forward_backward_and_updates():
         after_eval = engine.stats()
         assert after_eval["forward_seconds"] > trained["forward_seconds"]
         assert after_eval["backward_seconds"] == trained["backward_seconds"]
+
+
+def _broken_update(monkeypatch):
+    from offload.scheduler.step import GroupState
+
+    real = GroupState.update
+    monkeypatch.setattr(GroupState, "update", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    return lambda: monkeypatch.setattr(GroupState, "update", real)
+
+
+def test_a_load_that_fails_leaves_a_failed_engine_failed_and_a_good_load_recovers(tmp_path, monkeypatch):
+    from offload.errors import OffloadError
+
+    model = Net()
+    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu") as engine:
+        engine.save(tmp_path / "good")
+        model(torch.ones(4, 8)).sum().backward()
+        repair = _broken_update(monkeypatch)
+        engine.step()  # the failure is not seen yet: the next load must still count it
+        with pytest.raises(Exception):
+            engine.load(tmp_path / "missing")
+        repair()
+        with pytest.raises(OffloadError, match="failed earlier.*boom"):
+            engine(torch.ones(4, 8))
+        with pytest.raises(OffloadError, match="failed earlier"):
+            engine.save(tmp_path / "bad")
+        engine.load(tmp_path / "good")
+        engine(torch.ones(4, 8)).sum().backward()
+        engine.step()
+    with pytest.warns(RuntimeWarning, match="closed after a failed update"):
+        with offload.wrap(Net(), tier="cpu", dtype=torch.float32, device="cpu") as engine:
+            engine.module(torch.ones(4, 8)).sum().backward()
+            repair = _broken_update(monkeypatch)
+            engine.step()
+            with pytest.raises(RuntimeError, match="boom"):
+                engine.synchronize()
+            repair()
+
+
+def test_a_load_that_fails_while_changing_the_state_poisons_the_engine(tmp_path, monkeypatch):
+    import offload.checkpoint.reader as reader
+    from offload.errors import OffloadError, OffloadIOError
+
+    model = Net()
+    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu") as engine:
+        engine.save(tmp_path / "good")
+        real = reader._load_tensors
+
+        def fails_halfway(*args, **kwargs):
+            raise OffloadIOError(5, "disk went away", str(tmp_path), 0, 0, "read")
+
+        monkeypatch.setattr(reader, "_load_tensors", fails_halfway)
+        with pytest.raises(OffloadIOError, match="partly loaded"):
+            engine.load(tmp_path / "good")
+        with pytest.raises(OffloadError, match="failed earlier.*partly loaded"):
+            engine(torch.ones(4, 8))
+        monkeypatch.setattr(reader, "_load_tensors", real)
+        engine.load(tmp_path / "good")
+        engine(torch.ones(4, 8)).sum().backward()
+        engine.step()
+
+
+def test_load_in_the_middle_of_an_accumulation_starts_a_fresh_step(tmp_path):
+    """Loading drops the micro-batches already run since the last step, as a fresh process would."""
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+    def two_micro_batches_then_step(engine):
+        for x in batches[1:]:
+            (engine(x).sum() / 2).backward()
+        engine.step()
+        engine.zero_grad()
+        return engine.state_dict()
+
+    torch.manual_seed(0)
+    with offload.wrap(Net(), tier="cpu", dtype=torch.float32, device="cpu", grad_accumulation_steps=2) as engine:
+        for _ in range(2):
+            two_micro_batches_then_step(engine)  # a profile exists: blocks update during the last backward
+        engine.save(tmp_path / "ckpt")
+        engine(batches[0]).sum().backward()  # an accumulation the load abandons
+        engine.load(tmp_path / "ckpt")
+        resumed = two_micro_batches_then_step(engine)
+        assert engine.stats()["early_block_updates"] > 0
+    torch.manual_seed(1)
+    with offload.wrap(Net(), tier="cpu", dtype=torch.float32, device="cpu", grad_accumulation_steps=2) as fresh:
+        fresh.load(tmp_path / "ckpt")
+        expected = two_micro_batches_then_step(fresh)
+    assert all(torch.equal(resumed[k], expected[k]) for k in expected)

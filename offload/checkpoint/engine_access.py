@@ -10,6 +10,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
+from offload.errors import OffloadError
 from offload.scheduler.block import Block, FlatGroup, Residency
 from offload.scheduler.step import GroupState
 
@@ -31,14 +32,21 @@ class CheckpointAccess:
         from offload.checkpoint import load_checkpoint
 
         self._check_open()
-        if self._worker.failure is not None:  # a failed update left inconsistent state: a load replaces it all
+        self._worker.collect_failure()  # an update that failed unseen also makes the state inconsistent
+        prior = self._worker.failure
+        if prior is not None:  # a load replaces all of the inconsistent state: let it run
             self._worker.clear_failure()
             if self._ring is not None:
                 try:
-                    self._ring.drain()  # every slot comes back; the load rewrites the state it held
-                except Exception:
-                    pass
-        return load_checkpoint(self, path, scheduler=scheduler, rng=rng, progress=progress)
+                    self._ring.drain()  # every slot comes back
+                except (OSError, OffloadError):
+                    pass  # errors of writes the failed state made; the load rewrites every record
+        try:
+            return load_checkpoint(self, path, scheduler=scheduler, rng=rng, progress=progress)
+        except BaseException:
+            if prior is not None:
+                self._worker.fail(prior)  # nothing was loaded: the state is still the inconsistent one
+            raise
 
     # ----- accessors for offload/checkpoint -----
     def checkpoint_groups(self) -> Iterator[Tuple[Block, FlatGroup, Optional[GroupState]]]:
@@ -68,6 +76,19 @@ class CheckpointAccess:
                 assert group.device_buffer is not None
                 group.device_buffer.copy_(flat)
         self._needs_upload.discard(block.index)
+
+    def prepare_for_load(self) -> None:
+        """The checkpoint was verified and is about to replace the state: drop accumulated gradients and the
+        step in progress (backward count, blocks updated early, gradient norms), as after `step()`."""
+        self.zero_grad()
+        self._tracker.end_step()
+        self._updated_early.clear()
+        self._block_norms.clear()
+        self._early_hyper = None
+
+    def mark_inconsistent(self, exc: BaseException) -> None:
+        """A load failed after it began changing the state: refuse to train or save until a load succeeds."""
+        self._worker.fail(exc)
 
     def checkpoint_counters(self) -> Dict[str, int]:
         stats = self.stats()

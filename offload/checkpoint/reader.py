@@ -74,11 +74,16 @@ def load_checkpoint(engine: "Engine", path: str, *, scheduler: Any = None, rng: 
         weights.verify_all(scratch, bar.update)
         optim.verify_all(scratch, bar.update)
         del scratch
-        engine.zero_grad()
+        engine.prepare_for_load()
         try:  # pass 2: the files were intact a moment ago; only an I/O error or a concurrent change fails here
             _load_tensors(engine, groups, weights, optim, steps, bar)
         except (OffloadIntegrityError, OffloadIOError) as exc:
-            raise type(exc)(*_partly_loaded(exc)) from None
+            partly = type(exc)(*_partly_loaded(exc))
+            engine.mark_inconsistent(partly)
+            raise partly from None
+        except BaseException as exc:
+            engine.mark_inconsistent(exc)
+            raise
         bar.update(max(0, bar.total - bar.n))
     for group_now, saved in zip(engine.optimizer.param_groups, manifest["param_groups"]):
         group_now.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()})

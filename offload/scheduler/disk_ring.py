@@ -99,6 +99,7 @@ class DiskRing:
         self._announced_keys: set = set()
         self._lock = threading.Lock()
         self._slot_returned = threading.Condition(self._lock)
+        self._deferred: Optional[BaseException] = None  # a write error met on the training thread
         self.io_wait_seconds = 0.0
         self.chunks_loaded = 0
         self.chunks_read_ahead = 0
@@ -128,13 +129,30 @@ class DiskRing:
                     if key not in self._announced_keys and key not in self._reads:
                         self._announced.append((group, a, b))
                         self._announced_keys.add(key)
-        self._read_ahead()
+        self._read_ahead_deferring_errors()
+
+    def _read_ahead_deferring_errors(self) -> None:
+        """`_read_ahead` for the training thread: a failed write it reaps is kept for the worker's next `load`
+        (or `drain`) to raise, so the error fails an update (and poisons the engine) instead of escaping
+        from a hook in the middle of scheduling a step."""
+        try:
+            self._read_ahead()
+        except Exception as exc:  # noqa: BLE001 - kept and raised on the worker
+            with self._lock:
+                self._deferred = self._deferred or exc
+
+    def _raise_deferred(self) -> None:
+        with self._lock:
+            error, self._deferred = self._deferred, None
+        if error is not None:
+            raise error
 
     # ----- the worker's side -------------------------------------------------------------------------
     def load(self, group: "FlatGroup", start: int, stop: int) -> Tuple[Tensor, Tensor, Tensor]:
         """Views (master, exp_avg, exp_avg_sq) of elements [start, stop) in a slot, read from disk; hand the
         slot back with `store` (or `abandon` on failure). When the group's compute weights live on disk,
         the slot's weight area (`weights_of`) is read too, and `store` writes it back."""
+        self._raise_deferred()
         key = (id(group), start)
         with self._lock:  # [Note: checked out in the same step as taken] until `store` or `abandon`, no
             # read-ahead of this chunk may start (its bytes are about to change)
@@ -189,7 +207,12 @@ class DiskRing:
         """Issue reads of the group's disk-resident weights into free slots without blocking (a prefetch);
         None when that would take the ring's last free slots or a write of the group is still in flight.
         Complete it with `finish_weights_read`, or `cancel_weights_read`."""
-        self._reap_finished_writes()
+        try:
+            self._reap_finished_writes()
+        except Exception as exc:  # noqa: BLE001 - a prefetch is optional: keep the error for the worker
+            with self._lock:
+                self._deferred = self._deferred or exc
+            return None
         per_slot = self.chunk_numel * SLOT_BYTES_PER_ELEMENT // itemsize
         pieces = [(a, min(a + per_slot, group.numel)) for a in range(0, group.numel, per_slot)]
         with self._lock:
@@ -311,6 +334,7 @@ class DiskRing:
                 first = first or exc
         if first is not None:
             raise first
+        self._raise_deferred()
 
     def stats(self) -> Dict[str, float]:
         """Chunk size, chunks updated, how many were read ahead, seconds the worker waited on the disk."""

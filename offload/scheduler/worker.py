@@ -80,6 +80,18 @@ class StepWorker:
                 "and optimizer state are no longer consistent (some blocks were updated, some not): load a "
                 "checkpoint with engine.load(path) to continue, or close() the engine") from self.failure
 
+    def fail(self, exc: BaseException) -> None:
+        """Mark the state inconsistent because of `exc` (a failure outside an update: a partly done load, a
+        swap write that failed on the training thread); the first failure stays the one named."""
+        if self.failure is None:
+            self.failure = exc
+
+    def collect_failure(self) -> None:
+        """Finish all queued work; an error of it that nobody has seen yet becomes the failure."""
+        errors = self._drain_pending()
+        if errors:
+            self.fail(errors[0])
+
     def clear_failure(self) -> None:
         """Finish all queued work, dropping its errors, and forget the failure (the state is about to be
         replaced by a checkpoint load)."""
