@@ -142,7 +142,9 @@ class Engine(CheckpointAccess):
                              else GroupState(group, state_device, state_on_host, self._copies))
                     states.append(state)
                     if state_on_host and self.policy.device.type != "cpu":
-                        self._upload_sources[id(state)] = self._copies.empty_host(group.trainable_numel, group.dtype)
+                        source = self._copies.empty_host(group.trainable_numel, group.dtype)
+                        source.copy_(buffer[:group.trainable_numel])  # an upload sends all of it, updated or not
+                        self._upload_sources[id(state)] = source
                     for index, slot in enumerate(group.trainable_slots):
                         self._where[id(slot.param)] = (block, state, index)
             self._states[block.index] = states

@@ -136,3 +136,19 @@ def test_checkpoint_keeps_each_groups_options_and_refuses_other_groupings(tmp_pa
     with offload.wrap(other, tier="cpu", lr=LR, dtype=torch.float32, device="cpu") as engine:
         with pytest.raises(OffloadConfigError, match="2 optimizer parameter groups.*this engine has 1"):
             engine.load(tmp_path / "ckpt")
+
+
+def test_a_checkpoint_of_other_group_members_is_refused(tmp_path):
+    model = TinyGPT()
+    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu",
+                      param_groups=[{"params": biases, "weight_decay": 0.0}]) as engine:
+        engine.save(tmp_path / "ckpt")
+    other = TinyGPT()
+    norms = [p for name, p in other.named_parameters() if "ln" in name]
+    with offload.wrap(other, tier="cpu", dtype=torch.float32, device="cpu",
+                      param_groups=[{"params": norms, "weight_decay": 0.0}]) as engine:
+        before = engine.state_dict()
+        with pytest.raises(OffloadConfigError, match="group 0 .* holds other parameters"):
+            engine.load(tmp_path / "ckpt")
+        assert all(torch.equal(engine.state_dict()[k], v) for k, v in before.items())

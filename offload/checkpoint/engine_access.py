@@ -75,6 +75,11 @@ class CheckpointAccess:
             if not self._streamer.is_streamed(block) or block.residency is Residency.RESIDENT:
                 assert group.device_buffer is not None
                 group.device_buffer.copy_(flat)
+            for state in self._states[block.index]:  # the host copy uploads read (CUDA, host-side state)
+                source = self._upload_sources.get(id(state)) if state.group is group else None
+                if source is not None:
+                    self._copies.release_source(id(group))
+                    source.copy_(flat[:group.trainable_numel])
         self._needs_upload.discard(block.index)
 
     def prepare_for_load(self) -> None:

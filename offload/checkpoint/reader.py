@@ -45,11 +45,7 @@ def load_checkpoint(engine: "Engine", path: str, *, scheduler: Any = None, rng: 
     steps = {p["name"]: p["steps"] for b in manifest["blocks"] for g in b["groups"] for p in g["params"]}
     groups = list(engine.checkpoint_groups())
     _check_compatible(groups, manifest, directory)
-    saved_groups, groups_now = len(manifest["param_groups"]), len(engine.optimizer.param_groups)
-    if saved_groups != groups_now:
-        raise OffloadConfigError(
-            f"checkpoint {directory!r} has {saved_groups} optimizer parameter groups but this engine has "
-            f"{groups_now}: wrap the model with the same param_groups as the run that saved it")
+    _check_param_groups(engine, manifest, directory)
     for name in (MODEL_FILE, OPTIMIZER_FILE):
         if name not in manifest["files"]:
             raise OffloadIntegrityError(f"the manifest of {directory!r} lists no {name}", directory)
@@ -86,7 +82,8 @@ def load_checkpoint(engine: "Engine", path: str, *, scheduler: Any = None, rng: 
             raise
         bar.update(max(0, bar.total - bar.n))
     for group_now, saved in zip(engine.optimizer.param_groups, manifest["param_groups"]):
-        group_now.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()})
+        group_now.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()
+                          if k != "param_names"})
     engine.restore_counters({"steps": manifest["step"], "skipped_steps": manifest.get("skipped_steps", 0)})
     if "scheduler" in extras:
         scheduler.load_state_dict(extras["scheduler"])
@@ -181,6 +178,25 @@ def _read_cast(reader: TensorFileReader, name: str, out: Tensor) -> None:
         out.copy_(staged)
     else:
         reader.read_into(name, out)
+
+
+def _check_param_groups(engine: "Engine", manifest: Dict[str, Any], directory: str) -> None:
+    """Each saved optimizer group's options go to the group holding the same parameters, or nowhere: a
+    checkpoint of another grouping is refused before anything changes (torch.optim refuses it too)."""
+    saved, now = manifest["param_groups"], engine.optimizer.param_groups
+    if len(saved) != len(now):
+        raise OffloadConfigError(
+            f"checkpoint {directory!r} has {len(saved)} optimizer parameter groups but this engine has "
+            f"{len(now)}: wrap the model with the same param_groups as the run that saved it")
+    names = {id(p): name for name, p in engine.module.named_parameters()}
+    for i, (group_saved, group_now) in enumerate(zip(saved, now)):
+        if "param_names" not in group_saved:  # saved before groups were recorded: one group, checked above
+            continue
+        missing = sorted(set(group_saved["param_names"]) ^ {names[id(p)] for p in group_now["params"]})
+        if missing:
+            raise OffloadConfigError(
+                f"optimizer parameter group {i} of checkpoint {directory!r} holds other parameters than this "
+                f"engine's (first difference: {missing[0]!r}): wrap the model with the same param_groups")
 
 
 def _check_compatible(groups, manifest: Dict[str, Any], directory: str) -> None:

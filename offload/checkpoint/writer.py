@@ -141,11 +141,13 @@ def _save(engine: "Engine", path: str, scheduler: Any, rng: bool, progress: Opti
         files[OPTIMIZER_FILE], transfer = _write_optimizer(groups, layout, os.path.join(tmp, OPTIMIZER_FILE),
                                                            algorithm, bar)
         counters = engine.checkpoint_counters()
+        names = {id(p): name for name, p in engine.module.named_parameters()}  # tied: the first name
         write_manifest(tmp, {
             "format": FORMAT, "version": VERSION, "created": time.time(), "checksum": algorithm,
             "tier": engine.policy.tier.value, "compute_dtype": str(engine.policy.dtype).replace("torch.", ""),
             "step": counters["steps"], "skipped_steps": counters["skipped_steps"],
-            "param_groups": [jsonable_group(g) for g in engine.optimizer.param_groups],
+            "param_groups": [dict(jsonable_group(g), param_names=[names[id(p)] for p in g["params"]])
+                             for g in engine.optimizer.param_groups],
             "blocks": layout.blocks, "tied": layout.tied, "block_of": layout.block_of, "files": files,
             "scheduler": SCHEDULER_FILE if scheduler is not None else None, "rng": RNG_FILE if rng else None,
             "optimizer_state_transfer": transfer,  # bytes cloned copy-on-write from the swap file vs written
