@@ -16,6 +16,7 @@ from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tup
 import torch
 from torch import Tensor
 
+from offload.io.future import wait_all
 from offload.scheduler.block import FlatGroup
 from offload.scheduler.step import DiskGroupState, GroupState
 
@@ -59,7 +60,7 @@ def _disk_chunks(state: DiskGroupState, slot: Views) -> Iterator[Chunk]:
     for start, stop in state.chunks():
         views = tuple(section[:stop - start] for section in slot)
         # verifies every sealed piece: the read covers the ring's chunk exactly
-        _wait_all(state.swap.submit(False, state.group, start, stop, views))  # type: ignore[arg-type]
+        wait_all(state.swap.submit(False, state.group, start, stop, views))  # type: ignore[arg-type]
         yield start, stop, views  # type: ignore[misc]
 
 
@@ -101,22 +102,9 @@ def _store_chunk(state: DiskGroupState, start: int, stop: int, views: Views, clo
         if below < stop:  # the unaligned tail of a cloned section
             futures.append(store.submit_section(True, group, index, below, view[below - start:]))
         adopted.append((index, view))
-    _wait_all(futures)
+    wait_all(futures)
     for index, view in adopted:  # after the tail's write: one seal replaces the tail's
         store.adopt(group, index, start, view)
-
-
-def _wait_all(futures: list) -> None:
-    """Wait for every request, then raise the first error: the slot goes back to the ring only when no
-    request still reads into it or writes from it."""
-    errors = []
-    for future in futures:
-        try:
-            future.result()
-        except BaseException as exc:  # noqa: B902 - re-raised below, after the others are done
-            errors.append(exc)
-    if errors:
-        raise errors[0]
 
 
 def pieces(group: FlatGroup, start: int, stop: int, view: Tensor) -> List[Tuple[int, int, int, Tensor]]:

@@ -314,7 +314,3 @@ class TensorFileReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def entries_of(tensors: List[Tuple[str, Tensor]]) -> List[Entry]:
-    return [Entry(name, t.dtype, tuple(t.shape)) for name, t in tensors]

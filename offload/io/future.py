@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from offload.errors import OffloadIOError
 
@@ -58,6 +58,19 @@ class IOFuture:
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"IOFuture({self.op} {self.path!r} offset={self.offset} size={self.size}, {state})"
+
+
+def wait_all(futures: List["IOFuture"]) -> None:
+    """Wait for every request, then raise the first error: a buffer goes back to its owner only when no
+    request still reads into it or writes from it, even when one of them failed."""
+    first: Optional[BaseException] = None
+    for future in futures:
+        try:
+            future.result()
+        except BaseException as exc:  # noqa: B902 - re-raised below, after the others are done
+            first = first or exc
+    if first is not None:
+        raise first
 
 
 class DoneRequest:

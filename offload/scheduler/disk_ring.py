@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from offload.errors import OffloadConfigError
-from offload.io.future import IOFuture
+from offload.io.future import IOFuture, wait_all
 
 if TYPE_CHECKING:
     from offload.scheduler.block import FlatGroup
@@ -183,7 +183,13 @@ class DiskRing:
         slot = self._slot_of(sections[0])
         with self._lock:  # submitted and registered at once: `_read_ahead` (other threads) must never see
             # this chunk without its write in flight, or it would read the old bytes (submitting never blocks)
-            futures = self._submit(True, slot, group, start, stop)
+            try:
+                futures = self._submit(True, slot, group, start, stop)
+            except BaseException:  # nothing of it is in flight (SwapStore.submit waits what it started)
+                self._checked_out.pop((id(group), start), None)
+                self._free.append(slot)
+                self._slot_returned.notify_all()
+                raise
             self._writes.append(_InFlight(slot, group, start, stop, futures))
             self._checked_out.pop((id(group), start), None)
         self._read_ahead()
@@ -262,9 +268,12 @@ class DiskRing:
 
     def _move_weights(self, write: bool, group: "FlatGroup", tensor: Tensor, copy) -> None:
         self._wait_writes_of(group, 0, group.numel)
+        # Writes go in the updates' chunks, so each piece they seal is one an update's read covers whole and
+        # verifies; reads take a slot's worth at a time (several sealed pieces, each verified).
         per_slot = self.chunk_numel * SLOT_BYTES_PER_ELEMENT // tensor.element_size()
-        for start in range(0, group.numel, per_slot):
-            stop = min(start + per_slot, group.numel)
+        per_piece = self.chunk_numel if write else per_slot
+        for start in range(0, group.numel, per_piece):
+            stop = min(start + per_piece, group.numel)
             slot = self._take_slot()
             try:
                 staged = slot.raw[:(stop - start) * tensor.element_size()].view(tensor.dtype)
@@ -438,17 +447,10 @@ class DiskRing:
         """Wait for every request of a chunk, then raise the first error: a slot is handed back only when
         the kernel no longer reads into or writes from it, even when one of its requests failed."""
         begin = time.perf_counter()
-        first: Optional[BaseException] = None
         try:
-            for future in futures:
-                try:
-                    future.result()
-                except BaseException as exc:
-                    first = first or exc
+            wait_all(futures)
         finally:
             self.io_wait_seconds += time.perf_counter() - begin
-        if first is not None:
-            raise first
 
 
 def _cut(slot: _Slot, numel: int) -> Tuple[Tensor, Tensor, Tensor]:

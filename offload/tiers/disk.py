@@ -27,7 +27,7 @@ from offload.tiers.disk_checksums import RecordChecksums, VerifiedRead
 from offload.tiers.swap_leftovers import hold_lock, remove_leftovers
 from offload.io import AsyncIO, SwapFile
 from offload.io.swap_file import file_system_of
-from offload.io.future import IOFuture
+from offload.io.future import IOFuture, wait_all
 
 if TYPE_CHECKING:  # descriptions only: the tiers never call into the scheduler
     from offload.scheduler.block import Block, FlatGroup
@@ -187,12 +187,18 @@ class SwapStore:
         given fp32 tensors, and of its compute weights from (into) `weights` when given and the weights are
         on disk; returns one future per piece. The caller keeps the tensors alive and orders a read after
         any write of the same range."""
-        record = self.records[id(group)]
         futures: List = []
-        if weights is not None and id(group) in self.weights:
-            futures.append(self.submit_weights(write, group, start, weights[:stop - start]))
-        for index, tensor in enumerate(sections):
-            futures.append(self.submit_section(write, group, index, start, tensor[:stop - start]))
+        try:
+            if weights is not None and id(group) in self.weights:
+                futures.append(self.submit_weights(write, group, start, weights[:stop - start]))
+            for index, tensor in enumerate(sections):
+                futures.append(self.submit_section(write, group, index, start, tensor[:stop - start]))
+        except BaseException:
+            try:  # the pieces already started use the caller's buffers: finish them before it reuses them
+                wait_all(futures)
+            except BaseException:  # noqa: B902 - the submission error is the one to report
+                pass
+            raise
         return futures
 
     def submit_section(self, write: bool, group: "FlatGroup", index: int, start: int, tensor: Tensor) -> IOFuture:
