@@ -101,9 +101,9 @@ def memory(directory: str) -> None:
     model = TinyGPT(vocab=16384, dim=256, layers=4)
     trainable = [p for p in model.parameters() if p.requires_grad]
     grads = 4 * sum(p.numel() for p in trainable)
-    # host_memory = gradients + ring + 3 x (ring - minimum): the planner gives the ring a quarter of the spare
+    # host_memory = gradients + ring + (ring - minimum): the planner gives the ring half of the spare
     engine = offload.wrap(model, tier="nvme", nvme_path=directory, dtype=torch.float32, device="cpu",
-                          host_memory=grads + 4 * RING_BYTES - 3 * min_ring_bytes())
+                          host_memory=grads + 2 * RING_BYTES - min_ring_bytes())
     scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1)
     train(engine, scheduler, range(1))
     engine.synchronize()
