@@ -49,19 +49,46 @@ def reading(state: GroupState) -> Iterator[Iterator[Chunk]]:
     next one is taken)."""
     if isinstance(state, DiskGroupState):
         state.settle()
-        with state.staging() as slot:
-            yield _disk_chunks(state, slot)
+        with state.staging(2) as slots:
+            chunks = _disk_chunks(state, slots)
+            try:
+                yield chunks
+            finally:
+                chunks.close()  # a read still in flight into the other slot finishes before it goes back
         return
     views = tuple(t.detach().to("cpu").contiguous() for t in (state.master, state.exp_avg, state.exp_avg_sq))
     yield iter([(0, state.group.trainable_numel, views)])  # type: ignore[list-item]
 
 
-def _disk_chunks(state: DiskGroupState, slot: Views) -> Iterator[Chunk]:
-    for start, stop in state.chunks():
-        views = tuple(section[:stop - start] for section in slot)
-        # verifies every sealed piece: the read covers the ring's chunk exactly
-        wait_all(state.swap.submit(False, state.group, start, stop, views))  # type: ignore[arg-type]
-        yield start, stop, views  # type: ignore[misc]
+def _disk_chunks(state: DiskGroupState, slots: List[Views]) -> Iterator[Chunk]:
+    """Chunk i is read into one slot while the caller writes chunk i-1 from the other (when the ring lends
+    two), so the swap file's reads overlap the checkpoint's writes. Each read covers a ring chunk exactly,
+    so it verifies every piece the swap checksums sealed."""
+    chunks = state.chunks()
+
+    def read(i: int):
+        start, stop = chunks[i]
+        views = tuple(section[:stop - start] for section in slots[i % len(slots)])
+        return views, state.swap.submit(False, state.group, start, stop, views)  # type: ignore[arg-type]
+
+    pending = read(0) if chunks else None
+    try:
+        for i, (start, stop) in enumerate(chunks):
+            assert pending is not None
+            views, futures = pending
+            pending = None
+            wait_all(futures)
+            if i + 1 < len(chunks) and len(slots) > 1:
+                pending = read(i + 1)
+            yield start, stop, views  # type: ignore[misc]
+            if pending is None and i + 1 < len(chunks):
+                pending = read(i + 1)  # one slot: the next read starts once the caller is done with this one
+    finally:
+        if pending is not None:
+            try:
+                wait_all(pending[1])
+            except Exception:  # noqa: BLE001 - dropped: nobody reads this chunk; the caller's error stands
+                pass
 
 
 def write(state: GroupState, fill: Callable[[int, int, Views], None], cloned: Cloned = (0, 0, 0)) -> None:
@@ -72,11 +99,23 @@ def write(state: GroupState, fill: Callable[[int, int, Views], None], cloned: Cl
     written, which the load reports."""
     if isinstance(state, DiskGroupState):
         state.settle()
-        with state.staging() as slot:
-            for start, stop in state.chunks():
-                views = tuple(section[:stop - start] for section in slot)
-                fill(start, stop, views)  # type: ignore[arg-type]
-                _store_chunk(state, start, stop, views, cloned)  # type: ignore[arg-type]
+        with state.staging(2) as slots:  # chunk i is filled while chunk i-1 is being written
+            in_flight: List[Callable[[], None]] = []
+            try:
+                for i, (start, stop) in enumerate(state.chunks()):
+                    if len(in_flight) == len(slots):
+                        in_flight.pop(0)()  # this slot's previous write is done before it is filled again
+                    views = tuple(section[:stop - start] for section in slots[i % len(slots)])
+                    fill(start, stop, views)  # type: ignore[arg-type]
+                    in_flight.append(_store_chunk(state, start, stop, views, cloned))  # type: ignore[arg-type]
+                while in_flight:
+                    in_flight.pop(0)()
+            finally:
+                for finish in in_flight:  # an error above: no slot goes back with a write still reading it
+                    try:
+                        finish()
+                    except Exception:  # noqa: BLE001 - the first error is already on its way up
+                        pass
         return
     targets = (state.master, state.exp_avg, state.exp_avg_sq)
     if all(t.device.type == "cpu" and t.is_contiguous() for t in targets):
@@ -90,9 +129,10 @@ def write(state: GroupState, fill: Callable[[int, int, Views], None], cloned: Cl
             target.copy_(source)
 
 
-def _store_chunk(state: DiskGroupState, start: int, stop: int, views: Views, cloned: Cloned) -> None:
-    """Write the chunk's sections, except what a clone already put in the file; seal the whole chunk of
-    each section as one piece (the ring reads it back as one)."""
+def _store_chunk(state: DiskGroupState, start: int, stop: int, views: Views, cloned: Cloned) -> Callable[[], None]:
+    """Start writing the chunk's sections, except what a clone already put in the file; the returned
+    function waits for the writes and seals the whole chunk of each section as one piece (the ring reads it
+    back as one)."""
     store, group = state.swap, state.group
     futures, adopted = [], []
     for index, (view, below) in enumerate(zip(views, cloned)):
@@ -102,9 +142,13 @@ def _store_chunk(state: DiskGroupState, start: int, stop: int, views: Views, clo
         if below < stop:  # the unaligned tail of a cloned section
             futures.append(store.submit_section(True, group, index, below, view[below - start:]))
         adopted.append((index, view))
-    wait_all(futures)
-    for index, view in adopted:  # after the tail's write: one seal replaces the tail's
-        store.adopt(group, index, start, view)
+
+    def finish() -> None:
+        wait_all(futures)
+        for index, view in adopted:  # after the tail's write: one seal replaces the tail's
+            store.adopt(group, index, start, view)
+
+    return finish
 
 
 def pieces(group: FlatGroup, start: int, stop: int, view: Tensor) -> List[Tuple[int, int, int, Tensor]]:

@@ -287,15 +287,16 @@ class DiskRing:
                 self._give_back(slot)
 
     @contextlib.contextmanager
-    def borrow(self) -> Iterator[Tuple[Tensor, Tensor, Tensor]]:
-        """One slot's three fp32 sections (`chunk_numel` elements each) for a caller that moves a record
+    def borrow(self, count: int = 1) -> Iterator[List[Tuple[Tensor, Tensor, Tensor]]]:
+        """`count` slots' three fp32 sections (`chunk_numel` elements each) for a caller that moves a record
         itself (checkpoints), given back on exit: memory the ring already holds, so a checkpoint of any size
-        needs none of its own. Use it after `drain()`, with no update running."""
-        slot = self._take_slot()
+        needs none of its own. Use it after `drain()`, with no update running (at most the ring's depth)."""
+        slots = [self._take_slot() for _ in range(min(count, self.depth))]
         try:
-            yield slot.sections
+            yield [slot.sections for slot in slots]
         finally:
-            self._give_back(slot)
+            for slot in slots:
+                self._give_back(slot)
 
     def abandon(self, sections: Tuple[Tensor, Tensor, Tensor]) -> None:
         """Return a loaded chunk's slot without writing it (its update failed: the disk keeps the old state)."""

@@ -215,9 +215,9 @@ class DiskGroupState(GroupState):
         the swap checksums sealed, so it verifies all it reads (tiers/disk_checksums.py)."""
         return self._ring.chunks(self.group)
 
-    def staging(self) -> ContextManager[Tuple[Tensor, Tensor, Tensor]]:
+    def staging(self, count: int = 1) -> ContextManager[List[Tuple[Tensor, Tensor, Tensor]]]:
         """A ring slot (three fp32 sections of one chunk each) to move this record through; after `settle`."""
-        return self._ring.borrow()
+        return self._ring.borrow(count)
 
     def settle(self) -> None:
         """Finish every write in flight and drop reads ahead: the swap file then holds the current state."""
