@@ -6,7 +6,7 @@ tensor the engine needs is there with its size (names and shapes against the man
 reads every tensor of both files through one small buffer to check its checksum, so a damaged checkpoint
 raises OffloadIntegrityError naming the file, tensor and block and leaves the engine exactly as it was.
 The second pass loads: one flat group's weights at a time, and its optimizer state chunk by chunk (for the
-nvme tier through one slot of the engine's own staging ring), checking checksums again; only an I/O error
+nvme tier through two slots of the engine's own staging ring), checking checksums again; only an I/O error
 or a file changed between the passes can fail there, and that error says the engine is partly loaded.
 """
 

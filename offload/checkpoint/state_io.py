@@ -2,8 +2,9 @@
 
 The only module of the checkpoint package that knows how a tier keeps its state: host tensors (cpu
 tier: one chunk, the tensors themselves), device tensors (gpu tier: one chunk, copied through host
-memory) or a swap-file record (nvme tier: the ring's chunks, through one slot of the ring, so a
-checkpoint holds at most one chunk of a record however large the record is). Chunks follow the ring's
+memory) or a swap-file record (nvme tier: the ring's chunks, through two slots of the ring, so a
+checkpoint holds at most two chunks of a record however large the record is, and overlaps the swap file's
+I/O with the checkpoint's). Chunks follow the ring's
 boundaries, so every piece the swap checksums sealed is read whole and verified, and a load seals exactly
 the pieces the ring will read back.
 """
