@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -19,14 +21,23 @@ def _groups(model):
     return blocks, [g for b in blocks for g in b.groups]
 
 
-def test_out_of_order_loads_with_the_smallest_ring(tmp_path):
-    model = nn.Sequential(*[nn.Linear(64, 100) for _ in range(4)])  # 6500 elements: several chunks each
+@contextlib.contextmanager
+def _ring(tmp_path, model, ring_bytes):
+    """(ring, flat groups) over a swap file for `model`'s blocks; everything closed after."""
     blocks, groups = _groups(model)
     records, size = plan_swap_layout(blocks)
     store = SwapStore(str(tmp_path), records, size)
-    pool = StagingPool(min_ring_bytes())
-    ring = DiskRing(store, pool, min_ring_bytes())
+    pool = StagingPool(ring_bytes)
     try:
+        yield DiskRing(store, pool, ring_bytes), groups
+    finally:
+        store.close()
+        pool.close()
+
+
+def test_out_of_order_loads_with_the_smallest_ring(tmp_path):
+    model = nn.Sequential(*[nn.Linear(64, 100) for _ in range(4)])  # 6500 elements: several chunks each
+    with _ring(tmp_path, model, min_ring_bytes()) as (ring, groups):
         assert ring.chunk_numel == CHUNK_GRANULE and len(ring.chunks(groups[0])) > 1
         for value, group in enumerate(groups):
             ring.write_fresh(group, lambda a, b, sec, v=value: [t.fill_(v + a) for t in sec])
@@ -40,23 +51,14 @@ def test_out_of_order_loads_with_the_smallest_ring(tmp_path):
                         t.add_(1)
                     ring.store(group, start, stop, sections)
         ring.drain()
-    finally:
-        store.close()
-        pool.close()
 
 
 def test_an_announcement_while_a_chunk_is_being_loaded_never_reads_it_ahead(tmp_path):
     """The training thread may announce a group at any moment of the worker's `load`: a read-ahead started
     before the chunk counts as checked out would keep its pre-update bytes for the next update (once seen
     as a swap-checksum mismatch in the nvme parity tests)."""
-    model = nn.Sequential(nn.Linear(64, 100))
-    blocks, groups = _groups(model)
-    group = groups[0]
-    records, size = plan_swap_layout(blocks)
-    store = SwapStore(str(tmp_path), records, size)
-    pool = StagingPool(4 * min_ring_bytes())
-    ring = DiskRing(store, pool, 4 * min_ring_bytes())
-    try:
+    with _ring(tmp_path, nn.Sequential(nn.Linear(64, 100)), 4 * min_ring_bytes()) as (ring, groups):
+        group = groups[0]
         ring.write_fresh(group, lambda a, b, sec: [t.fill_(1.0) for t in sec])
         ring.drain()
         take_slot = ring._take_slot
@@ -69,9 +71,6 @@ def test_an_announcement_while_a_chunk_is_being_loaded_never_reads_it_ahead(tmp_
                     t.add_(1)
                 ring.store(group, start, stop, sections)
         ring.drain()
-    finally:
-        store.close()
-        pool.close()
 
 
 def test_ring_depth_grows_with_the_budget_up_to_eight_whole_record_slots():
@@ -88,14 +87,8 @@ def test_a_write_error_met_by_the_training_thread_is_raised_by_the_workers_next_
     poisons the engine), not escape from the middle of scheduling a step."""
     import pytest
 
-    model = nn.Sequential(nn.Linear(64, 100))
-    blocks, groups = _groups(model)
-    group = groups[0]
-    records, size = plan_swap_layout(blocks)
-    store = SwapStore(str(tmp_path), records, size)
-    pool = StagingPool(4 * min_ring_bytes())
-    ring = DiskRing(store, pool, 4 * min_ring_bytes())
-    try:
+    with _ring(tmp_path, nn.Sequential(nn.Linear(64, 100)), 4 * min_ring_bytes()) as (ring, groups):
+        group = groups[0]
         ring.write_fresh(group, lambda a, b, sec: [t.fill_(1.0) for t in sec])
         real_reap = ring._reap_finished_writes
 
@@ -112,6 +105,3 @@ def test_a_write_error_met_by_the_training_thread_is_raised_by_the_workers_next_
         assert bool((sections[0] == 1.0).all())
         ring.abandon(sections)
         ring.drain()
-    finally:
-        store.close()
-        pool.close()
