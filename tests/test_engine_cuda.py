@@ -11,15 +11,13 @@ weights differ by about lr. Skipped without a GPU; these have not run on one yet
 from __future__ import annotations
 
 import copy
-import os
-import tempfile
 
 import pytest
 import torch
 
 import offload
 from tests.models import TinyGPT, make_batches
-from tests.test_engine_parity import BETAS, EPS, LR, STEPS, WD, _reference
+from tests.test_engine_parity import STEPS, _engine, _reference
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -58,22 +56,8 @@ def _compare(tier, accum=1, declared=False, max_norm=None, device_memory=None, s
         _slow_down(twin)
     batches = _cuda_batches(accum)
     ref_losses, _evals, ref_state = _reference(twin, batches, accum, max_norm, False, None)
-    nvme_path = tempfile.mkdtemp(prefix="offload-test-") if tier == "nvme" else None
-    losses = []
-    with offload.wrap(model, tier=tier, nvme_path=nvme_path, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                      max_grad_norm=max_norm, dtype=dtype, device="cuda",
-                      grad_accumulation_steps=accum if declared else None, device_memory=device_memory) as engine:
-        for micro_batches in batches:
-            for idx, tgt in micro_batches[:accum]:
-                loss = engine(idx, tgt) / accum
-                loss.backward()
-                losses.append(loss.item())
-            engine.step()
-            engine.zero_grad()
-        state = engine.state_dict()
-        stats = engine.stats()
-    if nvme_path is not None:
-        os.rmdir(nvme_path)
+    losses, _evals, state, stats = _engine(model, batches, accum, max_norm, False, None, tier, declared, device_memory,
+                                           dtype=dtype, device="cuda")
     if dtype is torch.float32:
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL, (losses, ref_losses)
         for name, ref in ref_state.items():

@@ -47,10 +47,12 @@ def _reference(model, batches, accum, max_norm, schedule, eval_batch):
     return losses, evals, model.state_dict()
 
 
-def _engine(model, batches, accum, max_norm, schedule, eval_batch, tier, declared, device_memory, host_memory=None):
+def _engine(model, batches, accum, max_norm, schedule, eval_batch, tier, declared, device_memory, host_memory=None,
+            dtype=torch.float32, device="cpu"):
     nvme_path = tempfile.mkdtemp(prefix="offload-test-") if tier == "nvme" else None
-    engine = offload.wrap(model, tier=tier, nvme_path=nvme_path, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, max_grad_norm=max_norm,
-                          dtype=torch.float32, device="cpu", grad_accumulation_steps=accum if declared else None,
+    engine = offload.wrap(model, tier=tier, nvme_path=nvme_path, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                          max_grad_norm=max_norm, dtype=dtype, device=device,
+                          grad_accumulation_steps=accum if declared else None,
                           device_memory=device_memory, host_memory=host_memory)
     sched = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5) if schedule else None
     losses, evals = [], []
