@@ -320,7 +320,8 @@ class DiskRing:
 
     def drain(self) -> None:
         """Wait for every write in flight and drop reads issued ahead; every slot is back when this returns,
-        and the first error of any of them is raised at the end."""
+        and the first error of any of them is raised at the end. For callers that change the swap file
+        themselves (checkpoints) or release it (close)."""
         with self._lock:
             reads, self._reads = list(self._reads.values()), {}
             self._announced.clear()
@@ -333,6 +334,18 @@ class DiskRing:
                 first = first or exc
             finally:
                 self._give_back(entry.slot)
+        try:
+            self.flush_writes()
+        except BaseException as exc:
+            first = first or exc
+        if first is not None:
+            raise first
+
+    def flush_writes(self) -> None:
+        """Wait for every write in flight (the swap file then holds the current state) and raise the first
+        error of any of them. Reads issued ahead stay: they read state no write will change, and the next
+        updates need them (`engine.synchronize()` between steps must not throw the pipeline's work away)."""
+        first: Optional[BaseException] = None
         while True:
             with self._lock:
                 if not self._writes:
