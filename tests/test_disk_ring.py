@@ -105,3 +105,20 @@ def test_a_write_error_met_by_the_training_thread_is_raised_by_the_workers_next_
         assert bool((sections[0] == 1.0).all())
         ring.abandon(sections)
         ring.drain()
+
+
+def test_flush_writes_keeps_the_reads_ahead_and_drain_drops_them(tmp_path):
+    """`engine.synchronize()` flushes writes between steps: the reads the next updates need stay in flight
+    (and see the flushed bytes); `drain` (checkpoints, close) gives every slot back."""
+    with _ring(tmp_path, nn.Sequential(nn.Linear(64, 100)), 4 * min_ring_bytes()) as (ring, groups):
+        group = groups[0]
+        ring.write_fresh(group, lambda a, b, sec: [t.fill_(1.0) for t in sec])
+        ring.announce([group])  # its writes are in flight: the read waits for them
+        ring.flush_writes()
+        first = ring.chunks(group)[0]
+        assert not ring._writes and (id(group), first[0]) in ring._reads, "the read ahead must stay (or start)"
+        sections = ring.load(group, *first)
+        assert all(bool((t == 1.0).all()) for t in sections)
+        ring.store(group, *first, sections)
+        ring.drain()
+        assert not ring._reads and not ring._writes and len(ring._free) == ring.depth
