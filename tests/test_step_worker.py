@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
+from offload import _native
 from offload.errors import OffloadError
 from offload.scheduler.worker import StepWorker
 
@@ -44,3 +48,30 @@ def test_an_error_surfaces_at_the_wait_for_its_block_only():
         worker.wait(2)
     finally:
         worker.close()
+
+
+_EXIT_WHILE_BUSY = """
+import time, torch
+from offload import _native
+from offload.scheduler.worker import StepWorker
+buf = torch.zeros(16 << 20, dtype=torch.uint8)
+worker = StepWorker(1)
+def busy():  # about 1 s, nearly all of it inside native calls that released the GIL
+    end = time.perf_counter() + 1.0
+    while time.perf_counter() < end:
+        _native._C.crc32c(buf.data_ptr(), buf.numel(), 0)
+worker.submit(0, busy)
+worker.submit(1, busy)  # queued: dropped at exit
+time.sleep(0.2)
+raise SystemExit(3)  # the user's script ends (an uncaught error) while an update runs
+"""
+
+
+@pytest.mark.skipif(_native._C is None, reason="needs a native call that releases the GIL")
+def test_interpreter_exit_during_an_update_exits_cleanly():
+    """Without the at-exit stop, the daemon worker is killed inside the native call as Python finalizes:
+    "terminate called without an active exception" and SIGABRT instead of the script's own exit."""
+    done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_BUSY], capture_output=True, text=True, timeout=120,
+                          cwd=str(Path(__file__).resolve().parent.parent))
+    assert "terminate called" not in done.stderr
+    assert done.returncode == 3, done.stderr

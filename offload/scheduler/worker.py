@@ -11,6 +11,7 @@ the order of what is still queued (`on_next`), so the nvme ring reads ahead in t
 from __future__ import annotations
 
 import threading
+import weakref
 from concurrent.futures import Future
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -35,17 +36,22 @@ class StepWorker:
         self._queue: List[Job] = []
         self._pending: Dict[int, Future] = {}
         self._sequence = 0
-        self._stopping = False
+        self._stopping = threading.Event()
         self.failure: Optional[BaseException] = None  # the first update that raised, until `clear_failure`
         self._lock = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="offload-step", daemon=True)
         self._thread.start()
+        # [Note: stop the worker before the interpreter exits] a daemon thread still inside a native call
+        # (an Adam step, a disk wait) when Python finalizes is killed as it takes the GIL back, unwinding
+        # through C++ that cannot unwind: "terminate called without an active exception" and a core dump
+        # instead of the user's traceback. At exit, queued updates are dropped and the current one finishes.
+        self._at_exit = weakref.finalize(self, _stop_thread, self._lock, self._queue, self._stopping, self._thread)
 
     def submit(self, block_index: int, work: Callable[[], object], priority: float = 0.0) -> Future:
         """Queue `work` for the block; lower `priority` runs earlier, same block in submission order."""
         future: Future = Future()
         with self._lock:
-            if self._stopping:
+            if self._stopping.is_set():
                 raise RuntimeError("the step worker is closed")
             self._sequence += 1
             self._queue.append((priority, self._sequence, block_index, work, future))
@@ -113,9 +119,10 @@ class StepWorker:
                 raise errors[0]
         finally:
             with self._lock:
-                self._stopping = True
+                self._stopping.set()
                 self._lock.notify()
             self._thread.join()
+            self._at_exit.detach()
 
     def _drain_pending(self) -> List[BaseException]:
         """Wait for every queued job; return their errors in submission order of the blocks."""
@@ -134,7 +141,7 @@ class StepWorker:
         torch.set_num_threads(self.num_threads)
         while True:
             with self._lock:
-                while not self._queue and not self._stopping:
+                while not self._queue and not self._stopping.is_set():
                     self._lock.wait()
                 if not self._queue:
                     return
@@ -149,3 +156,16 @@ class StepWorker:
                 future.set_result(work())
             except BaseException as exc:
                 future.set_exception(exc)
+
+
+def _stop_thread(lock: threading.Condition, queue: List[Job], stopping: threading.Event,
+                 thread: threading.Thread) -> None:
+    """At interpreter exit (weakref.finalize runs it then, unless `close` did already): drop the queued
+    updates, let the running one finish, and join the thread while Python is still whole."""
+    with lock:
+        for job in queue:
+            job[4].cancel()
+        queue.clear()
+        stopping.set()
+        lock.notify_all()
+    thread.join(timeout=60.0)
