@@ -358,7 +358,7 @@ class DiskRing:
         if first is not None:
             raise first
         self._raise_deferred()
-        self._read_ahead()  # announced chunks that waited for these writes
+        self._read_ahead_deferring_errors()  # announced chunks that waited for these writes
 
     def stats(self) -> Dict[str, float]:
         """Chunk size, chunks updated, how many were read ahead, seconds the worker waited on the disk."""
