@@ -335,16 +335,23 @@ class DiskRing:
             finally:
                 self._give_back(entry.slot)
         try:
-            self.flush_writes()
+            self._finish_all_writes()
         except BaseException as exc:
             first = first or exc
         if first is not None:
             raise first
+        self._raise_deferred()
 
     def flush_writes(self) -> None:
         """Wait for every write in flight (the swap file then holds the current state) and raise the first
         error of any of them. Reads issued ahead stay: they read state no write will change, and the next
         updates need them (`engine.synchronize()` between steps must not throw the pipeline's work away)."""
+        self._finish_all_writes()
+        self._raise_deferred()
+        self._read_ahead_deferring_errors()  # announced chunks that waited for these writes
+
+    def _finish_all_writes(self) -> None:
+        """Wait for every write in flight, returning their slots; raise the first error after all are done."""
         first: Optional[BaseException] = None
         while True:
             with self._lock:
@@ -357,8 +364,6 @@ class DiskRing:
                 first = first or exc
         if first is not None:
             raise first
-        self._raise_deferred()
-        self._read_ahead_deferring_errors()  # announced chunks that waited for these writes
 
     def stats(self) -> Dict[str, float]:
         """Chunk size, chunks updated, how many were read ahead, seconds the worker waited on the disk."""
