@@ -411,7 +411,7 @@ class Engine(CheckpointAccess):
         self._worker.wait_all()
         if self._ring is not None:
             try:
-                self._ring.flush_writes()  # reads ahead stay: the next step's updates use them
+                self._ring.flush_writes()  # reads ahead (of groups that got no update) are kept
             except BaseException as exc:  # a swap write failed: the file no longer holds the state
                 self._worker.fail(exc)
                 raise

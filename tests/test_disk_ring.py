@@ -108,15 +108,21 @@ def test_a_write_error_met_by_the_training_thread_is_raised_by_the_workers_next_
 
 
 def test_flush_writes_keeps_the_reads_ahead_and_drain_drops_them(tmp_path):
-    """`engine.synchronize()` flushes writes between steps: the reads the next updates need stay in flight
+    """`engine.synchronize()` flushes writes: reads that waited for them start, reads ahead stay in flight
     (and see the flushed bytes); `drain` (checkpoints, close) gives every slot back."""
     with _ring(tmp_path, nn.Sequential(nn.Linear(64, 100)), 4 * min_ring_bytes()) as (ring, groups):
         group = groups[0]
-        ring.write_fresh(group, lambda a, b, sec: [t.fill_(1.0) for t in sec])
-        ring.announce([group])  # its writes are in flight: the read waits for them
-        ring.flush_writes()
         first = ring.chunks(group)[0]
-        assert not ring._writes and (id(group), first[0]) in ring._reads, "the read ahead must stay (or start)"
+        reap = ring._reap_finished_writes
+        ring._reap_finished_writes = lambda: None  # the writes count as in flight, however fast the disk
+        ring.write_fresh(group, lambda a, b, sec: [t.fill_(1.0) for t in sec])
+        ring.announce([group])
+        ring._reap_finished_writes = reap
+        assert (id(group), first[0]) not in ring._reads, "a read must wait for the write of its range"
+        ring.flush_writes()
+        assert not ring._writes and (id(group), first[0]) in ring._reads, "flush starts the reads that waited"
+        ring.flush_writes()
+        assert (id(group), first[0]) in ring._reads, "flushing writes keeps the reads ahead"
         sections = ring.load(group, *first)
         assert all(bool((t == 1.0).all()) for t in sections)
         ring.store(group, *first, sections)

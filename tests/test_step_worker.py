@@ -75,3 +75,20 @@ def test_interpreter_exit_during_an_update_exits_cleanly():
                           cwd=str(Path(__file__).resolve().parent.parent))
     assert "terminate called" not in done.stderr
     assert done.returncode == 3, done.stderr
+
+
+def test_updates_dropped_by_the_exit_stop_are_named_not_reported_as_failures():
+    """What interpreter exit runs (`_at_exit`) cancels queued updates: a later wait for one names that, and
+    close() (an atexit handler of the user's that runs after it) does not raise CancelledError."""
+    gate, started = threading.Event(), threading.Event()
+    worker = StepWorker(1)
+    worker.submit(0, lambda: (started.set(), gate.wait(5)))
+    started.wait()
+    worker.submit(1, lambda: None)  # queued behind the running one: dropped
+    worker.submit(2, lambda: None)
+    threading.Timer(0.1, gate.set).start()
+    worker._at_exit()  # the finalizer: drops 1 and 2, waits for 0
+    worker.wait(0)  # the running update finished normally
+    with pytest.raises(OffloadError, match="dropped when the interpreter began to exit"):
+        worker.wait(1)
+    worker.close()  # block 2's cancelled update is not a failure to raise

@@ -9,17 +9,30 @@
 namespace offload {
 
 HostArena::HostArena(size_t capacity) : capacity_(round_up(capacity == 0 ? 1 : capacity)) {
-  void* p = mmap(nullptr, capacity_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  // Regions of 2 MiB and more start on a 2 MiB boundary (map the slack, unmap it) so huge pages can back
+  // all of them; mmap alone only promises 4 KiB alignment.
+  constexpr size_t kHugePage = size_t{2} << 20;
+  const size_t slack = capacity_ >= kHugePage ? kHugePage : 0;
+  void* p = mmap(nullptr, capacity_ + slack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                 -1, 0);
   if (p == MAP_FAILED) {
     int err = errno;
     throw std::runtime_error("mmap of " + std::to_string(capacity_) + " bytes for the staging pool failed: " +
                              std::strerror(err));
   }
-  base_ = static_cast<uint8_t*>(p);
+  auto* raw = static_cast<uint8_t*>(p);
+  base_ = raw;
+  if (slack != 0) {
+    const uintptr_t address = reinterpret_cast<uintptr_t>(raw);
+    base_ = reinterpret_cast<uint8_t*>((address + kHugePage - 1) / kHugePage * kHugePage);
+    const size_t head = static_cast<size_t>(base_ - raw);
+    if (head != 0) munmap(raw, head);
+    if (slack - head != 0) munmap(base_ + capacity_, slack - head);
+  }
 #ifdef MADV_HUGEPAGE
   // Every O_DIRECT request pins its buffer's pages; 2 MiB pages make that (and the TLB) far cheaper:
   // the nvme tier's system time fell from ~18 to ~10 ms per step on the benchmark model. Advice only.
-  madvise(p, capacity_, MADV_HUGEPAGE);
+  madvise(base_, capacity_, MADV_HUGEPAGE);
 #endif
   free_.emplace(0, capacity_);
 }

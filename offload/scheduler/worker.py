@@ -10,6 +10,8 @@ the order of what is still queued (`on_next`), so the nvme ring reads ahead in t
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import weakref
 from concurrent.futures import Future
@@ -20,6 +22,7 @@ import torch
 from offload.errors import OffloadError
 
 Job = Tuple[float, int, int, Callable[[], object], Future]  # (priority, sequence, block index, work, future)
+EXIT_JOIN_SECONDS = 60.0  # how long interpreter exit waits for the update that is running
 
 
 class StepWorker:
@@ -45,7 +48,8 @@ class StepWorker:
         # (an Adam step, a disk wait) when Python finalizes is killed as it takes the GIL back, unwinding
         # through C++ that cannot unwind: "terminate called without an active exception" and a core dump
         # instead of the user's traceback. At exit, queued updates are dropped and the current one finishes.
-        self._at_exit = weakref.finalize(self, _stop_thread, self._lock, self._queue, self._stopping, self._thread)
+        self._at_exit = weakref.finalize(self, _stop_thread, self._lock, self._queue, self._stopping, self._thread,
+                                         os.getpid())
 
     def submit(self, block_index: int, work: Callable[[], object], priority: float = 0.0) -> Future:
         """Queue `work` for the block; lower `priority` runs earlier, same block in submission order."""
@@ -70,6 +74,8 @@ class StepWorker:
             future = self._pending.pop(block_index, None)
         if future is not None:
             try:
+                if future.cancelled():
+                    raise OffloadError("this block's update was dropped when the interpreter began to exit")
                 future.result()
             except BaseException as exc:
                 if self.failure is None:
@@ -131,6 +137,8 @@ class StepWorker:
             self._pending.clear()
         errors: List[BaseException] = []
         for future in futures:
+            if future.cancelled():  # dropped at interpreter exit (`_stop_thread`): not a failed update
+                continue
             try:
                 future.result()
             except BaseException as exc:
@@ -159,13 +167,19 @@ class StepWorker:
 
 
 def _stop_thread(lock: threading.Condition, queue: List[Job], stopping: threading.Event,
-                 thread: threading.Thread) -> None:
+                 thread: threading.Thread, owner_pid: int) -> None:
     """At interpreter exit (weakref.finalize runs it then, unless `close` did already): drop the queued
-    updates, let the running one finish, and join the thread while Python is still whole."""
+    updates, let the running one finish, and join the thread while Python is still whole. Not in a forked
+    child: the thread does not exist there, and the lock may have been held at the fork."""
+    if os.getpid() != owner_pid:
+        return
     with lock:
         for job in queue:
             job[4].cancel()
         queue.clear()
         stopping.set()
         lock.notify_all()
-    thread.join(timeout=60.0)
+    thread.join(timeout=EXIT_JOIN_SECONDS)
+    if thread.is_alive():
+        print(f"offload: an optimizer update was still running {EXIT_JOIN_SECONDS:.0f} s after the interpreter "
+              "began to exit (a stalled disk?); exiting anyway", file=sys.stderr)
