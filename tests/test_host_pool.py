@@ -187,3 +187,20 @@ def test_pinned_pool_copies_asynchronously(backend):
     del host, dev
     buf.release()
     pool.close()
+
+
+@pytest.mark.skipif(_native._C is None, reason="the native arena maps the budget")
+@pytest.mark.parametrize("budget", [2**64 - 4096, 2**64 - 1, 2**63])
+def test_a_budget_no_machine_has_is_refused_not_wrapped_around(budget):
+    """Rounded up (and aligned to 2 MiB) such a size would wrap to a few bytes, and leases would run past
+    the mapping; it is refused with the fix instead."""
+    with pytest.raises(ValueError, match="larger than any machine's memory"):
+        StagingPool(budget)
+
+
+@pytest.mark.skipif(_native._C is None, reason="the native arena's placement")
+def test_large_arenas_start_on_a_huge_page_boundary():
+    with StagingPool(3 << 20) as pool:
+        lease = pool.lease(4096)
+        assert lease.data_ptr % (2 << 20) == 0  # first-fit: the first lease is the region's start
+        lease.release()

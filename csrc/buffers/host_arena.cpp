@@ -5,13 +5,31 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <limits>
+#include <stdexcept>
 
 namespace offload {
 
-HostArena::HostArena(size_t capacity) : capacity_(round_up(capacity == 0 ? 1 : capacity)) {
+namespace {
+
+constexpr size_t kHugePage = size_t{2} << 20;
+
+// The budget rounded up to the alignment, refused when that (or the 2 MiB alignment slack) would wrap
+// around: a wrapped size would map a few bytes and hand out leases far beyond them.
+size_t checked_capacity(size_t capacity) {
+  const size_t largest = std::numeric_limits<size_t>::max() / 2;
+  if (capacity > largest) {
+    throw std::invalid_argument("staging pool budget of " + std::to_string(capacity) +
+                                " bytes is larger than any machine's memory: pass a budget in bytes, e.g. 8 << 30");
+  }
+  return HostArena::round_up(capacity == 0 ? 1 : capacity);
+}
+
+}  // namespace
+
+HostArena::HostArena(size_t capacity) : capacity_(checked_capacity(capacity)) {
   // Regions of 2 MiB and more start on a 2 MiB boundary (map the slack, unmap it) so huge pages can back
   // all of them; mmap alone only promises 4 KiB alignment.
-  constexpr size_t kHugePage = size_t{2} << 20;
   const size_t slack = capacity_ >= kHugePage ? kHugePage : 0;
   void* p = mmap(nullptr, capacity_ + slack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
                  -1, 0);

@@ -344,8 +344,8 @@ class DiskRing:
 
     def flush_writes(self) -> None:
         """Wait for every write in flight (the swap file then holds the current state) and raise the first
-        error of any of them. Reads issued ahead stay: they read state no write will change, and the next
-        updates need them (`engine.synchronize()` between steps must not throw the pipeline's work away)."""
+        error of any of them. Reads issued ahead stay (by then only those of groups that got no update:
+        their state does not change, so the reads stay valid); `drain` drops them."""
         self._finish_all_writes()
         self._raise_deferred()
         self._read_ahead_deferring_errors()  # announced chunks that waited for these writes
