@@ -4,8 +4,9 @@ check, each switched off in turn, four engines interleaved round by round in one
     python benchmarks/bench_integrity.py           # GPT 6 x 256, fp32, 5 rounds x 3 steps
     python benchmarks/bench_integrity.py --quick   # a tiny model, 2 rounds (smoke run)
 
-Each engine's checks are switched off for its whole life by replacing them with no-ops (a measurement
-device only: offload itself has no switch for them).
+Each engine's checks are switched off for its whole life by replacing them with no-ops on its own runtime
+records (`block.runtime`: each group's gradient accumulator and swap store; a measurement device only:
+offload itself has no switch for them).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import offload  # noqa: E402
-import offload.engine as engine_module  # noqa: E402
 from benchmarks.bench_train import GPT  # noqa: E402
 from benchmarks.common import machine_header, print_table, summarize  # noqa: E402
 
@@ -29,13 +29,16 @@ VARIANTS = {"both checks": (True, True), "no checksums": (False, True),
             "no finite-gradient check": (True, False), "neither": (False, False)}
 
 
-def disable_checks(engine: "offload.Engine", checksums: bool, finite: bool, unchecked_states: set) -> None:
+def disable_checks(engine: "offload.Engine", checksums: bool, finite: bool) -> None:
     """Switch this engine's checks off for its whole life (never per turn: a seal skipped in one turn and
     verified in another would be a false alarm)."""
-    if not checksums and engine._swap is not None:
-        engine._swap.checksums.seal = engine._swap.checksums.verify = lambda *a, **k: None
-    if not finite:
-        unchecked_states.update(id(state) for states in engine._states.values() for state in states)
+    for block in engine.blocks:
+        for state in block.runtime.states:
+            if not finite:
+                state.grads.all_finite = lambda *a, **k: True
+            swap = getattr(state.store, "swap", None)  # the nvme tier's swap file
+            if not checksums and swap is not None:
+                swap.checksums.seal = swap.checksums.verify = lambda *a, **k: None
 
 
 def main() -> None:
@@ -51,27 +54,22 @@ def main() -> None:
     print(machine_header())
     samples = {name: [] for name in VARIANTS}
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as directory:
-        real_finite, unchecked = engine_module.grads_finite, set()
-        engine_module.grads_finite = lambda state, *a, **k: id(state) in unchecked or real_finite(state, *a, **k)
-        try:
-            engines = {}
-            for name, (checksums, finite) in VARIANTS.items():
-                engines[name] = offload.wrap(GPT(vocab, dim, layers, context, 4), tier="nvme",
-                                             nvme_path=directory, dtype=torch.float32, device="cpu",
-                                             grad_accumulation_steps=1)
-                disable_checks(engines[name], checksums, finite, unchecked)
-            for r in range(rounds + 1):  # round 0 warms up
-                for name, engine in engines.items():
-                    start = time.perf_counter()
-                    for _ in range(args.steps):
-                        engine(idx, tgt).backward()
-                        engine.step()
-                        engine.zero_grad()
-                    engine.synchronize()
-                    if r:
-                        samples[name].append((time.perf_counter() - start) / args.steps)
-        finally:
-            engine_module.grads_finite = real_finite
+        engines = {}
+        for name, (checksums, finite) in VARIANTS.items():
+            engines[name] = offload.wrap(GPT(vocab, dim, layers, context, 4), tier="nvme",
+                                         nvme_path=directory, dtype=torch.float32, device="cpu",
+                                         grad_accumulation_steps=1)
+            disable_checks(engines[name], checksums, finite)
+        for r in range(rounds + 1):  # round 0 warms up
+            for name, engine in engines.items():
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    engine(idx, tgt).backward()
+                    engine.step()
+                    engine.zero_grad()
+                engine.synchronize()
+                if r:
+                    samples[name].append((time.perf_counter() - start) / args.steps)
         rows = []
         base = summarize(samples["neither"])[0]
         for name, engine in engines.items():

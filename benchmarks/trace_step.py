@@ -5,11 +5,10 @@
     python benchmarks/trace_step.py --quick              # a tiny model (smoke run)
 
 Writes a Chrome/Perfetto trace (open it at ui.perfetto.dev or chrome://tracing) and, when matplotlib is
-installed (`pip install offload[bench]`), a PNG of the same spans. Spans come from wrappers this script puts
-around the engine's own methods for its whole life (a measurement device: offload has no tracing switch):
-forward, backward and step() on the training thread; each block update and, inside it, each wait for the
-disk on the update worker; a forward that waits for a block's pending update. Prints a table of time per
-step in each span kind.
+installed (`pip install offload[bench]`), a PNG of the same spans. Spans come from the engine's tracing seam
+(`engine.add_observer`, offload/scheduler/trace.py): step() and each wait for a block's pending update on
+the training thread, each block update and, inside it, each wait for the disk on the update worker; this
+script times forward and backward itself. Prints a table of time per step in each span kind.
 """
 
 from __future__ import annotations
@@ -22,18 +21,15 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import offload  # noqa: E402
-import offload.engine as engine_module  # noqa: E402
 from common import machine_header, print_table  # noqa: E402
 from offload.cli.demo import DemoGPT  # noqa: E402
-from offload.scheduler.disk_ring import DiskRing  # noqa: E402
-from offload.scheduler.step import DiskGroupState, GroupState  # noqa: E402
 
 Span = Tuple[str, str, float, float, str]  # (thread, kind, start, end, label)
 COLORS = {"forward": "#4c78a8", "backward": "#f58518", "step()": "#54a24b", "wait for update": "#e45756",
@@ -41,39 +37,20 @@ COLORS = {"forward": "#4c78a8", "backward": "#f58518", "step()": "#54a24b", "wai
 
 
 class Recorder:
-    """Collects spans from every thread; `wrap` times a method of a class for as long as the recorder lives."""
+    """Collects spans from every thread: the engine's (an observer, `on_span`) and this script's (`add`)."""
 
     def __init__(self) -> None:
         self.spans: List[Span] = []
         self.on = False
         self._lock = threading.Lock()
-        self._restore: List[Callable[[], None]] = []
 
     def add(self, kind: str, start: float, end: float, label: str = "") -> None:
         if self.on:
             with self._lock:
                 self.spans.append((threading.current_thread().name, kind, start, end, label))
 
-    def wrap(self, owner: type, name: str, kind: str, label: Callable[..., str] = lambda *a, **k: "") -> None:
-        original = owner.__dict__[name]
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.add(kind, start, time.perf_counter(), label(*args, **kwargs))
-
-        setattr(owner, name, timed)
-        self._restore.append(lambda: setattr(owner, name, original))
-
-    def close(self) -> None:
-        for restore in reversed(self._restore):
-            restore()
-
-
-def _block_name(state: GroupState, *_args, **_kwargs) -> str:
-    return f"{state.group.slots[0].name.rsplit('.', 1)[0]}"
+    def on_span(self, name: str, detail: str, start: float, end: float) -> None:
+        self.add(name, start, end, detail)
 
 
 def main(argv: List[str] = None) -> None:
@@ -100,45 +77,28 @@ def main(argv: List[str] = None) -> None:
     print(machine_header())
 
     recorder = Recorder()
-    recorder.wrap(GroupState, "update", "update", _block_name)
-    recorder.wrap(DiskGroupState, "update", "update", _block_name)
-    recorder.wrap(DiskRing, "_wait", "disk wait")
-    recorder.wrap(engine_module.Engine, "_step", "step()")
-    real_wait = engine_module.StepWorker.wait
-
-    def wait(worker, block_index):  # a forward (or a gradient hook) that waits for a pending update
-        start, pending = time.perf_counter(), worker.is_pending(block_index)
-        try:
-            return real_wait(worker, block_index)
-        finally:
-            if pending:
-                recorder.add("wait for update", start, time.perf_counter(), f"block {block_index}")
-
-    engine_module.StepWorker.wait = wait
     torch.manual_seed(0)
     idx = torch.randint(0, args.vocab, (args.batch, args.context))
     tgt = torch.randint(0, args.vocab, (args.batch, args.context))
-    try:
-        with tempfile.TemporaryDirectory(dir=args.nvme_path) as directory:
-            model = DemoGPT(args.vocab, args.dim, args.layers, args.context)
-            with offload.wrap(model, tier=args.tier, nvme_path=directory if args.tier == "nvme" else None,
-                              dtype=dtype, device="cpu", grad_accumulation_steps=1) as engine:
-                for step in range(3 + args.steps):
-                    recorder.on = step >= 3
-                    start = time.perf_counter()
-                    loss = engine(idx, tgt)
-                    middle = time.perf_counter()
-                    loss.backward()
-                    end = time.perf_counter()
-                    recorder.add("forward", start, middle, f"step {step - 2}")
-                    recorder.add("backward", middle, end, f"step {step - 2}")
-                    engine.step()
-                    engine.zero_grad()
-                recorder.on = False  # the last updates run on into the synchronize: not a step's steady state
-                engine.synchronize()
-    finally:
-        engine_module.StepWorker.wait = real_wait
-        recorder.close()
+    with tempfile.TemporaryDirectory(dir=args.nvme_path) as directory:
+        model = DemoGPT(args.vocab, args.dim, args.layers, args.context)
+        with offload.wrap(model, tier=args.tier, nvme_path=directory if args.tier == "nvme" else None,
+                          dtype=dtype, device="cpu", grad_accumulation_steps=1) as engine:
+            engine.add_observer(recorder)
+            for step in range(3 + args.steps):
+                recorder.on = step >= 3
+                start = time.perf_counter()
+                loss = engine(idx, tgt)
+                middle = time.perf_counter()
+                loss.backward()
+                end = time.perf_counter()
+                recorder.add("forward", start, middle, f"step {step - 2}")
+                recorder.add("backward", middle, end, f"step {step - 2}")
+                engine.step()
+                engine.zero_grad()
+            recorder.on = False  # the last updates run on into the synchronize: not a step's steady state
+            engine.synchronize()
+
 
     spans = recorder.spans
     origin = min(s[2] for s in spans)

@@ -53,7 +53,7 @@ def test_tied_stored_once_frozen_weights_only():
         assert total == 4 * sum(p.numel() for p in model.parameters())  # parameters() dedups tied
         frozen = next(b for b in engine.blocks if b.name == "h.1")
         assert frozen.trainable_numel == 0
-        assert engine._states[frozen.index] == []  # no optimizer state for frozen weights
+        assert frozen.runtime.states == []  # no optimizer state for frozen weights
         placement = {p.name: p for p in engine.plan.blocks}
         assert placement["h.1"].state_bytes == 0 and placement["h.0"].state_bytes > 0
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -74,10 +74,11 @@ def test_mixed_dtypes_norms_stay_fp32():
 def test_residency_changes_are_checked():
     (block,) = build_blocks(nn.Sequential(nn.Linear(2, 2)), torch.float32)[:1]
     assert block.residency is Residency.RESIDENT
-    with pytest.raises(OffloadError, match="illegal residency change resident -> in_flight"):
-        block.move_to(Residency.IN_FLIGHT)
+    with pytest.raises(OffloadError, match="illegal residency change resident -> resident"):
+        block.move_to(Residency.RESIDENT)
     block.move_to(Residency.RELEASED)
-    block.move_to(Residency.IN_FLIGHT)
+    with pytest.raises(OffloadError, match="illegal residency change released -> released"):
+        block.move_to(Residency.RELEASED)
     block.move_to(Residency.RESIDENT)
 
 

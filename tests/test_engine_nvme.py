@@ -85,7 +85,7 @@ def test_plan_shows_the_staging_ring_within_host_memory(tmp_path):
                       host_memory=300 << 10) as engine:
         assert "staging ring" in str(engine.plan)
         assert engine.plan.bytes_on(offload.planner.Location.HOST) <= 300 << 10
-        assert engine._staging.budget_bytes <= engine.plan.ring_bytes + 4096
+        assert engine.stats()["nvme_staging_bytes"] <= engine.plan.ring_bytes + 4096
         _train_step(engine)
         engine.synchronize()
         assert engine.stats()["nvme_chunks_moved"] > 0
@@ -130,7 +130,7 @@ def test_whole_record_read_write_round_trip_and_short_buffer_refused(tmp_path):
     records, size = plan_swap_layout(blocks)
     store = SwapStore(str(tmp_path), records, size)
     try:
-        record = records[id(group)]
+        record = records[group.key]
         assert record.section_bytes % 4096 == 0 and record.nbytes == 3 * record.section_bytes
         source = torch.arange(record.nbytes // 4, dtype=torch.float32)
         store.write(group, source)

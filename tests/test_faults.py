@@ -256,8 +256,10 @@ def test_ctrl_c_during_step_applies_the_whole_step(tmp_path):
     with plain:
         train(plain, plain_scheduler, range(2))
         expected = plain.state_dict()
+    from offload.scheduler.pipeline import StepPipeline
+
     engine, scheduler = make_engine("cpu", str(tmp_path))
-    submit, calls = engine._submit_update, []
+    submit, calls = StepPipeline.submit_update, []
 
     def interrupted(*args, **kwargs):
         calls.append(1)
@@ -267,10 +269,12 @@ def test_ctrl_c_during_step_applies_the_whole_step(tmp_path):
 
     with engine:
         train(engine, scheduler, range(1))
-        engine._submit_update = interrupted
-        with pytest.raises(KeyboardInterrupt):
-            train(engine, scheduler, range(1, 2))
-        engine._submit_update = submit
+        StepPipeline.submit_update = interrupted
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                train(engine, scheduler, range(1, 2))
+        finally:
+            StepPipeline.submit_update = submit
         assert len(calls) == 6 and engine.stats()["steps"] == 2  # every block scheduled; the step counted
         engine.zero_grad()
         scheduler.step()  # the interrupt skipped the training loop's scheduler.step()

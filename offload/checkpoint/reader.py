@@ -30,12 +30,12 @@ from offload.checksum import checksum
 from offload.errors import OffloadConfigError, OffloadIntegrityError, OffloadIOError
 
 if TYPE_CHECKING:
-    from offload.engine import Engine
+    from offload.checkpoint.target import CheckpointTarget
 
 VERIFY_BYTES = 16 << 20  # the first pass reads through one buffer of this size (two halves), whatever the size
 
 
-def load_checkpoint(engine: "Engine", path: str, *, scheduler: Any = None, rng: bool = False,
+def load_checkpoint(engine: "CheckpointTarget", path: str, *, scheduler: Any = None, rng: bool = False,
                     progress: Optional[bool] = None) -> Dict[str, Any]:
     """Load into `engine`; returns the manifest. See `Engine.load`."""
     directory = resolve(path)
@@ -104,7 +104,7 @@ def _partly_loaded(exc: Exception) -> tuple:
     return (f"{exc}{note}", exc.path)
 
 
-def _check_entries(engine: "Engine", groups, weights: TensorFileReader, optim: TensorFileReader) -> None:
+def _check_entries(engine: "CheckpointTarget", groups, weights: TensorFileReader, optim: TensorFileReader) -> None:
     """Every tensor the load will read exists with the size it needs (weights may be of another dtype)."""
     for _block, group, state in groups:
         for slot in group.slots:
@@ -119,7 +119,7 @@ def _check_entries(engine: "Engine", groups, weights: TensorFileReader, optim: T
             weights.require(name, buffer.numel())
 
 
-def _load_tensors(engine: "Engine", groups, weights: TensorFileReader, optim: TensorFileReader,
+def _load_tensors(engine: "CheckpointTarget", groups, weights: TensorFileReader, optim: TensorFileReader,
                   steps: Dict[str, int], bar: Any) -> None:
     clone_state = {"try": True}
     for _block, group, state in groups:
@@ -132,7 +132,7 @@ def _load_tensors(engine: "Engine", groups, weights: TensorFileReader, optim: Te
         if state is None:
             continue
         _load_record(optim, group, state, clone_state)
-        state.steps = [steps[slot.name] for slot in group.trainable_slots]
+        state.restore_steps([steps[slot.name] for slot in group.trainable_slots])
         bar.update(12 * group.trainable_numel)
     stored = {s.name for _b, g, _s in groups for s in g.slots}
     for name, buffer in engine.module.named_buffers():
@@ -150,7 +150,7 @@ def _load_record(optim: TensorFileReader, group: Any, state: Any, clone_state: D
     no clone covered is written."""
     names = [[optimizer_key(kind, slot.name) for slot in group.trainable_slots] for kind in STATE_KINDS]
     cloned = [0, 0, 0]
-    target = state_io.swap_sections(state) if clone_state["try"] else None
+    target = state.store.swap_sections() if clone_state["try"] else None
     if target is not None:
         aligned = target.nbytes // BLOCK * BLOCK
         for index, offset in enumerate(target.offsets):
@@ -166,7 +166,7 @@ def _load_record(optim: TensorFileReader, group: Any, state: Any, clone_state: D
             for slot, first, _lo, piece in state_io.pieces(group, start, stop, view):
                 optim.read_part(names[index][slot], 4 * first, piece)
 
-    state_io.write(state, fill, cloned)
+    state.store.write(fill, cloned)
 
 
 def _read_cast(reader: TensorFileReader, name: str, out: Tensor) -> None:
@@ -180,7 +180,7 @@ def _read_cast(reader: TensorFileReader, name: str, out: Tensor) -> None:
         reader.read_into(name, out)
 
 
-def _check_param_groups(engine: "Engine", manifest: Dict[str, Any], directory: str) -> None:
+def _check_param_groups(engine: "CheckpointTarget", manifest: Dict[str, Any], directory: str) -> None:
     """Each saved optimizer group's options go to the group holding the same parameters, or nowhere: a
     checkpoint of another grouping is refused before anything changes (torch.optim refuses it too)."""
     saved, now = manifest["param_groups"], engine.optimizer.param_groups

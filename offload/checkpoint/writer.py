@@ -32,7 +32,7 @@ from offload.checksum import checksum, preferred_algorithm
 from offload.errors import OffloadIOError
 
 if TYPE_CHECKING:
-    from offload.engine import Engine
+    from offload.checkpoint.target import CheckpointTarget
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 PAD = "__pad__"  # zero bytes that align each optimizer record to a file-system block (reflink.BLOCK)
@@ -48,7 +48,7 @@ def _progress(total: int, progress: Optional[bool], desc: str) -> tqdm:
     return tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not show, leave=False)
 
 
-def save_checkpoint(engine: "Engine", path: str, *, scheduler: Any = None, rng: bool = False,
+def save_checkpoint(engine: "CheckpointTarget", path: str, *, scheduler: Any = None, rng: bool = False,
                     progress: Optional[bool] = None) -> str:
     """Write the checkpoint; returns its absolute path. See `Engine.save`.
 
@@ -86,7 +86,7 @@ class _Layout:
     tied: Dict[str, str] = field(default_factory=dict)  # alias -> stored name
 
 
-def _layout(engine: "Engine", groups: list) -> _Layout:
+def _layout(engine: "CheckpointTarget", groups: list) -> _Layout:
     out, optim_bytes = _Layout(), 0
     for block, group, state in groups:
         if not out.blocks or out.blocks[-1]["name"] != block.name:
@@ -123,9 +123,9 @@ def _layout(engine: "Engine", groups: list) -> _Layout:
     return out
 
 
-def _save(engine: "Engine", path: str, scheduler: Any, rng: bool, progress: Optional[bool]) -> str:
+def _save(engine: "CheckpointTarget", path: str, scheduler: Any, rng: bool, progress: Optional[bool]) -> str:
     groups = list(engine.checkpoint_groups())  # waits for pending updates first
-    if any(state is not None and any(state.has_grad) for _b, _g, state in groups):
+    if any(state is not None and any(state.grads.has_grad) for _b, _g, state in groups):
         warnings.warn("offload: saving between backward() and step(): accumulated gradients are not part of a "
                       "checkpoint; save after step()/zero_grad() to resume exactly", RuntimeWarning, stacklevel=3)
     algorithm = preferred_algorithm()
@@ -155,7 +155,7 @@ def _save(engine: "Engine", path: str, scheduler: Any, rng: bool, progress: Opti
     return path
 
 
-def _write_weights(engine: "Engine", groups: list, layout: _Layout, path: str, algorithm: str,
+def _write_weights(engine: "CheckpointTarget", groups: list, layout: _Layout, path: str, algorithm: str,
                    bar: tqdm) -> Dict[str, Any]:
     """model.safetensors: each group's current weights, then tied aliases and buffers."""
     writer = TensorFileWriter(path, layout.model_entries, algorithm, {"format": "pt"})
@@ -211,7 +211,7 @@ def _write_record(optim: TensorFileWriter, group: Any, state: Any, try_clone: bo
     the per-tensor checksums. Returns (bytes cloned, whether every clone tried worked)."""
     names = [[optimizer_key(kind, slot.name) for slot in group.trainable_slots] for kind in STATE_KINDS]
     cloned = [0, 0, 0]  # per section: leading elements the clone covered
-    source = state_io.swap_sections(state) if try_clone else None
+    source = state.store.swap_sections() if try_clone else None
     complete = True
     if source is not None:
         aligned = source.nbytes // BLOCK * BLOCK
@@ -220,7 +220,7 @@ def _write_record(optim: TensorFileWriter, group: Any, state: Any, try_clone: bo
                 complete = False
                 break
             cloned[index] = aligned // 4
-    with state_io.reading(state) as chunks:
+    with state.store.reading() as chunks:
         for start, stop, views in chunks:
             for index, view in enumerate(views):
                 for slot, first, lo, piece in state_io.pieces(group, start, stop, view):

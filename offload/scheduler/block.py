@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -18,6 +18,9 @@ from torch import nn
 from offload.errors import OffloadConfigError, OffloadError
 from offload.planner import BlockSpec, spec_of
 from offload.policy import Tier
+
+if TYPE_CHECKING:
+    from offload.scheduler.runtime import BlockRuntime, GroupRuntime
 
 # Normalization layers keep their fp32 parameters under a lower compute dtype, as autocast does.
 _NORM_TYPES: Tuple[type, ...] = tuple(
@@ -27,17 +30,17 @@ _NORM_TYPES: Tuple[type, ...] = tuple(
 
 
 class Residency(enum.Enum):
-    """Where a block's compute weights are: every change is checked against the allowed moves."""
+    """Where a block's compute weights are: every change is checked against the allowed moves. Whether an
+    upload into a resident block is still in flight (CUDA) is not residency but its copy event, kept in
+    one place, the copy context (streams.py): the compute stream waits on it before the block is used."""
 
     RESIDENT = "resident"    # on the compute device, params point into the device buffer
-    IN_FLIGHT = "in_flight"  # an upload has been issued, not yet waited for
-    RELEASED = "released"    # device buffer freed; the host copy is the only one
+    RELEASED = "released"    # device buffer freed; the weight home's copy is the only one
 
 
 _ALLOWED_MOVES = {
     Residency.RESIDENT: {Residency.RELEASED},
-    Residency.RELEASED: {Residency.IN_FLIGHT, Residency.RESIDENT},
-    Residency.IN_FLIGHT: {Residency.RESIDENT},
+    Residency.RELEASED: {Residency.RESIDENT},
 }
 
 
@@ -60,13 +63,15 @@ class FlatGroup:
     optimizer state, the gradient buffer and the updated weights are each a single flat tensor.
     """
 
-    def __init__(self, dtype: torch.dtype, slots: List[ParamSlot]) -> None:
+    def __init__(self, dtype: torch.dtype, slots: List[ParamSlot], block_name: str = "") -> None:
+        self.key = f"{block_name}/{str(dtype).replace('torch.', '')}"  # stable across processes: layouts use it
         self.dtype = dtype
         self.slots = slots
         self.numel = sum(s.numel for s in slots)
         self.trainable_slots = [s for s in slots if s.trainable]
         self.trainable_numel = sum(s.numel for s in self.trainable_slots)
         self.device_buffer: Optional[torch.Tensor] = None
+        self.runtime: Optional["GroupRuntime"] = None  # set when an engine takes the group (runtime.py)
 
     @property
     def nbytes(self) -> int:
@@ -86,6 +91,7 @@ class Block:
         self.index = index
         self.groups = groups
         self.residency = Residency.RESIDENT
+        self.runtime: Optional["BlockRuntime"] = None  # set when an engine takes the block (runtime.py)
 
     @property
     def weight_bytes(self) -> int:
@@ -191,7 +197,7 @@ def build_blocks(module: nn.Module, compute_dtype: torch.dtype) -> List[Block]:
                     raise OffloadConfigError(f"parameter {name!r} requires grad but has dtype {param.dtype}")
                 slots.append(ParamSlot(name, param, param.shape, offset, param.numel(), param.requires_grad))
                 offset += param.numel()
-            groups.append(FlatGroup(dtype, slots))
+            groups.append(FlatGroup(dtype, slots, key))
         blocks.append(Block(key, index, groups))
     return blocks
 

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Protocol
 
 import torch
 from torch import nn
@@ -18,6 +18,22 @@ from torch.utils.hooks import RemovableHandle
 from offload.scheduler.block import Block
 
 
+class ForwardPhases(Protocol):
+    """The phases the hooks run (scheduler/pipeline.py's `StepPipeline`)."""
+
+    def begin_root_forward(self) -> None: ...
+
+    def end_root_forward(self) -> None: ...
+
+    def pre_forward(self, blocks: List[Block]) -> None: ...
+
+    def post_forward(self, blocks: List[Block]) -> None: ...
+
+    def begin_backward(self) -> None: ...
+
+    def on_grad(self, param: nn.Parameter) -> None: ...
+
+
 class HookSet:
     """The engine's hooks on one model; `remove()` restores the model to plain PyTorch."""
 
@@ -25,10 +41,11 @@ class HookSet:
         self._handles: List[RemovableHandle] = []
 
     def attach(self, root: nn.Module, blocks: List[Block], owners: Dict[int, List[nn.Module]],
-               ensure_blocks: Callable[[List[Block]], None], leave_blocks: Callable[[List[Block]], None],
-               on_backward_begin: Callable[[], None], on_grad: Callable[[nn.Parameter], None]) -> None:
-        ensure_blocks, leave_blocks = _eager(ensure_blocks), _eager(leave_blocks)
-        on_backward_begin, on_grad = _eager(on_backward_begin), _eager(on_grad)
+               phases: ForwardPhases) -> None:
+        """Hook `phases` into the model: each block owner's pre- and post-forward, each trainable parameter's
+        gradient, the root's outputs (a backward begins), and the root's forward as a whole."""
+        pre_forward, post_forward = _eager(phases.pre_forward), _eager(phases.post_forward)
+        begin_backward, on_grad = _eager(phases.begin_backward), _eager(phases.on_grad)
         blocks_of_module: Dict[int, List[Block]] = {}
         modules: Dict[int, nn.Module] = {}
         for block in blocks:
@@ -42,24 +59,20 @@ class HookSet:
                     self._handles.append(slot.param.register_post_accumulate_grad_hook(on_grad))
         for key, module in modules.items():
             needed = blocks_of_module[key]
-            self._handles.append(module.register_forward_pre_hook(lambda _m, _a, needed=needed: ensure_blocks(needed)))
+            self._handles.append(module.register_forward_pre_hook(lambda _m, _a, needed=needed: pre_forward(needed)))
             self._handles.append(module.register_forward_hook(
-                lambda _m, _a, _o, needed=needed: leave_blocks(needed), always_call=True))
+                lambda _m, _a, _o, needed=needed: post_forward(needed), always_call=True))
 
         def hook_outputs(_module: nn.Module, _args: object, output: object) -> None:
             if not torch.is_grad_enabled():
                 return
             for leaf in tree_flatten(output)[0]:
                 if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.grad_fn is not None:
-                    leaf.register_hook(lambda _grad: on_backward_begin())
+                    leaf.register_hook(lambda _grad: begin_backward())
 
         self._handles.append(root.register_forward_hook(hook_outputs))
-
-    def attach_root_context(self, root: nn.Module, enter: Callable[[], None], exit_: Callable[[], None]) -> None:
-        """Run `enter` before the root module's forward and `exit_` after it, even when it raises.
-
-        Registered before nothing else on the root, so the output hook sees the same context."""
-        enter, exit_ = _eager(enter), _eager(exit_)
+        # The root's context encloses everything above: entered before any pre-hook, left after every hook.
+        enter, exit_ = _eager(phases.begin_root_forward), _eager(phases.end_root_forward)
         self._handles.append(root.register_forward_pre_hook(lambda _m, _a: enter(), prepend=True))
         self._handles.append(root.register_forward_hook(lambda _m, _a, _o: exit_(), always_call=True))
 

@@ -93,7 +93,7 @@ class CopyContext:
         self.bytes_to_device = 0
         self.async_copies = 0
         self._streams = side_streams_for(device)
-        self._uploads: Dict[int, CopyEvent] = {}  # key -> event of the last upload under that key
+        self._uploads: Dict[str, CopyEvent] = {}  # key -> event of the last upload under that key
         self._lock = threading.Lock()  # the update worker waits on uploads while the training thread issues them
 
     @property
@@ -112,7 +112,7 @@ class CopyContext:
         if self.device.type != "cpu" or dst.data_ptr() != src.data_ptr():
             self.bytes_to_device += src.numel() * src.element_size()
 
-    def upload(self, key: int, dst: Tensor, src: Tensor) -> None:
+    def upload(self, key: str, dst: Tensor, src: Tensor) -> None:
         """Upload `src` (pinned host) into `dst` (device); asynchronous on CUDA. Before the compute reads `dst`
         call `use_upload(key)`; before the host overwrites `src`, `release_source(key)`."""
         if self._streams is None:
@@ -125,7 +125,7 @@ class CopyContext:
             self.async_copies += 1
             self.bytes_to_device += src.numel() * src.element_size()
 
-    def use_upload(self, key: int) -> None:
+    def use_upload(self, key: str) -> None:
         """The compute stream waits for the last upload under `key` (nothing to do when copies are synchronous)."""
         with self._lock:
             event = self._uploads.get(key)
@@ -133,7 +133,7 @@ class CopyContext:
             assert self._streams is not None
             self._streams.compute_wait(event)
 
-    def release_source(self, key: int) -> None:
+    def release_source(self, key: str) -> None:
         """Block until the last upload under `key` has read its source (any thread)."""
         with self._lock:
             event = self._uploads.get(key)

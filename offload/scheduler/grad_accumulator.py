@@ -1,0 +1,93 @@
+"""The gradient accumulator of one flat group: where gradients go when they leave the device.
+
+A piece of its own, apart from the optimizer state (state_store.py), so that where gradients are kept
+can change (host memory today; a store on disk for models larger than RAM) without touching the update.
+With copies on side streams (CUDA) and the accumulator on the host, gradients arrive asynchronously
+(`GradDownloads`): every read settles them first.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from offload.optim.functional import sum_of_squares
+from offload.scheduler.block import FlatGroup
+from offload.scheduler.streams import CopyContext, GradDownloads
+
+
+class GradAccumulator:
+    """The flat gradient of a group's trainable range and which of its parameters have one since `zero`."""
+
+    def __init__(self, group: FlatGroup, device: torch.device, copies: Optional[CopyContext]) -> None:
+        n = group.trainable_numel
+        self.group = group
+        on_host = device.type == "cpu"
+        self.downloads = (GradDownloads(copies, n, group.dtype)
+                          if on_host and copies is not None and copies.is_async else None)
+        self.grad = (torch.zeros(n, dtype=group.dtype, device=device) if self.downloads is None
+                     else self.downloads.new_accumulator())
+        self.has_grad: List[bool] = [False] * len(group.trainable_slots)
+
+    @property
+    def nbytes(self) -> int:
+        return self.grad.nbytes
+
+    def accumulate(self, index: int, grad: Tensor) -> int:
+        """Add one parameter's gradient into its range (a copy for the first one); returns bytes moved."""
+        slot = self.group.trainable_slots[index]
+        target = self.grad[slot.offset:slot.offset + slot.numel]
+        source = grad.detach().reshape(-1)
+        if self.downloads is not None:
+            self.downloads.put(target, slot.offset, source, accumulate=self.has_grad[index])
+        elif self.has_grad[index]:
+            target.add_(source.to(target.device, target.dtype))
+        else:
+            target.copy_(source)
+        self.has_grad[index] = True
+        return source.numel() * source.element_size()
+
+    def settle(self) -> None:
+        """Finish the gradient downloads in flight (CUDA): call before reading `grad` (any thread)."""
+        if self.downloads is not None:
+            self.downloads.settle()
+
+    def zero(self, set_to_none: bool) -> None:
+        self.settle()  # a copy still in flight would land after the zeroing or the next first copy
+        if set_to_none:
+            self.has_grad = [False] * len(self.has_grad)
+            return
+        for index, slot in enumerate(self.group.trainable_slots):
+            if self.has_grad[index]:
+                self.grad[slot.offset:slot.offset + slot.numel].zero_()
+
+    def ready_indices(self) -> List[int]:
+        """Trainable parameters that have a gradient now: taken when an update is scheduled, because
+        `zero_grad()` may clear the flags before the background update runs."""
+        return [i for i, has in enumerate(self.has_grad) if has]
+
+    def norms(self) -> List[Tuple[nn.Parameter, float]]:
+        """L2 norm of each accumulated gradient (parameters without one are left out).
+
+        Computed with torch.linalg.vector_norm in fp32, the reduction torch.nn.utils.clip_grad_norm_ uses:
+        a more exact fp64 sum differs in the last bit, and Adam amplifies that in elements whose gradient
+        is rounding noise (e.g. attention key biases). See docs/design.md [Note: clipping parity]."""
+        self.settle()
+        norms = []
+        for index, slot in enumerate(self.group.trainable_slots):
+            if self.has_grad[index]:
+                piece = self.grad[slot.offset:slot.offset + slot.numel]
+                norms.append((slot.param, float(torch.linalg.vector_norm(piece, 2, dtype=torch.float32))))
+        return norms
+
+    def all_finite(self, num_threads: Optional[int] = None) -> bool:
+        """Whether every accumulated element is finite: one read of the gradient (2-4 B per parameter,
+        against ~30 B the Adam update moves), with the update's threads."""
+        self.settle()
+        grad = self.grad[:self.group.trainable_numel]
+        if grad.device.type == "cpu" and grad.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return math.isfinite(sum_of_squares(grad, num_threads=num_threads))
+        return bool(torch.isfinite(grad).all())

@@ -1,0 +1,399 @@
+"""The training step as named phases, in the order they run; the hooks (hooks.py) call them.
+
+Forward: `begin_root_forward`, then per block `pre_forward` (wait for the block's pending update, push
+its updated weights, fetch it if streamed) and `post_forward`; `end_root_forward`. Backward:
+`begin_backward` (the first gradient of the module's outputs), then `on_grad` per parameter (the gradient
+leaves the device into its group's accumulator; when the declared last backward completes a block, its
+update is scheduled at once). `schedule_step` (optimizer.step()) schedules every block not updated early;
+the worker runs each `UpdateJob` in `run_block_update`. The path of one gradient: autograd ->
+`on_grad` -> `GradAccumulator.accumulate` -> `UpdateJob` -> `run_block_update` -> `GroupState.update`
+-> `adamw` over the group's `StateStore` (memory, or the swap file through the ring) -> the weight home
+-> `push` at the block's next `pre_forward`. See docs/design.md, "Map", and the Notes cited below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from offload._interrupts import deferred_keyboard_interrupt
+from offload.errors import OffloadError
+from offload.policy import OffloadPolicy, Tier
+from offload.scheduler.block import Block, Residency
+from offload.scheduler.forward_order import ForwardOrder
+from offload.scheduler.grads import BackwardTracker
+from offload.scheduler.jobs import GroupUpdate, NormJob, UpdateJob
+from offload.scheduler.nonfinite import NonFiniteSkips
+from offload.scheduler.optimizer_view import EngineOptimizer
+from offload.scheduler.phase_clock import PhaseClock
+from offload.scheduler.placement import Tiers
+from offload.scheduler.runtime import BlockRuntime, SlotRef, SlotTable
+from offload.scheduler.trace import Tracer
+from offload.scheduler.update import AdamHyper, clip_scale
+from offload.scheduler.worker import StepWorker
+
+
+@dataclass
+class StepCounters:
+    """Counters since wrap(), reported by `engine.stats()` and kept by checkpoints (`steps`, `skipped_steps`)."""
+
+    steps: int = 0
+    skipped_steps: int = 0
+    block_updates: int = 0
+    early_block_updates: int = 0
+    update_seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+
+class StepPipeline:
+    """The phases of a training step over one model's blocks (each with its runtime record, `block.runtime`)."""
+
+    def __init__(self, blocks: List[Block], module: nn.Module, policy: OffloadPolicy, tiers: Tiers,
+                 tracer: Tracer, num_threads: int, optimizer_groups: List[dict]) -> None:
+        self.blocks = blocks
+        self.slots = SlotTable(blocks, module)
+        self.tiers = tiers
+        self.tracer = tracer
+        self.policy = policy
+        self.module = module
+        self.order = ForwardOrder(len(blocks))
+        self.tracker = BackwardTracker(policy.grad_accumulation_steps)
+        self.streamer = tiers.streamer
+        self.worker = StepWorker(num_threads, on_next=self._read_ahead_of if tiers.ring is not None else None)
+        self.counters = StepCounters()
+        self.nonfinite = NonFiniteSkips()
+        self.clock = PhaseClock()
+        defaults = dict(lr=policy.lr, betas=policy.betas, eps=policy.eps, weight_decay=policy.weight_decay)
+        self.optimizer = EngineOptimizer(optimizer_groups, defaults, self.step, self.zero_grad)
+        self.closed = False
+        self._early_hyper: Optional[Tuple[AdamHyper, ...]] = None
+        self._saved_tensor_hooks: List[object] = []
+
+    # ----- forward -----------------------------------------------------------------------------------
+    def begin_root_forward(self) -> None:
+        """Time the forward; when streaming, autograd saves streamed weights as handles (fetched again in
+        backward)."""
+        self.clock.forward_begins()
+        if self.streamer.active:
+            context = torch.autograd.graph.saved_tensors_hooks(self.streamer.pack, self.streamer.unpack)
+            context.__enter__()
+            self._saved_tensor_hooks.append(context)
+
+    def end_root_forward(self) -> None:
+        if self.streamer.active and self._saved_tensor_hooks:
+            self._saved_tensor_hooks.pop().__exit__(None, None, None)
+        self.clock.forward_ends()
+
+    def pre_forward(self, blocks: List[Block]) -> None:
+        """Wait for each block's pending update, push its new weights, make it resident.
+
+        Runs in forward, under no_grad, and for checkpoint recompute during backward; there a streamed block
+        stays pinned until the backward ends (see [Note: weight streaming])."""
+        in_backward = torch._C._current_graph_task_id() != -1
+        for block in blocks:
+            runtime = _runtime(block)
+            self._wait_for_update(block, counted=True)
+            if runtime.needs_push:
+                self.push(runtime)  # before a fetch, which reads the updated home anyway
+            following = self._next_in_forward_order(block) if self.order.known and not in_backward else None
+            self.streamer.ensure(block, pin=True, prefetch=following,
+                                 settled=following is None or not self.worker.is_pending(following.index))
+            if in_backward and runtime.streamed:
+                self.streamer.pin(block.index)
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda index=block.index: self.streamer.unpin(index))
+            if not self.order.record(block.index) and not in_backward and block.index == self.order.first \
+                    and self.tracker.next_is_last:
+                self._read_ahead_for_backward()  # the disk is otherwise idle during the forward
+
+    def post_forward(self, blocks: List[Block]) -> None:
+        """The module no longer needs these blocks (also after an exception)."""
+        for block in blocks:
+            self.streamer.unpin(block.index)
+
+    def push(self, runtime: BlockRuntime) -> None:
+        """Send a block's updated weights from their homes to the device (a released block fetches them)."""
+        resident = runtime.block.residency is Residency.RESIDENT
+        for group in runtime.groups:
+            if group.state is not None:
+                group.home.push(resident)
+        runtime.needs_push = False
+
+    # ----- backward ----------------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        self.clock.backward_begins(task)
+        self.tracker.begin_backward(task)
+        if self.tracker.is_last_backward:
+            self._read_ahead_for_backward()
+
+    def on_grad(self, param: nn.Parameter) -> None:
+        """A parameter's gradient is complete for this backward. See [Note: when a block may update early]."""
+        ref = self.slots[param]
+        tracker, block = self.tracker, ref.block
+        if tracker.micro_batches == 0:  # a backward that did not pass through the root module's outputs
+            tracker.begin_backward(torch._C._current_graph_task_id())
+        tracker.fire(id(param))
+        if tracker.keeps_grads_on_device:
+            return
+        if block.updated_early:
+            raise OffloadError(
+                f"parameter of block {block.block.name!r} received a gradient after the block was updated early; "
+                "the autograd graph changed between backward passes in a way the engine cannot see ahead of time "
+                "(e.g. reentrant checkpointing of a module used twice); leave grad_accumulation_steps unset")
+        self._offload_grad(ref, param)
+        if tracker.is_last_backward and tracker.completes(block.trainable_ids):
+            if self.policy.max_grad_norm is None:
+                self._early_hyper = self.read_hypers()
+                block.updated_early = True
+                self.counters.early_block_updates += 1
+                self.submit_update(block, self._early_hyper, 1.0)
+            else:
+                self.worker.submit(block.block.index, NormJob(block, self.run_block_norms), self._priority(block))
+
+    def _offload_grad(self, ref: SlotRef, param: nn.Parameter) -> None:
+        self._wait_for_update(ref.block.block, counted=False)  # the last update may still read the gradients
+        assert param.grad is not None
+        nbytes = ref.state.grads.accumulate(ref.index, param.grad)
+        param.grad = None
+        if self.policy.tier is not Tier.GPU:
+            self.tiers.copies.count_to_host(nbytes)
+
+    def _read_ahead_for_backward(self) -> None:
+        """Blocks update as their gradients complete, roughly in reverse forward order: start reading their
+        state as soon as slots allow (from the forward on), not when each block's gradients are in."""
+        if self.tiers.ring is not None and self.order.known and self.policy.max_grad_norm is None:
+            order = [self.blocks[i] for i in self.order.reversed()]
+            self.tiers.ring.announce(_disk_groups(order))
+
+    # ----- step --------------------------------------------------------------------------------------
+    def read_hypers(self) -> Tuple[AdamHyper, ...]:
+        """Each optimizer group's hyperparameters as they are now (read when updates are scheduled)."""
+        return tuple(AdamHyper.from_group(group) for group in self.optimizer.param_groups)
+
+    def step(self) -> None:
+        """engine.optimizer.step(): schedule the remaining block updates in forward order and return.
+        Ctrl-C waits until the step is fully scheduled (offload/_interrupts.py)."""
+        self.check_open()
+        self.worker.raise_if_failed()
+        with self.tracer.span("step()"), deferred_keyboard_interrupt():
+            self.schedule_step()
+
+    def schedule_step(self) -> None:
+        """optimizer.step(): offload the gradients still on the device, clip, and schedule every block's update
+        in forward order."""
+        self.tracker.end_step()
+        hyper = self.read_hypers()
+        for param in self.slots:  # gradients still on the device (fewer backward calls than declared)
+            if param.grad is not None:
+                self._offload_grad(self.slots[param], param)
+        if any(_runtime(b).updated_early for b in self.blocks) and self._early_hyper != hyper:
+            warnings.warn("optimizer hyperparameters changed between the last backward and step(); blocks updated "
+                          "early used the earlier values (set them before the last backward)", RuntimeWarning)
+        scale = 1.0
+        if self.policy.max_grad_norm is not None:
+            self.worker.wait_all()
+            per_param = [n for b in self.blocks for n in self._norms_of(_runtime(b))]
+            per_param.sort(key=lambda pn: self.slots[pn[0]].position)  # torch's order: model.parameters()
+            total_norm, scale = clip_scale([n for _p, n in per_param], self.policy.max_grad_norm)
+            if not math.isfinite(total_norm):
+                self.counters.skipped_steps += 1
+                warnings.warn(f"offload: optimizer step {self.counters.steps + 1} skipped: the gradient norm is "
+                              f"{total_norm}", RuntimeWarning)
+                self.finish_step()
+                return
+        for index in self.order.update_order():
+            if not _runtime(self.blocks[index]).updated_early:
+                self.submit_update(_runtime(self.blocks[index]), hyper, scale)
+        self.finish_step()
+
+    def _norms_of(self, runtime: BlockRuntime) -> List[Tuple[nn.Parameter, float]]:
+        if runtime.norms is not None:
+            return runtime.norms
+        return [n for state in runtime.states for n in state.grads.norms()]
+
+    def submit_update(self, runtime: BlockRuntime, hypers: Tuple[AdamHyper, ...], grad_scale: float) -> None:
+        """Queue the block's update on the worker (nothing when no parameter of it has a gradient)."""
+        parts = [GroupUpdate(g, g.state.grads.ready_indices(), g.state.hypers_of(hypers), g.home.update_target())
+                 for g in runtime.groups if g.state is not None]
+        if not any(part.ready for part in parts):
+            return
+        for part in parts:
+            if part.ready:
+                part.runtime.state.store.announce()  # its reads (disk) start now, ahead of the worker reaching it
+        if runtime.streamed:
+            self.streamer.invalidate(runtime.block)  # disk reads a prefetch started would be stale
+        job = UpdateJob(runtime, parts, grad_scale, self.policy.max_grad_norm is None, self.counters.steps,
+                        self.run_block_update)
+        self.worker.submit(runtime.block.index, job, self._priority(runtime))
+        self.counters.block_updates += 1
+        self.order.known = True
+        if runtime.pushes:
+            runtime.needs_push = True
+
+    def run_block_update(self, job: UpdateJob) -> None:
+        """On the worker: AdamW over each group of the block; a group with non-finite gradients (no
+        clipping: the global norm does not decide) keeps its state, counted and warned once per step."""
+        start = time.perf_counter()
+        with self.tracer.span("update", job.block.block.name):
+            for part in job.parts:
+                state = part.runtime.state
+                assert state is not None
+                if job.check_finite and not state.grads.all_finite(self.worker.num_threads):
+                    self.nonfinite.record(job.step, job.block.block.name)
+                    state.store.discard()  # its announced reads would otherwise hold ring slots
+                    continue
+                part.runtime.home.release_source()  # the last upload of `out` has read it
+                state.update(part.ready, part.hypers, job.grad_scale, part.out, self.worker.num_threads)
+        self.counters.update_seconds += time.perf_counter() - start
+
+    def run_block_norms(self, job: NormJob) -> None:
+        job.block.norms = [n for state in job.block.states for n in state.grads.norms()]
+
+    def finish_step(self) -> None:
+        self.reset_step()
+        self.counters.steps += 1
+
+    def reset_step(self) -> None:
+        """Forget the step in progress: blocks updated early, gradient norms, the early hyperparameters."""
+        for block in self.blocks:
+            _runtime(block).end_step()
+        self._early_hyper = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """engine.optimizer.zero_grad(): drop the accumulated gradients (or zero them)."""
+        self.check_open()
+        for block in self.blocks:
+            for slot in block.slots:
+                if slot.trainable:
+                    slot.param.grad = None
+            if not set_to_none:
+                self.worker.wait(block.index)
+            for state in _runtime(block).states:
+                state.grads.zero(set_to_none)
+
+    # ----- synchronization ---------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Every pending update done, every write on disk, every updated weight on the device."""
+        self.worker.wait_all()
+        if self.tiers.ring is not None:
+            try:
+                self.tiers.ring.flush_writes()  # reads ahead (of groups that got no update) are kept
+            except BaseException as exc:  # a swap write failed: the file no longer holds the state
+                self.worker.fail(exc)
+                raise
+        for block in self.blocks:
+            if _runtime(block).needs_push:
+                self.push(_runtime(block))
+        self.tiers.copies.synchronize()
+
+    @contextlib.contextmanager
+    def replacing_state(self) -> Iterator[None]:
+        """Around a checkpoint load: an update that failed unseen counts as a failure; a failed state is
+        let through (the load replaces all of it) and stays failed if the load changes nothing."""
+        self.worker.collect_failure()
+        prior = self.worker.failure
+        if prior is not None:
+            self.worker.clear_failure()
+            if self.tiers.ring is not None:
+                try:
+                    self.tiers.ring.drain()  # every slot comes back
+                except (OSError, OffloadError):
+                    pass  # errors of writes the failed state made; the load rewrites every record
+        try:
+            yield
+        except BaseException:
+            if prior is not None:
+                self.worker.fail(prior)  # nothing was loaded: the state is still the inconsistent one
+            raise
+
+    def close(self) -> Optional[BaseException]:
+        """Finish the updates, push every new weight, bring streamed blocks back; returns an update's error
+        that was never reported (raised by the caller after its own cleanup)."""
+        failure: Optional[BaseException] = None
+        try:
+            self.worker.close()
+            if self.tiers.ring is not None:
+                self.tiers.ring.drain()
+        except Exception as exc:  # still clean up; report it at the end
+            failure = exc
+        for block in self.blocks:
+            if _runtime(block).needs_push:
+                self.push(_runtime(block))
+        self.streamer.restore_all()
+        self.tiers.copies.synchronize()  # the module is plain PyTorch from here on
+        self.closed = True
+        self.slots.clear()
+        return failure
+
+    def restore_counters(self, steps: int, skipped_steps: int) -> None:
+        """A checkpoint's step counts (its skips for non-finite gradients are part of `skipped_steps`)."""
+        self.counters.steps, self.counters.skipped_steps = steps, skipped_steps
+        self.nonfinite = NonFiniteSkips()
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise OffloadError("this engine is closed; wrap the model again to keep training")
+
+    # ----- order -------------------------------------------------------------------------------------
+    def _wait_for_update(self, block: Block, counted: bool) -> None:
+        """Wait for the block's pending update (an update that finished with an error raises here)."""
+        if not self.worker.is_pending(block.index):
+            self.worker.wait(block.index)  # surfaces an exception of a finished update
+            return
+        start = time.perf_counter()
+        with self.tracer.span("wait for update", block.name):
+            self.worker.wait(block.index)
+        if counted:
+            self.counters.wait_seconds += time.perf_counter() - start
+
+    def _priority(self, runtime: BlockRuntime) -> int:
+        """Updates run in the order the next forward needs the blocks (see scheduler/worker.py)."""
+        return self.order.priority(runtime.block.index)
+
+    def _next_in_forward_order(self, block: Block) -> Optional[Block]:
+        following = self.order.after(block.index)
+        return None if following is None else self.blocks[following]
+
+    def _read_ahead_of(self, block_indices: List[int]) -> None:
+        """Worker callback: the ring reads ahead the state of the queued updates, in the order they will run."""
+        assert self.tiers.ring is not None
+        self.tiers.ring.announce(_disk_groups([self.blocks[i] for i in block_indices]), replace=True)
+
+    def stats(self) -> Dict[str, float]:
+        out: Dict[str, float] = asdict(self.counters)
+        out["skipped_steps"] += self.nonfinite.steps  # steps where some block had non-finite gradients
+        out["skipped_block_updates"] = self.nonfinite.block_skips
+        out.update(forward_seconds=self.clock.forward_seconds, backward_seconds=self.clock.backward_seconds)
+        copies, device, swap, streamer = self.tiers.copies, self.tiers.device, self.tiers.swap, self.streamer
+        out.update(bytes_device_to_host=copies.bytes_to_host, bytes_host_to_device=copies.bytes_to_device,
+                   copies_on_side_streams=copies.async_copies,
+                   device_bytes=device.in_use, device_peak_bytes=device.peak,
+                   device_over_budget_events=device.over_budget_events,
+                   block_fetches=streamer.fetches, block_evictions=streamer.evictions,
+                   block_prefetches=streamer.prefetches,
+                   bytes_disk_read=0 if swap is None else swap.bytes_read,
+                   bytes_disk_written=0 if swap is None else swap.bytes_written,
+                   host_state_bytes=sum(s.host_bytes for b in self.blocks for s in _runtime(b).states))
+        if self.tiers.ring is not None:
+            out.update(self.tiers.ring.stats())
+        if self.tiers.staging is not None:
+            out["nvme_staging_bytes"] = self.tiers.staging.budget_bytes
+        return out
+
+
+def _runtime(block: Block) -> BlockRuntime:
+    assert block.runtime is not None, "the block has no runtime record (not materialized, or closed)"
+    return block.runtime
+
+
+def _disk_groups(blocks: List[Block]) -> list:
+    """The flat groups of these blocks whose state the ring reads ahead, in block order."""
+    return [s.group for b in blocks for s in _runtime(b).states if s.store.reads_ahead]

@@ -1,0 +1,128 @@
+"""Applying a plan: open the tiers it needs and give every block its runtime record.
+
+`open_tiers` makes the device budget, the copy context and, on the nvme tier, the swap file, the staging
+pool and the ring through which disk-resident state flows. `materialize` copies each parameter into its
+block's flat device buffer, re-points `.data`, and builds each flat group's weight home and, for groups
+that train, its state store (memory or disk) and gradient accumulator (runtime.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+from offload.planner import Plan, make_plan, ring_depth_for, ring_size_for
+from offload.policy import OffloadPolicy, Tier
+from offload.scheduler.block import Block
+from offload.scheduler.disk_ring import DiskRing
+from offload.scheduler.disk_store import DiskStore
+from offload.scheduler.grad_accumulator import GradAccumulator
+from offload.scheduler.runtime import BlockRuntime, GroupRuntime, GroupState
+from offload.scheduler.state_store import MemoryStore, StateStore
+from offload.scheduler.streaming import WeightStreamer
+from offload.scheduler.streams import CopyContext
+from offload.scheduler.trace import Tracer
+from offload.scheduler.weight_home import DeviceHome, DiskHome, HostMirror, WeightHome
+from offload.tiers.device import DeviceTier
+from offload.tiers.disk import SwapStore, plan_swap_layout, plan_weight_layout
+from offload.tiers.host import StagingPool
+
+
+@dataclass
+class Tiers:
+    """The memory tiers one engine uses; `swap`, `staging` and `ring` exist on the nvme tier only."""
+
+    device: DeviceTier
+    copies: CopyContext
+    streamer: WeightStreamer  # the device budget's LRU of streamed blocks
+    swap: Optional[SwapStore] = None
+    staging: Optional[StagingPool] = None
+    ring: Optional[DiskRing] = None
+
+    def close(self) -> None:
+        """Delete the swap file and free the staging pool (after the ring has drained)."""
+        if self.swap is not None:
+            self.swap.close()
+        if self.staging is not None:
+            self.staging.close()
+
+
+def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer) -> "tuple[Plan, Tiers]":
+    """The placement plan of `blocks` under the policy's budgets, and the tiers it needs, opened."""
+    records, swap_size = plan_swap_layout(blocks) if policy.tier is Tier.NVME else ({}, 0)
+    largest_record = max((r.numel for r in records.values()), default=0)
+    ring = ring_size_for(largest_record) if records else None
+    plan = make_plan([b.spec(policy.tier) for b in blocks], policy.tier, policy.device_memory,
+                     policy.host_memory, ring)
+    device, copies = DeviceTier(policy.device, policy.device_memory), CopyContext(policy.device)
+    tiers = Tiers(device, copies, WeightStreamer(device, copies))
+    if policy.tier is Tier.NVME:
+        assert policy.nvme_path is not None
+        weights, swap_size = plan_weight_layout(blocks, plan.disk_weight_blocks, swap_size)
+        tiers.swap = SwapStore(policy.nvme_path, records, swap_size, weights)
+        tiers.staging = StagingPool(max(_round_up(plan.ring_bytes, 4096), 4096))
+        tiers.ring = DiskRing(tiers.swap, tiers.staging, plan.ring_bytes,
+                              ring_depth_for(plan.ring_bytes, largest_record))
+    return plan, tiers
+
+
+def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: OffloadPolicy, tiers: Tiers,
+                optimizer_group_of: Dict[nn.Parameter, int]) -> None:
+    """Give every block its flat device buffers and its runtime record (`block.runtime`); move the
+    module's buffers to the device. `optimizer_group_of`: each trainable parameter's optimizer group."""
+    streamed, on_disk = set(plan.streamed_blocks), set(plan.disk_weight_blocks)
+    for block in blocks:
+        groups = []
+        for group in block.groups:
+            buffer = tiers.device.allocate(group.numel, group.dtype, f"block {block.name!r}")
+            with torch.no_grad():
+                for slot in group.slots:
+                    buffer[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+            group.device_buffer = buffer
+            group.point_params_at(buffer)
+            for slot in group.slots:
+                slot.param.grad = None
+            state = None
+            if group.trainable_numel:
+                store = _state_store(group, policy, tiers)
+                grads = GradAccumulator(group, torch.device("cpu") if store.on_host else policy.device,
+                                        tiers.copies)
+                state = GroupState(group, store, grads, [optimizer_group_of[s.param] for s in group.trainable_slots])
+            group.runtime = GroupRuntime(block, group, _weight_home(block, group, policy, tiers, streamed, on_disk,
+                                                                    state is not None), state)
+            groups.append(group.runtime)
+        block.runtime = BlockRuntime(block, groups, streamed=block.name in streamed)
+        if block.runtime.streamed:
+            tiers.streamer.adopt(block)  # released before the next block takes its device memory
+    for sub in module.modules():
+        for key, buf in sub._buffers.items():
+            if buf is not None and buf.device != policy.device:
+                sub._buffers[key] = buf.to(policy.device)
+
+
+def _state_store(group, policy: OffloadPolicy, tiers: Tiers) -> StateStore:
+    if tiers.ring is not None:
+        return DiskStore(group, tiers.ring)
+    on_host = policy.tier is not Tier.GPU
+    return MemoryStore(group, torch.device("cpu") if on_host else policy.device, on_host)
+
+
+def _weight_home(block: Block, group, policy: OffloadPolicy, tiers: Tiers, streamed: set, on_disk: set,
+                 trains: bool) -> WeightHome:
+    """Disk for blocks the plan puts there, a whole host copy for other streamed blocks, an upload source
+    for resident trainable weights whose state is on the host of a GPU, else the device alone."""
+    if block.name in on_disk:
+        assert tiers.ring is not None
+        return DiskHome(group, tiers.ring, tiers.copies)
+    if block.name in streamed:
+        return HostMirror(group, tiers.copies, whole=True)
+    if trains and policy.tier is not Tier.GPU and policy.device.type != "cpu":
+        return HostMirror(group, tiers.copies, whole=False)  # an upload sends all of it, updated or not
+    return DeviceHome(group)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple

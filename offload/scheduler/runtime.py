@@ -1,0 +1,151 @@
+"""The runtime records: everything that describes one block, and one flat group, during training.
+
+`Block` and `FlatGroup` (block.py) describe the model's layout; the records here hold what changes while it
+trains, reached from the block (`block.runtime`): for each flat group its weight home, and for a group with
+trainable parameters its optimizer state store, gradient accumulator and step counts; for the block the
+per-step flags (updated early, gradient norms, weights waiting to be pushed) that `end_step()` resets.
+A parameter finds its slot through one `SlotTable`. Adding per-block state (a rank's shard, gradients on
+disk) means a field here, not a side table in the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+from torch import Tensor, nn
+
+from offload.scheduler.block import Block, FlatGroup, Residency
+from offload.scheduler.grad_accumulator import GradAccumulator
+from offload.scheduler.state_store import StateStore
+from offload.scheduler.update import AdamHyper, UpdateSpan, adamw
+from offload.scheduler.weight_home import WeightHome
+
+
+class GroupState:
+    """The optimizer side of one flat group with trainable parameters: its state store (any tier), its
+    gradient accumulator, each trainable slot's Adam step count and optimizer group."""
+
+    def __init__(self, group: FlatGroup, store: StateStore, grads: GradAccumulator,
+                 optimizer_groups: Sequence[int]) -> None:
+        self.group = group
+        self.store = store
+        self.grads = grads
+        self.steps: List[int] = [0] * len(group.trainable_slots)
+        self.optimizer_groups = list(optimizer_groups)  # per trainable slot: its index in optimizer.param_groups
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes this state keeps in host memory (0 when it is on the compute device)."""
+        return self.store.nbytes_in_memory + self.grads.nbytes if self.store.on_host else 0
+
+    def hypers_of(self, per_group: Tuple[AdamHyper, ...]) -> List[AdamHyper]:
+        """Each trainable slot's hyperparameters, from every optimizer group's."""
+        return [per_group[g] for g in self.optimizer_groups]
+
+    def restore_steps(self, steps: Sequence[int]) -> None:
+        """Step counts of a checkpoint, in trainable-slot order."""
+        if len(steps) != len(self.steps):
+            raise ValueError(f"{len(steps)} step counts for {len(self.steps)} trainable parameters")
+        self.steps = [int(s) for s in steps]
+
+    def update(self, ready: List[int], hypers: Sequence[AdamHyper], grad_scale: float, out: Optional[Tensor],
+               num_threads: Optional[int] = None) -> None:
+        """One AdamW step of the parameters in `ready` (taken when the update was scheduled); new compute
+        weights go to `out` when the store does not keep them. `num_threads` caps the CPU kernel's threads."""
+        self.grads.settle()
+        if ready:
+            adamw(self.store, self.grads.grad, self.advance_steps(ready, hypers), grad_scale, out, num_threads)
+
+    def advance_steps(self, ready: List[int], hypers: Sequence[AdamHyper]) -> List[UpdateSpan]:
+        """Count the step of every ready parameter; the spans to update: the whole group in one span when
+        every parameter is ready, at the same step and in the same optimizer group (the usual case), else
+        one span per parameter."""
+        if len(ready) == len(self.steps) and len(set(self.steps)) == 1 and len(set(hypers)) == 1:
+            self.steps = [self.steps[0] + 1] * len(self.steps)
+            return [(0, self.group.trainable_numel, self.steps[0], hypers[0])]
+        spans = []
+        for i in ready:
+            slot = self.group.trainable_slots[i]
+            self.steps[i] += 1
+            spans.append((slot.offset, slot.offset + slot.numel, self.steps[i], hypers[i]))
+        return spans
+
+
+class GroupRuntime:
+    """One flat group during training (`group.runtime`): where its weights live, and its optimizer state
+    when it trains."""
+
+    def __init__(self, block: Block, group: FlatGroup, home: WeightHome, state: Optional[GroupState]) -> None:
+        self.block = block
+        self.group = group
+        self.home = home
+        self.state = state
+
+    def replace_weights(self, flat: Tensor) -> None:
+        """New compute weights for the whole group (a checkpoint load): into its home, and into the device
+        buffer when the block is resident."""
+        self.home.replace(flat, resident=self.block.residency is Residency.RESIDENT)
+
+
+class BlockRuntime:
+    """One block during training. The worker's pending update of the block is found by `block.index`
+    (worker.py); its residency is `block.residency`."""
+
+    def __init__(self, block: Block, groups: List[GroupRuntime], streamed: bool) -> None:
+        self.block = block
+        self.groups = groups
+        self.streamed = streamed
+        self.trainable_ids = [id(s.param) for s in block.slots if s.trainable]  # BackwardTracker's keys
+        self.needs_push = False  # updated weights not yet sent to the device
+        self.updated_early = False  # updated during the last backward, before step()
+        self.norms: Optional[List[Tuple[nn.Parameter, float]]] = None  # gradient norms computed for clipping
+
+    @property
+    def states(self) -> List[GroupState]:
+        """The optimizer state of each flat group that has trainable parameters."""
+        return [g.state for g in self.groups if g.state is not None]
+
+    @property
+    def pushes(self) -> bool:
+        """Whether an update writes somewhere the device must then be fed from."""
+        return any(g.home.pushes for g in self.groups if g.state is not None)
+
+    def end_step(self) -> None:
+        """Forget the step in progress (after `step()`, or when a checkpoint replaces the state)."""
+        self.updated_early = False
+        self.norms = None
+
+
+class SlotRef(NamedTuple):
+    """Where one trainable parameter lives: its block, its flat group's state, its slot index there, and
+    its position in `module.parameters()` (the order torch reduces gradient norms in)."""
+
+    block: BlockRuntime
+    state: GroupState
+    index: int
+    position: int
+
+
+class SlotTable:
+    """Trainable parameter -> its `SlotRef`: the one map from what autograd hands a hook to the engine's
+    records. Keyed by the Parameter object itself (tensors hash by identity)."""
+
+    def __init__(self, blocks: Sequence[Block], module: nn.Module) -> None:
+        position = {p: i for i, p in enumerate(module.parameters())}
+        self._refs: Dict[nn.Parameter, SlotRef] = {}
+        for block in blocks:
+            assert block.runtime is not None
+            for runtime in block.runtime.groups:
+                if runtime.state is not None:
+                    for index, slot in enumerate(runtime.group.trainable_slots):
+                        self._refs[slot.param] = SlotRef(block.runtime, runtime.state, index, position[slot.param])
+
+    def __getitem__(self, param: nn.Parameter) -> SlotRef:
+        return self._refs[param]
+
+    def clear(self) -> None:
+        """Drop every reference to the records (the engine is closing: the optimizer state is freed)."""
+        self._refs.clear()
+
+    def __iter__(self) -> Iterator[nn.Parameter]:
+        return iter(self._refs)

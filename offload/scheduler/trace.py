@@ -1,0 +1,54 @@
+"""The one tracing seam: named spans at the pipeline's phase boundaries, for profilers and observers.
+
+Every span is a `torch.profiler.record_function("offload::<name>")` range (so torch.profiler and Perfetto
+traces show it) and is reported to the observers added with `Engine.add_observer` (benchmarks/trace_step.py
+draws its step timeline from them). Spans: "step()" and "wait for update" on the training thread,
+"update" (one block's AdamW) on the update worker, "disk wait" wherever the nvme ring waits for its I/O.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Callable, Iterator, List, Protocol
+
+import torch
+
+
+class PhaseObserver(Protocol):
+    """Told of each span when it ends: its name, what it was about (a block's name), perf_counter times."""
+
+    def on_span(self, name: str, detail: str, start: float, end: float) -> None: ...
+
+
+class Tracer:
+    """The spans of one engine and the observers listening to them (any thread may open a span)."""
+
+    def __init__(self) -> None:
+        self._observers: List[PhaseObserver] = []
+        self._lock = threading.Lock()
+
+    def add(self, observer: PhaseObserver) -> Callable[[], None]:
+        """Start telling `observer` about spans; returns the function that stops it."""
+        with self._lock:
+            self._observers = self._observers + [observer]
+
+        def remove() -> None:
+            with self._lock:
+                self._observers = [o for o in self._observers if o is not observer]
+
+        return remove
+
+    @contextlib.contextmanager
+    def span(self, name: str, detail: str = "") -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            with torch.profiler.record_function(f"offload::{name}"):
+                yield
+        finally:
+            observers = self._observers
+            if observers:
+                end = time.perf_counter()
+                for observer in observers:
+                    observer.on_span(name, detail, start, end)
