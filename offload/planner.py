@@ -52,6 +52,37 @@ class RingSize:
     preferred: int
 
 
+# The staging ring's sizes (offload/scheduler/disk_ring.py moves the state through it in slot-sized chunks).
+CHUNK_GRANULE = 2048  # elements: 8 KiB of fp32 and 4 KiB of bf16, so every chunk is an aligned request
+SLOT_BYTES_PER_ELEMENT = 16  # the state, and room for compute weights (<= 4 bytes) of blocks whose weights are on disk
+MIN_DEPTH = 4  # read i+1, update i, write i-1, and one spare so a write can finish while the next read starts
+MAX_DEPTH = 8  # [Note: ring depth] more slots let the forward read ahead more of the coming backward's state
+PREFERRED_SLOT_BYTES = 32 << 20  # large enough that per-chunk overhead vanishes, small enough to pipeline
+
+
+def min_ring_bytes(depth: int = MIN_DEPTH) -> int:
+    """The smallest ring that works: `depth` slots of one granule each."""
+    return depth * CHUNK_GRANULE * SLOT_BYTES_PER_ELEMENT
+
+
+def _preferred_slot_bytes(largest_record_numel: int) -> int:
+    """A slot that holds the largest record whole (one chunk per update), up to PREFERRED_SLOT_BYTES."""
+    granules = -(-max(largest_record_numel, 1) // CHUNK_GRANULE)
+    unit = CHUNK_GRANULE * SLOT_BYTES_PER_ELEMENT
+    return max(min(granules * unit, PREFERRED_SLOT_BYTES) // unit, 1) * unit
+
+
+def ring_size_for(largest_record_numel: int) -> RingSize:
+    """The least ring that works and the one worth having for records of up to `largest_record_numel`."""
+    return RingSize(min_ring_bytes(), MAX_DEPTH * _preferred_slot_bytes(largest_record_numel))
+
+
+def ring_depth_for(ring_bytes: int, largest_record_numel: int) -> int:
+    """How many slots a ring of `ring_bytes` gets: as many preferred-size slots as fit, MIN..MAX_DEPTH (a
+    small ring keeps MIN_DEPTH smaller slots: a record is then simply more chunks)."""
+    return max(MIN_DEPTH, min(MAX_DEPTH, ring_bytes // _preferred_slot_bytes(largest_record_numel)))
+
+
 @dataclass(frozen=True)
 class Plan:
     """Where each block's weights and state live, with the bytes each tier must hold."""

@@ -61,8 +61,8 @@ def test_an_announcement_while_a_chunk_is_being_loaded_never_reads_it_ahead(tmp_
         group = groups[0]
         ring.write_fresh(group, lambda a, b, sec: [t.fill_(1.0) for t in sec])
         ring.drain()
-        take_slot = ring._take_slot
-        ring._take_slot = lambda: (ring.announce([group]), take_slot())[1]  # the worst moment to announce
+        take_slot = ring._slots.take
+        ring._slots.take = lambda: (ring.announce([group]), take_slot())[1]  # the worst moment to announce
         for expected in (1.0, 2.0, 3.0):
             for start, stop in ring.chunks(group):
                 sections = ring.load(group, start, stop)
@@ -118,13 +118,13 @@ def test_flush_writes_keeps_the_reads_ahead_and_drain_drops_them(tmp_path):
         ring.write_fresh(group, lambda a, b, sec: [t.fill_(1.0) for t in sec])
         ring.announce([group])
         ring._reap_finished_writes = reap
-        assert (id(group), first[0]) not in ring._reads, "a read must wait for the write of its range"
+        assert (group.key, first[0]) not in ring._reads, "a read must wait for the write of its range"
         ring.flush_writes()
-        assert not ring._writes and (id(group), first[0]) in ring._reads, "flush starts the reads that waited"
+        assert not ring._writes and (group.key, first[0]) in ring._reads, "flush starts the reads that waited"
         ring.flush_writes()
-        assert (id(group), first[0]) in ring._reads, "flushing writes keeps the reads ahead"
+        assert (group.key, first[0]) in ring._reads, "flushing writes keeps the reads ahead"
         sections = ring.load(group, *first)
         assert all(bool((t == 1.0).all()) for t in sections)
         ring.store(group, *first, sections)
         ring.drain()
-        assert not ring._reads and not ring._writes and len(ring._free) == ring.depth
+        assert not ring._reads and not ring._writes and len(ring._slots.free) == ring.depth

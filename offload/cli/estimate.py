@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from offload.errors import OffloadConfigError
-from offload.planner import BlockSpec, Location, Plan, make_plan, spec_of
+from offload.planner import BlockSpec, Location, Plan, make_plan, ring_size_for, spec_of
 from offload.planner import human_bytes as _human
 from offload.policy import Tier, parse_bytes
 
@@ -53,8 +53,6 @@ class ModelShape:
 def estimate(shape: ModelShape, tier: Tier, dtype: torch.dtype, device_memory: Optional[int],
              host_memory: Optional[int]) -> Plan:
     """The plan `offload.wrap` would make for a model of this shape (all parameters trainable)."""
-    from offload.scheduler.disk_ring import ring_size_for
-
     itemsize = torch.empty((), dtype=dtype).element_size()
     specs: List[BlockSpec] = [spec_of(name, n * itemsize, [(n, dtype)], tier) for name, n in shape.blocks]
     ring = ring_size_for(max(n for _name, n in shape.blocks)) if tier is Tier.NVME else None

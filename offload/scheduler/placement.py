@@ -65,7 +65,7 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer) ->
         tiers.swap = SwapStore(policy.nvme_path, records, swap_size, weights)
         tiers.staging = StagingPool(max(_round_up(plan.ring_bytes, 4096), 4096))
         tiers.ring = DiskRing(tiers.swap, tiers.staging, plan.ring_bytes,
-                              ring_depth_for(plan.ring_bytes, largest_record))
+                              ring_depth_for(plan.ring_bytes, largest_record), tracer=tracer)
     return plan, tiers
 
 

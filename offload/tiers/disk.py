@@ -79,9 +79,10 @@ class WeightRecord:
         return self.numel * self.itemsize
 
 
-def plan_weight_layout(blocks: List["Block"], names: Tuple[str, ...], start: int) -> Tuple[Dict[int, WeightRecord], int]:
-    """Weight records (keyed by id of the group) for the blocks named, placed from byte `start`; the new end."""
-    records: Dict[int, WeightRecord] = {}
+def plan_weight_layout(blocks: List["Block"], names: Tuple[str, ...], start: int) -> Tuple[Dict[str, WeightRecord], int]:
+    """Weight records (keyed by the group's layout key, `FlatGroup.key`) for the blocks named, placed from byte
+    `start`; the new end."""
+    records: Dict[str, WeightRecord] = {}
     offset = _round_up(start, ALIGNMENT)
     for block in blocks:
         if block.name not in names:
@@ -91,14 +92,15 @@ def plan_weight_layout(blocks: List["Block"], names: Tuple[str, ...], start: int
             itemsize = torch.empty((), dtype=group.dtype).element_size()
             record = WeightRecord(block.name, str(group.dtype).replace("torch.", ""), offset, group.numel, itemsize,
                                   params)
-            records[id(group)] = record
+            records[group.key] = record
             offset += _round_up(record.nbytes, ALIGNMENT)
     return records, offset
 
 
-def plan_swap_layout(blocks: List["Block"]) -> Tuple[Dict[int, SwapRecord], int]:
-    """Records for every group with trainable parameters (keyed by id of the group) and the file size."""
-    records: Dict[int, SwapRecord] = {}
+def plan_swap_layout(blocks: List["Block"]) -> Tuple[Dict[str, SwapRecord], int]:
+    """Records for every group with trainable parameters (keyed by the group's layout key, `FlatGroup.key`)
+    and the file size."""
+    records: Dict[str, SwapRecord] = {}
     offset = 0
     for block in blocks:
         for group in block.groups:
@@ -107,7 +109,7 @@ def plan_swap_layout(blocks: List["Block"]) -> Tuple[Dict[int, SwapRecord], int]
             params = tuple((s.name, tuple(s.shape), s.offset) for s in group.trainable_slots)
             record = SwapRecord(block.name, str(group.dtype).replace("torch.", ""), offset, group.trainable_numel,
                                 params)
-            records[id(group)] = record
+            records[group.key] = record
             offset += _round_up(record.nbytes, ALIGNMENT)
     return records, offset
 
@@ -140,13 +142,13 @@ def warn_if_ram_backed(directory: str) -> bool:
 class SwapStore:
     """The swap file of one engine: created at wrap(), preallocated, removed at close()."""
 
-    def __init__(self, directory: str, records: Dict[int, SwapRecord], size: int,
-                 weights: Optional[Dict[int, WeightRecord]] = None) -> None:
+    def __init__(self, directory: str, records: Dict[str, SwapRecord], size: int,
+                 weights: Optional[Dict[str, WeightRecord]] = None) -> None:
         remove_leftovers(directory)  # of crashed runs: before the room check, so their space counts
         check_room(directory, size)
         self.directory = directory
-        self.records = records
-        self.weights: Dict[int, WeightRecord] = weights or {}
+        self.records = records  # by the group's layout key (`FlatGroup.key`), as `weights` and the checksums
+        self.weights: Dict[str, WeightRecord] = weights or {}
         self.path = os.path.join(directory, f"offload-{os.getpid()}-{uuid.uuid4().hex[:8]}.swap")
         self.layout_path = self.path + ".layout.json"
         self._io = AsyncIO()
@@ -172,12 +174,12 @@ class SwapStore:
     def read(self, group: "FlatGroup", into: Tensor) -> None:
         """Fill `into` (a record-sized buffer, see `state_views`) with the group's state; raises on a short or
         failed read."""
-        numel = _check_record_buffer(self.records[id(group)], into)
+        numel = _check_record_buffer(self.records[group.key], into)
         for future in self.submit(False, group, 0, numel, state_views(into, numel)):
             future.result()
 
     def write(self, group: "FlatGroup", source: Tensor) -> None:
-        numel = _check_record_buffer(self.records[id(group)], source)
+        numel = _check_record_buffer(self.records[group.key], source)
         for future in self.submit(True, group, 0, numel, state_views(source, numel)):
             future.result()
 
@@ -189,7 +191,7 @@ class SwapStore:
         any write of the same range."""
         futures: List = []
         try:
-            if weights is not None and id(group) in self.weights:
+            if weights is not None and group.key in self.weights:
                 futures.append(self.submit_weights(write, group, start, weights[:stop - start]))
             for index, tensor in enumerate(sections):
                 futures.append(self.submit_section(write, group, index, start, tensor[:stop - start]))
@@ -204,20 +206,20 @@ class SwapStore:
     def submit_section(self, write: bool, group: "FlatGroup", index: int, start: int, tensor: Tensor) -> IOFuture:
         """Read (write) elements [start, start + numel) of one section (0 master, 1 exp_avg, 2 exp_avg_sq)
         into (from) the fp32 `tensor`: sealed before a write, verified after a read (`_transfer`)."""
-        record = self.records[id(group)]
+        record = self.records[group.key]
         offset = record.offset + index * record.section_bytes + 4 * start
-        return self._transfer(write, (id(group), index), start, tensor, offset, record.block)
+        return self._transfer(write, (group.key, index), start, tensor, offset, record.block)
 
     def adopt(self, group: "FlatGroup", index: int, start: int, tensor: Tensor) -> None:
         """The file already holds `tensor` at elements [start, ...) of a section (a checkpoint cloned it there
         copy-on-write): seal it as if it had been written, so later reads of the piece are verified."""
-        self.checksums.seal((id(group), index), start, tensor)
+        self.checksums.seal((group.key, index), start, tensor)
 
     def submit_weights(self, write: bool, group: "FlatGroup", start: int, tensor: Tensor) -> IOFuture:
         """Read (write) the group's compute weights from element `start` into (from) `tensor` (its dtype)."""
-        record = self.weights[id(group)]
+        record = self.weights[group.key]
         offset = record.offset + start * record.itemsize
-        return self._transfer(write, (id(group), "weights"), start, tensor, offset, record.block)
+        return self._transfer(write, (group.key, "weights"), start, tensor, offset, record.block)
 
     def _transfer(self, write: bool, key: tuple, start: int, tensor: Tensor, offset: int, block: str):
         """One piece of a record: sealed before it is written, verified after it is read (disk_checksums.py)."""
@@ -233,7 +235,7 @@ class SwapStore:
     def section_spans(self, group: "FlatGroup") -> Tuple[int, Tuple[int, int, int], int]:
         """(file descriptor, file offset of each of the three sections, data bytes per section = 4 x numel),
         for copy-on-write clones of a record section by section (each section starts 4 KiB-aligned)."""
-        record = self.records[id(group)]
+        record = self.records[group.key]
         offsets = tuple(record.offset + index * record.section_bytes for index in range(3))
         return self._file.buffered_fd, offsets, 4 * record.numel  # type: ignore[return-value]
 
