@@ -148,6 +148,8 @@ class Engine:
         assert group.runtime is not None
         with torch.no_grad():
             group.runtime.replace_weights(flat)
+        assert group.runtime.block.runtime is not None
+        group.runtime.block.runtime.needs_push = False  # the device has the new weights, or fetches them
 
     def prepare_for_load(self) -> None:
         self.zero_grad()

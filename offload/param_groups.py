@@ -92,12 +92,3 @@ def optimizer_groups(groups: Tuple[GroupOptions, ...], trainable: Iterable[nn.Pa
     if rest or not out:
         out.append({"params": rest})
     return out
-
-
-def slot_group_indices(param_groups: List[Dict[str, Any]],
-                       states_per_block: Iterable[Iterable[Any]]) -> Dict[int, List[int]]:
-    """For each flat group's optimizer state (by id), the optimizer group index of each trainable slot: an
-    update reads the hyperparameters of exactly these groups."""
-    group_of = {id(p): i for i, g in enumerate(param_groups) for p in g["params"]}
-    return {id(state): [group_of[id(slot.param)] for slot in state.group.trainable_slots]
-            for states in states_per_block for state in states}

@@ -66,13 +66,14 @@ class StepPipeline:
         self.order = ForwardOrder(len(blocks))
         self.tracker = BackwardTracker(policy.grad_accumulation_steps)
         self.streamer = tiers.streamer
-        self.worker = StepWorker(num_threads, on_next=self._read_ahead_of if tiers.ring is not None else None)
         self.counters = StepCounters()
         self.nonfinite = NonFiniteSkips()
         self.clock = PhaseClock()
         defaults = dict(lr=policy.lr, betas=policy.betas, eps=policy.eps, weight_decay=policy.weight_decay)
         self.optimizer = EngineOptimizer(optimizer_groups, defaults, self.step, self.zero_grad)
         self.closed = False
+        # last: nothing above may fail with the worker's thread already running
+        self.worker = StepWorker(num_threads, on_next=self._read_ahead_of if tiers.ring is not None else None)
         self._early_hyper: Optional[Tuple[AdamHyper, ...]] = None
         self._saved_tensor_hooks: List[object] = []
 
@@ -140,7 +141,7 @@ class StepPipeline:
         tracker, block = self.tracker, ref.block
         if tracker.micro_batches == 0:  # a backward that did not pass through the root module's outputs
             tracker.begin_backward(torch._C._current_graph_task_id())
-        tracker.fire(id(param))
+        tracker.fire(param)
         if tracker.keeps_grads_on_device:
             return
         if block.updated_early:
@@ -149,7 +150,7 @@ class StepPipeline:
                 "the autograd graph changed between backward passes in a way the engine cannot see ahead of time "
                 "(e.g. reentrant checkpointing of a module used twice); leave grad_accumulation_steps unset")
         self._offload_grad(ref, param)
-        if tracker.is_last_backward and tracker.completes(block.trainable_ids):
+        if tracker.is_last_backward and tracker.completes(block.trainable_params):
             if self.policy.max_grad_norm is None:
                 self._early_hyper = self.read_hypers()
                 block.updated_early = True
@@ -324,12 +325,12 @@ class StepPipeline:
                 self.tiers.ring.drain()
         except Exception as exc:  # still clean up; report it at the end
             failure = exc
+        self.closed = True
         for block in self.blocks:
             if _runtime(block).needs_push:
                 self.push(_runtime(block))
         self.streamer.restore_all()
         self.tiers.copies.synchronize()  # the module is plain PyTorch from here on
-        self.closed = True
         self.slots.clear()
         return failure
 
@@ -381,7 +382,8 @@ class StepPipeline:
                    block_prefetches=streamer.prefetches,
                    bytes_disk_read=0 if swap is None else swap.bytes_read,
                    bytes_disk_written=0 if swap is None else swap.bytes_written,
-                   host_state_bytes=sum(s.host_bytes for b in self.blocks for s in _runtime(b).states))
+                   host_state_bytes=sum(s.host_bytes for b in self.blocks if b.runtime is not None
+                                        for s in b.runtime.states))  # 0 once closed: the state is freed
         if self.tiers.ring is not None:
             out.update(self.tiers.ring.stats())
         if self.tiers.staging is not None:

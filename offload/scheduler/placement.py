@@ -1,6 +1,6 @@
 """Applying a plan: open the tiers it needs and give every block its runtime record.
 
-`open_tiers` makes the device budget, the copy context and, on the nvme tier, the swap file, the staging
+`plan_and_open` plans and makes the device budget, the copy context and, on the nvme tier, the swap file, the staging
 pool and the ring through which disk-resident state flows. `materialize` copies each parameter into its
 block's flat device buffer, re-points `.data`, and builds each flat group's weight home and, for groups
 that train, its state store (memory or disk) and gradient accumulator (runtime.py).

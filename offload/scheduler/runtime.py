@@ -2,8 +2,9 @@
 
 `Block` and `FlatGroup` (block.py) describe the model's layout; the records here hold what changes while it
 trains, reached from the block (`block.runtime`): for each flat group its weight home, and for a group with
-trainable parameters its optimizer state store, gradient accumulator and step counts; for the block the
-per-step flags (updated early, gradient norms, weights waiting to be pushed) that `end_step()` resets.
+trainable parameters its optimizer state store, gradient accumulator and step counts; for the block
+whether its updated weights wait to be pushed, and the per-step flags (updated early, gradient norms) that
+`end_step()` resets.
 A parameter finds its slot through one `SlotTable`. Adding per-block state (a rank's shard, gradients on
 disk) means a field here, not a side table in the engine.
 """
@@ -95,7 +96,7 @@ class BlockRuntime:
         self.block = block
         self.groups = groups
         self.streamed = streamed
-        self.trainable_ids = [id(s.param) for s in block.slots if s.trainable]  # BackwardTracker's keys
+        self.trainable_params = [s.param for s in block.slots if s.trainable]
         self.needs_push = False  # updated weights not yet sent to the device
         self.updated_early = False  # updated during the last backward, before step()
         self.norms: Optional[List[Tuple[nn.Parameter, float]]] = None  # gradient norms computed for clipping

@@ -46,7 +46,8 @@ class SwapSections(NamedTuple):
 class StateStore(Protocol):
     """fp32 master weights and Adam moments of one flat group's trainable range, wherever they live.
 
-    Update side (the worker): `announce` (reads may start now), then for each span of `chunks()`:
+    Update side: `announce` (on the training thread, when the update is scheduled: reads may start now),
+    then on the worker, for each span of `chunks()`:
     `load`, update in place, `store` (or `abandon` when the update failed). `discard` drops what
     `announce` started when the update will not run. Checkpoint side (no update running): `settle`, then
     `reading()` / `write(fill)`."""

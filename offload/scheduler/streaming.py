@@ -63,9 +63,6 @@ class WeightStreamer:
     def active(self) -> bool:
         return bool(self._blocks)
 
-    def is_streamed(self, block: Block) -> bool:
-        return block.index in self._blocks
-
     def adopt(self, block: Block) -> None:
         """Take a block whose weight homes hold its weights now, and release its device buffers."""
         self._blocks[block.index] = block

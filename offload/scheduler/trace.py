@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import warnings
 from typing import Callable, Iterator, List, Protocol
 
 import torch
@@ -51,4 +52,13 @@ class Tracer:
             if observers:
                 end = time.perf_counter()
                 for observer in observers:
-                    observer.on_span(name, detail, start, end)
+                    _tell(observer, name, detail, start, end)
+
+
+def _tell(observer: PhaseObserver, name: str, detail: str, start: float, end: float) -> None:
+    """An observer's error is its own: warned, never raised into the update, the wait or the step it watched
+    (an update that succeeded must not fail, nor an error of the work be replaced by the observer's)."""
+    try:
+        observer.on_span(name, detail, start, end)
+    except Exception as exc:  # noqa: BLE001 - reported, not propagated
+        warnings.warn(f"offload: trace observer {observer!r} raised {type(exc).__name__}: {exc}", RuntimeWarning)

@@ -9,7 +9,7 @@ in the usual case (runtime.py, `GroupState.advance_steps`), one per parameter ot
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -35,7 +35,6 @@ class AdamHyper:
                          float(group["weight_decay"]))
 
 
-Hypers = Union[AdamHyper, Sequence[AdamHyper]]  # one for the whole group, or one per trainable slot
 UpdateSpan = Tuple[int, int, int, AdamHyper]  # elements [start, stop), the Adam step, its hyperparameters
 
 
