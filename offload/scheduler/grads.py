@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, Optional
 
-from torch import nn
-
 from offload.errors import OffloadError
 
 
 class BackwardTracker:
-    """Counts backward passes since the last step and gradient-hook firings per parameter.
+    """Counts backward passes since the last step and gradient-hook firings per parameter (by `id`: a
+    hook runs per gradient, and `Tensor.__hash__` is a Python call, several times slower than `id`).
 
     A backward pass starts when the gradient of an output of the wrapped module is first computed in a new
     autograd graph task; several outputs of one forward (or two forwards summed into one loss) share the
@@ -27,8 +26,8 @@ class BackwardTracker:
     def __init__(self, declared_steps: Optional[int]) -> None:
         self.declared_steps = declared_steps
         self.micro_batches = 0
-        self.fires: Dict[nn.Parameter, int] = {}
-        self.profile: Optional[Dict[nn.Parameter, int]] = None
+        self.fires: Dict[int, int] = {}
+        self.profile: Optional[Dict[int, int]] = None
         self._graph_task: Optional[int] = None
 
     def begin_backward(self, graph_task: int) -> None:
@@ -44,8 +43,8 @@ class BackwardTracker:
                 f"grad_accumulation_steps={self.declared_steps} was declared and the blocks are already "
                 "updated; call engine.step() every N backward calls, or leave grad_accumulation_steps unset")
 
-    def fire(self, param: nn.Parameter) -> None:
-        self.fires[param] = self.fires.get(param, 0) + 1
+    def fire(self, param_id: int) -> None:
+        self.fires[param_id] = self.fires.get(param_id, 0) + 1
 
     def finish_backward(self) -> None:
         """Keep the firing counts of the backward that just ended as the profile for the next ones."""
@@ -72,7 +71,7 @@ class BackwardTracker:
     def is_last_backward(self) -> bool:
         return self.declared_steps is not None and self.micro_batches == self.declared_steps
 
-    def completes(self, params: Iterable[nn.Parameter]) -> bool:
+    def completes(self, param_ids: Iterable[int]) -> bool:
         """Whether every given parameter has had as many gradient firings as in the previous backward.
 
         False when there is no profile yet or a parameter got no gradient last time: such blocks wait for
@@ -80,8 +79,8 @@ class BackwardTracker:
         """
         if self.profile is None:
             return False
-        for param in params:
-            expected = self.profile.get(param, 0)
-            if expected == 0 or self.fires.get(param, 0) != expected:
+        for pid in param_ids:
+            expected = self.profile.get(pid, 0)
+            if expected == 0 or self.fires.get(pid, 0) != expected:
                 return False
         return True

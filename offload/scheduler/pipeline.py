@@ -103,13 +103,14 @@ class StepPipeline:
             self._wait_for_update(block, counted=True)
             if runtime.needs_push:
                 self.push(runtime)  # before a fetch, which reads the updated home anyway
-            following = self._next_in_forward_order(block) if self.order.known and not in_backward else None
-            self.streamer.ensure(block, pin=True, prefetch=following,
-                                 settled=following is None or not self.worker.is_pending(following.index))
-            if in_backward and runtime.streamed:
-                self.streamer.pin(block.index)
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda index=block.index: self.streamer.unpin(index))
+            if runtime.streamed:
+                following = self._next_in_forward_order(block) if self.order.known and not in_backward else None
+                self.streamer.ensure(block, pin=True, prefetch=following,
+                                     settled=following is None or not self.worker.is_pending(following.index))
+                if in_backward:
+                    self.streamer.pin(block.index)
+                    torch.autograd.Variable._execution_engine.queue_callback(
+                        lambda index=block.index: self.streamer.unpin(index))
             if not self.order.record(block.index) and not in_backward and block.index == self.order.first \
                     and self.tracker.next_is_last:
                 self._read_ahead_for_backward()  # the disk is otherwise idle during the forward
@@ -141,7 +142,7 @@ class StepPipeline:
         tracker, block = self.tracker, ref.block
         if tracker.micro_batches == 0:  # a backward that did not pass through the root module's outputs
             tracker.begin_backward(torch._C._current_graph_task_id())
-        tracker.fire(param)
+        tracker.fire(id(param))
         if tracker.keeps_grads_on_device:
             return
         if block.updated_early:
@@ -150,7 +151,7 @@ class StepPipeline:
                 "the autograd graph changed between backward passes in a way the engine cannot see ahead of time "
                 "(e.g. reentrant checkpointing of a module used twice); leave grad_accumulation_steps unset")
         self._offload_grad(ref, param)
-        if tracker.is_last_backward and tracker.completes(block.trainable_params):
+        if tracker.is_last_backward and tracker.completes(block.trainable_ids):
             if self.policy.max_grad_norm is None:
                 self._early_hyper = self.read_hypers()
                 block.updated_early = True

@@ -96,7 +96,7 @@ class BlockRuntime:
         self.block = block
         self.groups = groups
         self.streamed = streamed
-        self.trainable_params = [s.param for s in block.slots if s.trainable]
+        self.trainable_ids = [id(s.param) for s in block.slots if s.trainable]  # BackwardTracker's keys
         self.needs_push = False  # updated weights not yet sent to the device
         self.updated_early = False  # updated during the last backward, before step()
         self.norms: Optional[List[Tuple[nn.Parameter, float]]] = None  # gradient norms computed for clipping
@@ -129,24 +129,25 @@ class SlotRef(NamedTuple):
 
 class SlotTable:
     """Trainable parameter -> its `SlotRef`: the one map from what autograd hands a hook to the engine's
-    records. Keyed by the Parameter object itself (tensors hash by identity)."""
+    records. Keyed by `id(param)` inside (the parameters are alive as long as the table: the blocks hold
+    them): a lookup runs per gradient, and `Tensor.__hash__` is a Python call several times slower."""
 
     def __init__(self, blocks: Sequence[Block], module: nn.Module) -> None:
         position = {p: i for i, p in enumerate(module.parameters())}
-        self._refs: Dict[nn.Parameter, SlotRef] = {}
+        self._refs: Dict[int, SlotRef] = {}
         for block in blocks:
             assert block.runtime is not None
             for runtime in block.runtime.groups:
                 if runtime.state is not None:
                     for index, slot in enumerate(runtime.group.trainable_slots):
-                        self._refs[slot.param] = SlotRef(block.runtime, runtime.state, index, position[slot.param])
+                        self._refs[id(slot.param)] = SlotRef(block.runtime, runtime.state, index, position[slot.param])
 
     def __getitem__(self, param: nn.Parameter) -> SlotRef:
-        return self._refs[param]
+        return self._refs[id(param)]
 
     def clear(self) -> None:
         """Drop every reference to the records (the engine is closing: the optimizer state is freed)."""
         self._refs.clear()
 
     def __iter__(self) -> Iterator[nn.Parameter]:
-        return iter(self._refs)
+        return (ref.state.group.trainable_slots[ref.index].param for ref in self._refs.values())
