@@ -66,7 +66,7 @@ def wrap(
         _refuse_unknown_options(sorted(unknown))
     policy = OffloadPolicy(
         tier=Tier.parse(tier),
-        nvme_path=None if nvme_path is None else os.fspath(nvme_path),
+        nvme_path=_absolute(nvme_path),
         lr=lr, betas=tuple(betas) if isinstance(betas, (list, tuple)) else betas,  # type: ignore[arg-type]
         eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm, dtype=dtype,
         device=resolve_device(device),
@@ -87,6 +87,15 @@ def _refuse_unknown_options(names: List[str]) -> None:
         close = difflib.get_close_matches(name, valid, n=1)
         hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     raise OffloadConfigError(f"unknown option {', '.join(hints)}; valid options are {', '.join(valid)}")
+
+
+def _absolute(path: Optional[Union[str, os.PathLike]]) -> Optional[str]:
+    """The swap directory as an absolute path, so a later os.chdir cannot move where close() cleans up
+    ("" stays "": the policy refuses it by name)."""
+    if path is None:
+        return None
+    text = os.fspath(path)
+    return os.path.abspath(text) if text else text
 
 
 def _check_nvme_path(path: Optional[str]) -> None:

@@ -7,6 +7,7 @@ Everything below the public API reads these types, never the user's strings: a t
 from __future__ import annotations
 
 import enum
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Optional, Tuple, Union
@@ -56,6 +57,8 @@ def parse_bytes(value: Union[int, float, str, None], what: str) -> Optional[int]
     if isinstance(value, bool):
         raise OffloadConfigError(f"{what} must be a byte count or a string like '24GB', got {value!r}")
     if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise OffloadConfigError(f"{what} must be a finite byte count (or None for no budget), got {value!r}")
         number, unit = float(value), ""
     elif isinstance(value, str) and _SIZE.match(value):
         match = _SIZE.match(value)

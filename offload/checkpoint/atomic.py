@@ -20,7 +20,7 @@ import uuid
 import warnings
 from typing import Iterator
 
-from offload.errors import OffloadIntegrityError, OffloadIOError
+from offload.errors import OffloadConfigError, OffloadIntegrityError, OffloadIOError
 
 MANIFEST = "manifest.json"
 
@@ -85,6 +85,10 @@ def resolve(path: str) -> str:
         warnings.warn(f"offload: {path!r} is missing (a save was interrupted); loading the previous checkpoint "
                       f"{olds[-1]!r}", RuntimeWarning, stacklevel=3)
         return olds[-1]
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise OffloadConfigError(f"checkpoint {path!r} is a file, not a checkpoint directory: engine.save(path) "
+                                 "writes a directory (model.safetensors, optimizer.safetensors, manifest.json); "
+                                 "pass that directory to engine.load")
     if os.path.isdir(path):
         raise OffloadIntegrityError(f"{path!r} has no {MANIFEST}: not an offload checkpoint, or damaged", path)
     raise OffloadIntegrityError(f"checkpoint {path!r} does not exist", path)

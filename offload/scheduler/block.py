@@ -121,6 +121,9 @@ class Block:
         return f"Block({self.name!r}, {self.weight_bytes} bytes, {self.residency.value})"
 
 
+TRAINABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the fp32 optimizer state can master
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -195,6 +198,11 @@ def build_blocks(module: nn.Module, compute_dtype: torch.dtype) -> List[Block]:
             for name, param in ordered:
                 if param.requires_grad and not (param.is_floating_point()):
                     raise OffloadConfigError(f"parameter {name!r} requires grad but has dtype {param.dtype}")
+                if param.requires_grad and dtype not in TRAINABLE_DTYPES:
+                    raise OffloadConfigError(
+                        f"parameter {name!r} is {param.dtype}: offload trains fp32, bf16 and fp16 weights (fp32 "
+                        "master weights and Adam state); convert the model first (model.float()), or freeze it "
+                        "(requires_grad_(False))")
                 slots.append(ParamSlot(name, param, param.shape, offset, param.numel(), param.requires_grad))
                 offset += param.numel()
             groups.append(FlatGroup(dtype, slots, key))

@@ -288,7 +288,8 @@ class StepPipeline:
         if self.tiers.ring is not None:
             try:
                 self.tiers.ring.flush_writes()  # reads ahead (of groups that got no update) are kept
-            except BaseException as exc:  # a swap write failed: the file no longer holds the state
+            except Exception as exc:  # a swap write failed: the file no longer holds the state. (Ctrl-C only
+                # interrupts the wait: the writes go on, and the next flush waits for them.)
                 self.worker.fail(exc)
                 raise
         for block in self.blocks:

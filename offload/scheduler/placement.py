@@ -14,6 +14,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
+from offload.errors import OffloadConfigError
 from offload.planner import Plan, make_plan, ring_depth_for, ring_size_for
 from offload.policy import OffloadPolicy, Tier
 from offload.scheduler.block import Block
@@ -61,11 +62,20 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer) ->
     tiers = Tiers(device, copies, WeightStreamer(device, copies))
     if policy.tier is Tier.NVME:
         assert policy.nvme_path is not None
+        if not records:  # before any file exists
+            raise OffloadConfigError(
+                "tier='nvme' keeps the optimizer state on disk, but no parameter of this model requires grad: there "
+                "is no state to keep; use tier='cpu' (weights still stream under device_memory), or unfreeze the "
+                "parameters to train before offload.wrap()")
         weights, swap_size = plan_weight_layout(blocks, plan.disk_weight_blocks, swap_size)
         tiers.swap = SwapStore(policy.nvme_path, records, swap_size, weights)
-        tiers.staging = StagingPool(max(_round_up(plan.ring_bytes, 4096), 4096))
-        tiers.ring = DiskRing(tiers.swap, tiers.staging, plan.ring_bytes,
-                              ring_depth_for(plan.ring_bytes, largest_record), tracer=tracer)
+        try:
+            tiers.staging = StagingPool(max(_round_up(plan.ring_bytes, 4096), 4096))
+            tiers.ring = DiskRing(tiers.swap, tiers.staging, plan.ring_bytes,
+                                  ring_depth_for(plan.ring_bytes, largest_record), tracer=tracer)
+        except BaseException:
+            tiers.close()  # nothing of a failed wrap() stays on disk
+            raise
     return plan, tiers
 
 

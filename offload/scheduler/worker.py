@@ -78,6 +78,10 @@ class StepWorker:
                     raise OffloadError("this block's update was dropped when the interpreter began to exit")
                 future.result()
             except BaseException as exc:
+                if not _update_raised(future, exc):  # [Note: Ctrl-C in a wait] the update itself runs on
+                    with self._lock:
+                        self._pending.setdefault(block_index, future)
+                    raise
                 if self.failure is None:
                     self.failure = exc
                     raise
@@ -164,6 +168,14 @@ class StepWorker:
                 future.set_result(work())
             except BaseException as exc:
                 future.set_exception(exc)
+
+
+def _update_raised(future: Future, exc: BaseException) -> bool:
+    """Whether `exc` is the update's own error (or its cancellation), not an interrupt of the wait for it: a
+    KeyboardInterrupt reaches the waiting thread while the update goes on, and must not poison the engine."""
+    if not future.done():
+        return False
+    return future.cancelled() or future.exception() is exc
 
 
 def _stop_thread(lock: threading.Condition, queue: List[Job], stopping: threading.Event,

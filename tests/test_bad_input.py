@@ -1,0 +1,70 @@
+"""Bad input at wrap() and load(): refused at once, by name, with the fix, before anything is allocated or
+written (issue "never silently wrong", item "bad input"); and paths fixed at wrap()."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload.errors import OffloadConfigError
+
+
+def _pair() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+
+def test_a_trainable_float64_parameter_is_refused_at_wrap_not_on_the_worker():
+    model = _pair().double()
+    with pytest.raises(OffloadConfigError, match=r"'0.weight' is torch.float64.*model.float\(\)"):
+        offload.wrap(model, tier="cpu", device="cpu")
+    assert not hasattr(model, "_offload_engine")  # nothing of the failed wrap stays on the model
+
+
+def test_a_frozen_float64_parameter_is_kept_as_it_is():
+    model = _pair()
+    model[1].double().requires_grad_(False)
+    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu") as engine:
+        assert model[1].weight.dtype == torch.float64
+        out = model[1](model[0](torch.ones(2, 4)).double())
+        engine.step()
+    assert out.dtype == torch.float64
+
+
+@pytest.mark.parametrize("option", ["host_memory", "device_memory"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), -1.0])
+def test_non_finite_or_negative_budgets_are_refused_by_name(option, value):
+    with pytest.raises(OffloadConfigError, match=option):
+        offload.wrap(_pair(), tier="cpu", device="cpu", **{option: value})
+
+
+def test_an_all_frozen_model_on_the_nvme_tier_is_refused_before_any_file_exists(tmp_path):
+    model = _pair().requires_grad_(False)
+    with pytest.raises(OffloadConfigError, match="no parameter of this model requires grad.*tier='cpu'"):
+        offload.wrap(model, tier="nvme", nvme_path=tmp_path, device="cpu")
+    assert os.listdir(tmp_path) == []
+    with offload.wrap(model, tier="cpu", device="cpu", dtype=torch.float32) as engine:  # inference still works
+        assert engine(torch.ones(2, 4)).shape == (2, 4)
+
+
+def test_loading_a_regular_file_says_it_is_not_a_checkpoint_directory(tmp_path):
+    path = tmp_path / "weights.pt"
+    path.write_bytes(b"not a checkpoint")
+    with offload.wrap(_pair(), tier="cpu", device="cpu") as engine:
+        with pytest.raises(OffloadConfigError, match="is a file, not a checkpoint directory"):
+            engine.load(path)
+
+
+def test_a_relative_nvme_path_is_fixed_at_wrap_so_a_chdir_cannot_strand_the_swap_file(tmp_path, monkeypatch):
+    (tmp_path / "swap").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    engine = offload.wrap(_pair(), tier="nvme", nvme_path="swap", device="cpu", dtype=torch.float32)
+    assert engine.policy.nvme_path == str(tmp_path / "swap")
+    assert os.listdir(tmp_path / "swap")  # the swap file and its layout
+    os.chdir(tmp_path / "elsewhere")
+    engine.close()
+    assert os.listdir(tmp_path / "swap") == [] and os.listdir(tmp_path / "elsewhere") == []

@@ -1,0 +1,101 @@
+"""Ctrl-C never poisons an engine whose updates all complete: a KeyboardInterrupt that lands while the
+training thread waits for a pending update reaches the user, the update runs on, and the engine stays
+usable (issue "never silently wrong", Ctrl-C)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import torch
+
+import offload
+from offload.scheduler.runtime import GroupState
+from tests.models import TinyGPT, make_batches
+
+
+def _sigint_after(seconds: float) -> threading.Timer:
+    timer = threading.Timer(seconds, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    return timer
+
+
+def _slowed_updates(monkeypatch, release: threading.Event) -> None:
+    real = GroupState.update
+
+    def held(self, *args, **kwargs):
+        release.wait(30)  # the update runs on only once the test lets it
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(GroupState, "update", held)
+
+
+def _step(engine, idx, tgt) -> None:
+    engine(idx, tgt).backward()
+    engine.step()
+    engine.zero_grad()
+
+
+def test_ctrl_c_while_a_forward_waits_for_an_update_does_not_poison(tmp_path, monkeypatch):
+    batches = make_batches(3, 1)
+    torch.manual_seed(0)
+    model, reference_model = TinyGPT(), TinyGPT()
+    reference_model.load_state_dict(model.state_dict())
+    with offload.wrap(reference_model, tier="nvme", nvme_path=tmp_path, dtype=torch.float32, device="cpu") as plain:
+        for ((idx, tgt),) in batches:
+            _step(plain, idx, tgt)
+        expected = plain.state_dict()
+    with offload.wrap(model, tier="nvme", nvme_path=tmp_path, dtype=torch.float32, device="cpu") as engine:
+        (idx, tgt), = batches[0]
+        _step(engine, idx, tgt)
+        engine.synchronize()
+        release = threading.Event()
+        _slowed_updates(monkeypatch, release)
+        (idx, tgt), = batches[1]
+        engine(idx, tgt).backward()
+        engine.step()  # returns at once: the updates are held
+        timer = _sigint_after(0.3)
+        try:
+            engine(idx, tgt)  # waits for the first block's held update; Ctrl-C lands in that wait
+        except KeyboardInterrupt:
+            interrupted = True
+        else:
+            interrupted = False
+        finally:
+            timer.cancel()
+        assert interrupted, "the interrupt must reach the user"
+        release.set()
+        monkeypatch.undo()
+        engine.zero_grad()
+        engine.save(tmp_path / "ckpt")  # not poisoned: saving works
+        (idx, tgt), = batches[2]
+        _step(engine, idx, tgt)
+        got = engine.state_dict()
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key  # the interrupted step was applied exactly once
+
+
+def test_ctrl_c_during_save_leaves_the_engine_usable(tmp_path, monkeypatch):
+    with offload.wrap(TinyGPT(), tier="cpu", dtype=torch.float32, device="cpu") as engine:
+        ((idx, tgt),) = make_batches(1, 1)[0]
+        release = threading.Event()
+        _slowed_updates(monkeypatch, release)
+        engine(idx, tgt).backward()
+        engine.step()
+        engine.zero_grad()
+        timer = _sigint_after(0.3)
+        try:
+            engine.save(tmp_path / "ckpt")  # waits for the held updates first
+        except KeyboardInterrupt:
+            interrupted = True
+        else:
+            interrupted = False
+        finally:
+            timer.cancel()
+        assert interrupted
+        assert not (tmp_path / "ckpt").exists()
+        release.set()
+        monkeypatch.undo()
+        engine.save(tmp_path / "ckpt")
+        assert (tmp_path / "ckpt" / "manifest.json").exists()
