@@ -44,10 +44,12 @@ class Engine:
     def __init__(self, module: nn.Module, policy: OffloadPolicy) -> None:
         if not isinstance(module, nn.Module):
             raise OffloadConfigError(f"offload.wrap needs a torch.nn.Module, got {type(module).__name__}")
-        previous = getattr(module, _MARKER, None)
-        if previous is not None and previous() is not None:
-            raise OffloadConfigError("this model is already wrapped by an offload engine; call engine.close() "
-                                     "on the first one before wrapping it again")
+        for name, sub in module.named_modules():
+            previous = getattr(sub, _MARKER, None)
+            if previous is not None and previous() is not None:
+                what = "this model is" if sub is module else f"its sub-module {name!r} is"
+                raise OffloadConfigError(f"{what} already wrapped by an offload engine; call engine.close() on "
+                                         "that engine before wrapping again (wrap the outer model only)")
         self.module = module
         self.policy = policy
         self.blocks: List[Block] = build_blocks(module, policy.dtype)

@@ -68,3 +68,28 @@ def test_a_relative_nvme_path_is_fixed_at_wrap_so_a_chdir_cannot_strand_the_swap
     os.chdir(tmp_path / "elsewhere")
     engine.close()
     assert os.listdir(tmp_path / "swap") == [] and os.listdir(tmp_path / "elsewhere") == []
+
+
+def test_a_sub_module_already_wrapped_is_refused_by_name():
+    inner = _pair()
+    with offload.wrap(inner, tier="cpu", device="cpu"):
+        with pytest.raises(OffloadConfigError, match="sub-module '0' is already wrapped.*close()"):
+            offload.wrap(nn.Sequential(inner, nn.Linear(4, 4)), tier="cpu", device="cpu")
+
+
+class LlamaRMSNorm(nn.Module):
+    """Hugging Face's RMSNorm as transformers defines it: a plain nn.Module with a weight."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) * self.weight
+
+
+def test_norm_layers_named_like_hugging_faces_stay_fp32_under_bf16():
+    model = nn.Sequential(nn.Linear(8, 8), LlamaRMSNorm(8), nn.Linear(8, 8))
+    with offload.wrap(model, tier="cpu", dtype=torch.bfloat16, device="cpu"):
+        assert model[1].weight.dtype == torch.float32  # as torch's own RMSNorm and LayerNorm
+        assert model[0].weight.dtype == model[2].weight.dtype == torch.bfloat16

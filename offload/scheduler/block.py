@@ -121,6 +121,13 @@ class Block:
         return f"Block({self.name!r}, {self.weight_bytes} bytes, {self.residency.value})"
 
 
+def is_norm_layer(module: nn.Module) -> bool:
+    """torch's normalization layers, and any module class named like one ("...Norm": HF's LlamaRMSNorm,
+    T5LayerNorm, Qwen2RMSNorm are plain nn.Modules). Only a module's own parameters count, so a wrapper
+    named "PreNorm" that holds a whole layer keeps that layer's weights in the compute dtype."""
+    return isinstance(module, _NORM_TYPES) or type(module).__name__.endswith("Norm")
+
+
 TRAINABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the fp32 optimizer state can master
 
 
@@ -174,7 +181,7 @@ def build_blocks(module: nn.Module, compute_dtype: torch.dtype) -> List[Block]:
     Allocation is the caller's job (see `Engine`), so this stays a pure description of the model.
     """
     layer_list = find_layer_list(module)
-    norm_params = {id(p) for m in module.modules() if isinstance(m, _NORM_TYPES) for p in m.parameters(recurse=False)}
+    norm_params = {id(p) for m in module.modules() if is_norm_layer(m) for p in m.parameters(recurse=False)}
     by_block: Dict[str, Dict[torch.dtype, List[Tuple[str, nn.Parameter]]]] = {}
     for name, param in module.named_parameters():
         if param.is_meta:
