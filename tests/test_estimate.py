@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import pytest
 import torch
 
 from offload.__main__ import main
@@ -34,3 +38,52 @@ def test_cli_reports_each_tier_and_what_does_not_fit(capsys):
     assert main(["estimate", "--layers", "2", "--dim", "64", "--tier", "cpu", "--blocks"]) == 0
     assert "offload plan (tier=cpu)" in capsys.readouterr().out
     assert main(["estimate"]) == 2
+
+
+POSITIVE_COUNT = "must be a finite number >= 1 (a parameter count such as 7e9)"
+POSITIVE_INT = "must be an integer >= 1"
+BYTE_SIZE = "must be a byte size > 0 such as 24GB, 512MiB or 4G"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--params", "0"], f"argument --params: {POSITIVE_COUNT}, got '0'"),
+    (["--params=-5"], f"argument --params: {POSITIVE_COUNT}, got '-5'"),
+    (["--params", "0.5"], f"argument --params: {POSITIVE_COUNT}, got '0.5'"),
+    (["--params", "nan"], f"argument --params: {POSITIVE_COUNT}, got 'nan'"),
+    (["--params", "inf"], f"argument --params: {POSITIVE_COUNT}, got 'inf'"),
+    (["--params", "1e9", "--layers", "0"], f"argument --layers: {POSITIVE_INT}, got '0'"),
+    (["--dim", "64", "--layers", "0"], f"argument --layers: {POSITIVE_INT}, got '0'"),
+    (["--dim", "64", "--layers=-3"], f"argument --layers: {POSITIVE_INT}, got '-3'"),
+    (["--dim=-64"], f"argument --dim: {POSITIVE_INT}, got '-64'"),
+    (["--dim", "64", "--vocab=-5"], f"argument --vocab: {POSITIVE_INT}, got '-5'"),
+    (["--dim", "64", "--context", "0"], f"argument --context: {POSITIVE_INT}, got '0'"),
+    (["--params", "1e9", "--host-memory", "inf"], f"argument --host-memory: {BYTE_SIZE}"),
+    (["--params", "1e9", "--host-memory", "nan"], f"argument --host-memory: {BYTE_SIZE}"),
+    (["--params", "1e9", "--host-memory=-5GB"], f"argument --host-memory: {BYTE_SIZE}"),
+    (["--params", "1e9", "--device-memory", "0"], f"argument --device-memory: {BYTE_SIZE}"),
+    (["--params", "1e9", "--device-memory", "9" * 400], f"argument --device-memory: {BYTE_SIZE}"),
+])
+def test_cli_rejects_a_bad_number_at_parse_time(capsys, argv, message):
+    """Zero, negative, nan and inf sizes: an argparse error naming the option, the value and what is valid
+    (exit code 2), never a plan of negative bytes or a traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["estimate", *argv])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "python -m offload estimate: error:" in captured.err
+    assert "tier=" not in captured.out
+
+
+def test_cli_rejects_fewer_parameters_than_blocks(capsys):
+    assert main(["estimate", "--params", "10", "--layers", "32"]) == 2
+    captured = capsys.readouterr()
+    assert "--params 10 is fewer parameters than blocks (--layers 32)" in captured.err
+    assert "tier=" not in captured.out
+
+
+def test_python_m_offload_estimate_nan_is_a_usage_error_not_a_traceback():
+    result = subprocess.run([sys.executable, "-m", "offload", "estimate", "--params", "nan"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert f"argument --params: {POSITIVE_COUNT}, got 'nan'" in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""

@@ -31,3 +31,25 @@ def test_cli_prints_a_row_per_tier(capsys):
     assert main(["verify", "--tier", "cpu", "--steps", "2"]) == 0
     out = capsys.readouterr().out
     assert "max |dloss|" in out and "\ncpu " in out and "ok" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "argument --steps: must be an integer >= 1, got '0'"),
+    (["--steps=-2"], "argument --steps: must be an integer >= 1, got '-2'"),
+    (["--accum", "0"], "argument --accum: must be an integer >= 1, got '0'"),
+    (["--lr", "nan"], "argument --lr: must be a finite number >= 0, got 'nan'"),
+    (["--lr", "inf"], "argument --lr: must be a finite number >= 0, got 'inf'"),
+    (["--lr=-1e-3"], "argument --lr: must be a finite number >= 0, got '-1e-3'"),
+    (["--max-grad-norm", "0"], "argument --max-grad-norm: must be a finite number > 0, got '0'"),
+    (["--max-grad-norm=-1"], "argument --max-grad-norm: must be a finite number > 0, got '-1'"),
+    (["--max-grad-norm", "nan"], "argument --max-grad-norm: must be a finite number > 0, got 'nan'"),
+    (["--max-grad-norm", "inf"], "argument --max-grad-norm: must be a finite number > 0, got 'inf'"),
+])
+def test_cli_rejects_a_bad_number_at_parse_time(capsys, argv, message):
+    """`--steps 0` compared nothing and printed "ok"; every numeric option is checked before any run."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["verify", "--tier", "cpu", *argv])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "python -m offload verify: error:" in captured.err
+    assert "ok" not in captured.out

@@ -12,11 +12,14 @@ with the planner's own message.
 from __future__ import annotations
 
 import argparse
+import math
+import sys
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
 
+from offload.cli.options import byte_size, positive_int
 from offload.errors import OffloadConfigError
 from offload.planner import BlockSpec, Location, Plan, make_plan, ring_size_for, spec_of
 from offload.planner import human_bytes as _human
@@ -73,34 +76,58 @@ def main(argv: Optional[List[str]] = None) -> int:
     return run(parser.parse_args(argv))
 
 
+def parameter_count(text: str) -> float:
+    """`--params`: a finite number >= 1, e.g. 7e9 (the count is truncated to an integer)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 1 (a parameter count such as 7e9), got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--params", type=float, default=None, help="total parameters, e.g. 7e9")
-    parser.add_argument("--layers", type=int, default=None, help="transformer layers (blocks for --params; default 32)")
-    parser.add_argument("--dim", type=int, default=None, help="model width of a GPT config")
-    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary of a GPT config")
-    parser.add_argument("--context", type=int, default=2048, help="context length of a GPT config")
+    parser.add_argument("--params", type=parameter_count, default=None, help="total parameters, e.g. 7e9")
+    parser.add_argument("--layers", type=positive_int, default=None,
+                        help="transformer layers (blocks for --params; default 32)")
+    parser.add_argument("--dim", type=positive_int, default=None, help="model width of a GPT config")
+    parser.add_argument("--vocab", type=positive_int, default=32000, help="vocabulary of a GPT config")
+    parser.add_argument("--context", type=positive_int, default=2048, help="context length of a GPT config")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="compute dtype of the weights")
     parser.add_argument("--tier", choices=[t.value for t in Tier] + ["all"], default="all")
-    parser.add_argument("--device-memory", default=None, help="device budget, e.g. 24GB")
-    parser.add_argument("--host-memory", default=None, help="host budget, e.g. 64GB")
+    parser.add_argument("--device-memory", type=byte_size, default=None, help="device budget, e.g. 24GB")
+    parser.add_argument("--host-memory", type=byte_size, default=None, help="host budget, e.g. 64GB")
     parser.add_argument("--blocks", action="store_true", help="print the per-block plan table too")
+
+
+def _usage_error(message: str) -> int:
+    print(f"python -m offload estimate: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _budget(value: object, what: str) -> Optional[int]:
+    """The parser gives byte counts already (`byte_size`); a Namespace built by hand may hold strings."""
+    return value if value is None or isinstance(value, int) else parse_bytes(value, what)  # type: ignore[arg-type]
 
 
 def run(args: argparse.Namespace) -> int:
     if (args.params is None) == (args.dim is None):
-        print("give either --params N, or a GPT config with --layers and --dim (and --vocab, --context)")
-        return 2
+        return _usage_error("give either --params N, or a GPT config with --layers and --dim (and --vocab, --context)")
+    layers = 32 if args.layers is None else args.layers
     if args.dim is not None:
-        shape = ModelShape.gpt(args.layers or 32, args.dim, args.vocab, args.context)
+        shape = ModelShape.gpt(layers, args.dim, args.vocab, args.context)
     else:
-        shape = ModelShape.uniform(int(args.params), args.layers or 32)
+        if int(args.params) < layers:
+            return _usage_error(f"--params {args.params:g} is fewer parameters than blocks (--layers {layers}); "
+                                f"give --params >= --layers")
+        shape = ModelShape.uniform(int(args.params), layers)
     dtype = DTYPES[args.dtype]
     try:
-        device_memory = parse_bytes(args.device_memory, "--device-memory")
-        host_memory = parse_bytes(args.host_memory, "--host-memory")
-    except OffloadConfigError as exc:
-        print(exc)
-        return 2
+        device_memory = _budget(args.device_memory, "--device-memory")
+        host_memory = _budget(args.host_memory, "--host-memory")
+    except (OffloadConfigError, OverflowError) as exc:
+        return _usage_error(str(exc))
     tiers = list(Tier) if args.tier == "all" else [Tier.parse(args.tier)]
     count = f"{shape.params / 1e9:.3g}B" if shape.params >= 1e9 else f"{shape.params / 1e6:.3g}M"
     print(f"model: {count} parameters in {len(shape.blocks)} blocks, compute dtype {args.dtype}; "

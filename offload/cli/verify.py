@@ -7,6 +7,8 @@ import importlib
 
 import torch
 
+from offload.cli.options import non_negative_finite_float, positive_finite_float, positive_int
+
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-1}  # bf16: rounding of weights and activations
 
 
@@ -14,10 +16,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="offload.cli.verify_model:tiny_gpt",
                         help="module:function returning (model, batch_fn); default: a built-in tiny GPT")
     parser.add_argument("--tier", default="all", choices=["all", "gpu", "cpu", "nvme"])
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--accum", type=int, default=1, help="micro-batches per step")
-    parser.add_argument("--max-grad-norm", type=float, default=None)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--steps", type=positive_int, default=4, help="optimizer steps to compare (>= 1)")
+    parser.add_argument("--accum", type=positive_int, default=1, help="micro-batches per step (>= 1)")
+    parser.add_argument("--max-grad-norm", type=positive_finite_float, default=None,
+                        help="clip the global gradient norm to this (> 0); default: no clipping")
+    parser.add_argument("--lr", type=non_negative_finite_float, default=1e-3, help="learning rate (>= 0)")
     parser.add_argument("--dtype", default="float32", choices=sorted(TOLERANCE))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--nvme-path", default=None, help="swap directory for the nvme tier (default: a temp dir)")
