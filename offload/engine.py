@@ -172,19 +172,29 @@ class Engine:
     def close(self) -> None:
         """Finish pending updates, remove every hook, bring streamed weights back and free the optimizer
         state: the module stays usable as a plain PyTorch model with its trained weights. Idempotent.
-        An update that failed and was not reported yet is raised after the cleanup."""
+        An update that failed and was not reported yet, or an I/O error met while closing, is raised once,
+        after the cleanup: the hooks, the swap file and the model's mark are gone even then."""
         pipeline = self._pipeline
         if pipeline.closed:
             return
-        failure = pipeline.close()
-        self._hooks.remove()
-        for block in self.blocks:
-            block.runtime = None
-            for group in block.groups:
-                group.runtime = None
-        pipeline.tiers.close()
-        if getattr(self.module, _MARKER, None) is not None:
-            delattr(self.module, _MARKER)
+        failure: Optional[BaseException] = None
+        try:
+            failure = pipeline.close()
+        except Exception as exc:  # e.g. weights on a failed disk could not be read back: release all the same
+            failure = exc
+        finally:  # whatever failed, the hooks, records, files and the model's mark go (reported once, below)
+            pipeline.closed = True
+            self._hooks.remove()
+            for block in self.blocks:
+                block.runtime = None
+                for group in block.groups:
+                    group.runtime = None
+            try:
+                pipeline.tiers.close()
+            except Exception as exc:
+                failure = failure or exc
+            if getattr(self.module, _MARKER, None) is not None:
+                delattr(self.module, _MARKER)
         if failure is not None:
             raise failure
         if pipeline.worker.failure is not None:

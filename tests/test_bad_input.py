@@ -93,3 +93,26 @@ def test_norm_layers_named_like_hugging_faces_stay_fp32_under_bf16():
     with offload.wrap(model, tier="cpu", dtype=torch.bfloat16, device="cpu"):
         assert model[1].weight.dtype == torch.float32  # as torch's own RMSNorm and LayerNorm
         assert model[0].weight.dtype == model[2].weight.dtype == torch.bfloat16
+
+
+def test_close_after_a_disk_error_reports_once_and_still_releases_everything(tmp_path, monkeypatch):
+    """A file system that fails under the swap file: close() raises the error once, yet removes the hooks
+    and the swap file, a second close() is quiet, and the model can be wrapped again."""
+    from offload.tiers.disk import SwapStore
+
+    model = _pair()
+    engine = offload.wrap(model, tier="nvme", nvme_path=tmp_path, device="cpu", dtype=torch.float32)
+    real_close = SwapStore.close
+
+    def failing_close(self):
+        real_close(self)  # the files go, then the file system reports an error
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(SwapStore, "close", failing_close)
+    with pytest.raises(OSError, match="Input/output error"):
+        engine.close()
+    monkeypatch.undo()
+    engine.close()  # reported once: nothing more to raise
+    assert not any(m._forward_pre_hooks for m in model.modules()) and os.listdir(tmp_path) == []
+    with offload.wrap(model, tier="cpu", device="cpu", dtype=torch.float32) as again:  # not "already wrapped"
+        assert again(torch.ones(2, 4)).shape == (2, 4)

@@ -337,3 +337,31 @@ def test_aiofiles_when_native_core_is_missing(tmp_path, monkeypatch):
         with AsyncIO("io_uring") as aio:
             assert aio.backend is IOBackend.AIOFILES
     assert any("native core" in str(w.message) for w in caught)
+
+
+def test_a_small_file_system_is_measured_with_a_smaller_probe_not_refused(tmp_path, monkeypatch):
+    """A 16 MiB file system with room for a 3 MiB swap file: the 32 MiB probe would not fit."""
+    if _native._C is None:
+        pytest.skip("native core not built")
+    cache = probe_module.cache_path()
+    saved = cache.read_bytes() if cache.exists() else None
+    cache.unlink(missing_ok=True)  # the choice is cached per device: measure here, and put it back after
+    try:
+        _small_file_system(tmp_path, monkeypatch)
+    finally:
+        cache.unlink(missing_ok=True)
+        if saved is not None:
+            cache.write_bytes(saved)
+
+
+def _small_file_system(tmp_path, monkeypatch):
+    real = probe_module.shutil.disk_usage
+    monkeypatch.setattr(probe_module.shutil, "disk_usage", lambda p: real(p)._replace(free=14 << 20))
+    assert probe_module.probe_bytes(str(tmp_path)) == 3 << 20
+    backend, reason = choose_backend(tmp_path)
+    assert backend.native and "write+read 3 MiB" in reason
+    (tmp_path / "tiny").mkdir()
+    probe_module.cache_path().unlink()  # measure again
+    monkeypatch.setattr(probe_module.shutil, "disk_usage", lambda p: real(p)._replace(free=3 << 20))
+    backend, reason = choose_backend(tmp_path / "tiny")
+    assert backend.native and "not measured" in reason

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 import warnings
@@ -83,15 +84,22 @@ def _aligned_buffer(nbytes: int) -> Tuple[object, int]:
     return raw, buf.data_ptr()
 
 
-def _time_engine(backend: IOBackend, fds: Tuple[int, bool], address: int) -> float:
-    """Seconds to write then read PROBE_BYTES through one engine (queue depth 16, 1 MiB requests)."""
+def probe_bytes(directory: str) -> int:
+    """PROBE_BYTES, or a quarter of the free space when that is less (whole MiB): a small file system that
+    has room for its swap file is measured, not refused for the probe's sake. 0: too little to measure."""
+    quarter = shutil.disk_usage(directory).free // 4 // PROBE_REQUEST * PROBE_REQUEST
+    return min(PROBE_BYTES, quarter)
+
+
+def _time_engine(backend: IOBackend, fds: Tuple[int, bool], address: int, nbytes: int) -> float:
+    """Seconds to write then read `nbytes` through one engine (queue depth 16, 1 MiB requests)."""
     assert _native._C is not None
     fd, direct = fds
     engine = _native._C.IoEngine(backend.value, 16, 4)
     try:
         start = time.perf_counter()
         for write in (True, False):
-            request = engine.submit(write, [(fd, direct, address, PROBE_BYTES, 0)], PROBE_REQUEST)
+            request = engine.submit(write, [(fd, direct, address, nbytes, 0)], PROBE_REQUEST)
             request.wait(-1.0)
             if request.error:
                 raise OSError(request.error, os.strerror(request.error))
@@ -100,21 +108,21 @@ def _time_engine(backend: IOBackend, fds: Tuple[int, bool], address: int) -> flo
         engine.close()
 
 
-def _measure(directory: str, usable: List[IOBackend]) -> Tuple[IOBackend, str]:
+def _measure(directory: str, usable: List[IOBackend], nbytes: int) -> Tuple[IOBackend, str]:
     with tempfile.TemporaryDirectory(prefix=".offload-probe-", dir=directory) as tmp:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             swap = open_swap_file(
-                os.path.join(tmp, "probe.bin"), size=PROBE_BYTES, direct=None, create=True, warned_file_systems=set()
+                os.path.join(tmp, "probe.bin"), size=nbytes, direct=None, create=True, warned_file_systems=set()
             )
-        raw, address = _aligned_buffer(PROBE_BYTES)
+        raw, address = _aligned_buffer(nbytes)
         fds = (swap.direct_fd, True) if swap.direct else (swap.buffered_fd, False)
         best: Dict[IOBackend, float] = {}
         try:
             for _ in range(2):
                 for backend in usable:
                     try:
-                        seconds = _time_engine(backend, fds, address)
+                        seconds = _time_engine(backend, fds, address, nbytes)
                     except OSError:
                         continue
                     best[backend] = min(best.get(backend, float("inf")), seconds)
@@ -125,9 +133,9 @@ def _measure(directory: str, usable: List[IOBackend]) -> Tuple[IOBackend, str]:
         return IOBackend.THREADS, "every native engine failed the probe; using the pread/pwrite thread pool"
     fastest = min(best.values())
     winner = next(b for b in NATIVE_PREFERENCE if b in best and best[b] <= fastest * (1 + TIE_MARGIN))
-    rates = ", ".join(f"{b.value} {2 * PROBE_BYTES / best[b] / 1e9:.2f} GB/s" for b in NATIVE_PREFERENCE if b in best)
+    rates = ", ".join(f"{b.value} {2 * nbytes / best[b] / 1e9:.2f} GB/s" for b in NATIVE_PREFERENCE if b in best)
     mode = "O_DIRECT" if fds[1] else "buffered"
-    return winner, f"measured on {file_system_of(directory)} ({mode}, write+read 32 MiB): {rates}"
+    return winner, f"measured on {file_system_of(directory)} ({mode}, write+read {nbytes >> 20} MiB): {rates}"
 
 
 def choose_backend(directory: PathLike) -> Tuple[IOBackend, str]:
@@ -151,6 +159,9 @@ def choose_backend(directory: PathLike) -> Tuple[IOBackend, str]:
         return IOBackend.AIOFILES, f"no native engine usable ({reasons}): pure-Python aiofiles"
     if not os.access(path, os.W_OK):
         return usable[0], f"{path!r} is not writable, so not measured: first usable engine"
-    backend, reason = _measure(path, usable)
+    nbytes = probe_bytes(path)
+    if nbytes == 0:  # not cached: a later run, with more room, measures
+        return usable[0], f"{path!r} has under 4 MiB free, so not measured: first usable engine"
+    backend, reason = _measure(path, usable, nbytes)
     _store_cache(key, backend, reason)
     return backend, reason
