@@ -105,8 +105,10 @@ class Engine:
                     host = self.group_weights(group)
                     for slot in group.slots:
                         streamed[id(slot.param)] = host[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        with self._pipeline.engine_reads():
+            entries = self.module.state_dict(keep_vars=True)
         return {k: (streamed[id(v)] if id(v) in streamed else v.detach()).to("cpu", copy=True)
-                for k, v in self.module.state_dict(keep_vars=True).items()}
+                for k, v in entries.items()}
 
     def stats(self) -> Dict[str, float]:
         """Counters since `wrap()`: steps, skipped steps, block updates (and how many ran during backward),
@@ -125,7 +127,8 @@ class Engine:
         when given, the LR scheduler's and the RNG states into directory `path`, atomically: a kill at any
         moment leaves the previous checkpoint or the new one. Streams one flat group at a time."""
         self._pipeline.check_open()
-        return save_checkpoint(self, path, scheduler=scheduler, rng=rng, progress=progress)
+        with self._pipeline.engine_reads():  # the writer reads module.state_dict() for the entries' names
+            return save_checkpoint(self, path, scheduler=scheduler, rng=rng, progress=progress)
 
     def load(self, path: str, *, scheduler: Any = None, rng: bool = False, progress: Optional[bool] = None) -> dict:
         """Load a checkpoint saved by any tier (keyed by parameter names); training then continues exactly as

@@ -33,6 +33,12 @@ class ForwardPhases(Protocol):
 
     def on_grad(self, param: nn.Parameter) -> None: ...
 
+    def before_load_state_dict(self) -> None: ...
+
+    def before_state_dict(self) -> None: ...
+
+    def after_load_state_dict(self) -> None: ...
+
 
 class HookSet:
     """The engine's hooks on one model; `remove()` restores the model to plain PyTorch."""
@@ -71,6 +77,12 @@ class HookSet:
                     leaf.register_hook(lambda _grad: begin_backward())
 
         self._handles.append(root.register_forward_hook(hook_outputs))
+        # model.load_state_dict(): the engine's copies of the weights (master, host mirrors) follow it.
+        before_load, after_load = phases.before_load_state_dict, phases.after_load_state_dict
+        self._handles.append(root.register_load_state_dict_pre_hook(lambda *_args: before_load()))
+        self._handles.append(root.register_load_state_dict_post_hook(lambda *_args: after_load()))
+        before_state_dict = phases.before_state_dict  # model.state_dict() right after step(): current weights
+        self._handles.append(root.register_state_dict_pre_hook(lambda *_args: before_state_dict()))
         # The root's context encloses everything above: entered before any pre-hook, left after every hook.
         enter, exit_ = _eager(phases.begin_root_forward), _eager(phases.end_root_forward)
         self._handles.append(root.register_forward_pre_hook(lambda _m, _a: enter(), prepend=True))

@@ -35,6 +35,7 @@ from offload.scheduler.optimizer_view import EngineOptimizer
 from offload.scheduler.phase_clock import PhaseClock
 from offload.scheduler.placement import Tiers
 from offload.scheduler.runtime import BlockRuntime, SlotRef, SlotTable
+from offload.scheduler.state_store import overwrite_master
 from offload.scheduler.trace import Tracer
 from offload.scheduler.update import AdamHyper, clip_scale
 from offload.scheduler.worker import StepWorker
@@ -76,6 +77,7 @@ class StepPipeline:
         self.worker = StepWorker(num_threads, on_next=self._read_ahead_of if tiers.ring is not None else None)
         self._early_hyper: Optional[Tuple[AdamHyper, ...]] = None
         self._saved_tensor_hooks: List[object] = []
+        self._engine_reads = 0  # >0 while the engine itself reads module.state_dict() (engine_reads)
 
     # ----- forward -----------------------------------------------------------------------------------
     def begin_root_forward(self) -> None:
@@ -280,6 +282,52 @@ class StepPipeline:
                 self.worker.wait(block.index)
             for state in _runtime(block).states:
                 state.grads.zero(set_to_none)
+
+    # ----- the user's model.state_dict() and model.load_state_dict() -------------------------------------
+    def before_state_dict(self) -> None:
+        """Every pending update lands first (step() returns before the updates run); streamed blocks hold
+        placeholders, so reading them through the module is refused (engine.state_dict() reads their homes)."""
+        if self.closed or self._engine_reads:
+            return
+        self.synchronize()
+        streamed = [b.name for b in self.blocks if _runtime(b).streamed]
+        if streamed:
+            raise OffloadError(
+                f"model.state_dict() would return placeholders for the blocks streamed from host or disk (first: "
+                f"{streamed[0]!r}): use engine.state_dict() (full CPU copies) or engine.save(path)")
+
+    @contextlib.contextmanager
+    def engine_reads(self) -> Iterator[None]:
+        """The engine reads the module's state dict itself (and swaps in streamed weights): no refusal."""
+        self._engine_reads += 1
+        try:
+            yield
+        finally:
+            self._engine_reads -= 1
+
+    def before_load_state_dict(self) -> None:
+        """Every pending update lands first (it would overwrite the loaded weights); streamed blocks hold only
+        placeholders, which the load cannot write into: refused before anything changes."""
+        self.check_open()
+        self.synchronize()
+        streamed = [b.name for b in self.blocks if _runtime(b).streamed]
+        if streamed:
+            raise OffloadError(
+                f"model.load_state_dict() cannot write the weights of blocks streamed from host or disk (first: "
+                f"{streamed[0]!r}): load the weights before offload.wrap(), or resume with engine.load(checkpoint)")
+
+    def after_load_state_dict(self) -> None:
+        """The loaded weights become the master weights (the Adam moments stay, as torch.optim.AdamW's do),
+        and the host mirrors follow; without this the next step would write the old weights back."""
+        for block in self.blocks:
+            for group in _runtime(block).groups:
+                if group.state is None:
+                    continue
+                assert group.group.device_buffer is not None
+                weights = group.group.device_buffer.detach()
+                overwrite_master(group.state.store, weights[:group.group.trainable_numel])
+                if group.home.pushes:
+                    group.home.replace(weights.to("cpu"), resident=True)
 
     # ----- synchronization ---------------------------------------------------------------------------
     def synchronize(self) -> None:

@@ -84,6 +84,22 @@ class StateStore(Protocol):
     def swap_sections(self) -> Optional[SwapSections]: ...
 
 
+def overwrite_master(store: StateStore, weights: Tensor) -> None:
+    """New master weights (the group's trainable range, any dtype and device), keeping the Adam moments, as
+    torch.optim.AdamW keeps them when the user loads weights into the model: chunk by chunk through the
+    store's own update path (`load`, change, `store`), so the disk store needs no memory of its own."""
+    for start, stop in store.chunks():
+        chunk = store.load(start, stop)
+        try:
+            chunk.master.copy_(weights[start:stop])
+            if chunk.weights is not None:
+                chunk.weights.copy_(weights[start:stop])
+        except BaseException:
+            store.abandon(chunk)
+            raise
+        store.store(chunk)
+
+
 class MemoryStore:
     """State as three tensors on `device`: host memory (cpu tier, the fused CPU Adam) or the compute
     device (gpu tier, torch maths). On the gpu tier with fp32 compute weights the master weights are the

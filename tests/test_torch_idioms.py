@@ -1,0 +1,117 @@
+"""PyTorch habits around a wrapped model work as without offload, or raise at once with the fix (issue
+"never silently wrong"). Each test trains the same model with torch.optim.AdamW next to the engine."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import offload
+from offload.errors import OffloadError
+from tests.models import TinyGPT, make_batches, one_intraop_thread
+
+LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
+TOL = 1e-5
+
+_threads = pytest.fixture(autouse=True, scope="module")(one_intraop_thread)
+
+
+def _train(model, step, batches) -> None:
+    for ((idx, tgt),) in batches:
+        model(idx, tgt).backward()
+        step()
+
+
+def _pretrained() -> dict:
+    torch.manual_seed(1)
+    return TinyGPT().state_dict()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme", "gpu"])
+def test_load_state_dict_after_wrap_becomes_the_weights_that_train(tmp_path, tier):
+    """torch: the loaded weights train on, the optimizer keeps its moments. Before: the engine's master copy
+    was not refreshed and the first step wrote the old weights back."""
+    batches = make_batches(4, 1)
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    model = TinyGPT()
+    model.load_state_dict(reference.state_dict())
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+
+    def torch_step():
+        opt.step()
+        opt.zero_grad()
+
+    _train(reference, torch_step, batches[:2])
+    reference.load_state_dict(_pretrained())
+    _train(reference, torch_step, batches[2:])
+    with offload.wrap(model, tier=tier, nvme_path=tmp_path if tier == "nvme" else None, lr=LR, betas=BETAS,
+                      eps=EPS, weight_decay=WD, dtype=torch.float32, device="cpu") as engine:
+
+        def engine_step():
+            engine.step()
+            engine.zero_grad()
+
+        _train(engine, engine_step, batches[:2])  # updates still pending when the load comes
+        model.load_state_dict(_pretrained())
+        _train(engine, engine_step, batches[2:])
+        got = engine.state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(got[key], value, atol=TOL, rtol=TOL, msg=key)
+
+
+def test_load_state_dict_into_streamed_blocks_is_refused_before_anything_changes():
+    model = TinyGPT()
+    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", device_memory=60_000) as engine:
+        assert any(b.runtime.streamed for b in engine.blocks)
+        before = engine.state_dict()
+        with pytest.raises(OffloadError, match="streamed from host or disk.*engine.load"):
+            model.load_state_dict(_pretrained())
+        after = engine.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_model_state_dict_right_after_step_holds_the_updated_weights(tmp_path, monkeypatch):
+    """step() returns before the updates run; model.state_dict() (or an EMA over it) must still read the
+    weights after the step, as with torch. Before: the weights of before or midway through the update.
+    The updates are held for 0.2 s after each step(), so a read that does not wait sees the old weights."""
+    from offload.scheduler.runtime import GroupState
+
+    batches = make_batches(3, 1)
+    torch.manual_seed(0)
+    model, reference = TinyGPT(), TinyGPT()
+    reference.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    release = threading.Event()
+    real_update = GroupState.update
+
+    def held(self, *args, **kwargs):
+        release.wait(30)
+        return real_update(self, *args, **kwargs)
+
+    monkeypatch.setattr(GroupState, "update", held)
+    with offload.wrap(model, tier="nvme", nvme_path=tmp_path, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                      dtype=torch.float32, device="cpu") as engine:
+        for ((idx, tgt),) in batches:
+            reference(idx, tgt).backward()
+            opt.step()
+            opt.zero_grad()
+            model(idx, tgt).backward()
+            release.clear()
+            engine.step()
+            engine.zero_grad()
+            threading.Timer(0.2, release.set).start()
+            got = {k: v.clone() for k, v in model.state_dict().items()}  # right after step()
+            for key, value in reference.state_dict().items():
+                torch.testing.assert_close(got[key], value, atol=TOL, rtol=TOL, msg=key)
+
+
+def test_model_state_dict_with_streamed_blocks_is_refused_with_the_fix():
+    model = TinyGPT()
+    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", device_memory=60_000) as engine:
+        with pytest.raises(OffloadError, match="placeholders.*engine.state_dict()"):
+            model.state_dict()
+        assert all(torch.isfinite(v).all() for v in engine.state_dict().values())  # the engine's own works
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())  # after close: plain PyTorch
