@@ -115,3 +115,26 @@ def test_model_state_dict_with_streamed_blocks_is_refused_with_the_fix():
             model.state_dict()
         assert all(torch.isfinite(v).all() for v in engine.state_dict().values())  # the engine's own works
     assert all(torch.isfinite(v).all() for v in model.state_dict().values())  # after close: plain PyTorch
+
+
+def test_converting_the_model_after_wrap_raises_at_the_next_forward():
+    """model.double() after wrap() used to disconnect the parameters: they never changed again."""
+    model = TinyGPT()
+    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu") as engine:
+        ((idx, tgt),) = make_batches(1, 1)[0]
+        model.float()  # already fp32: the same tensors, nothing changes
+        engine(idx, tgt).backward()
+        engine.step()
+        engine.zero_grad()
+        model.double()
+        with pytest.raises(OffloadError, match="moved or converted after offload.wrap.*convert the model first"):
+            engine(idx, tgt)
+
+
+def test_the_optimizers_torch_style_state_dict_is_refused_with_the_fix():
+    """It held 0 parameter states, and a torch-style save/load 'worked' and resumed wrong."""
+    with offload.wrap(TinyGPT(), tier="cpu", dtype=torch.float32, device="cpu") as engine:
+        with pytest.raises(OffloadError, match="engine.save\\(path\\)"):
+            engine.optimizer.state_dict()
+        with pytest.raises(OffloadError, match="engine.load\\(path\\)"):
+            engine.optimizer.load_state_dict({"state": {}, "param_groups": []})

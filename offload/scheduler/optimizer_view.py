@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from offload.errors import OffloadConfigError
+from offload.errors import OffloadConfigError, OffloadError
 
 
 class EngineOptimizer(torch.optim.Optimizer):
@@ -32,6 +32,17 @@ class EngineOptimizer(torch.optim.Optimizer):
             raise OffloadConfigError("engine.optimizer's groups are fixed at wrap(): pass param_groups=[...] to "
                                      "offload.wrap instead of adding a group afterwards")
         super().add_param_group(param_group)
+
+    def state_dict(self) -> dict:  # type: ignore[override]
+        raise OffloadError(
+            "engine.optimizer.state_dict() has no per-parameter state in torch's format: the Adam moments and "
+            "fp32 master weights live in the engine's flat buffers (host memory or the swap file), so a torch-"
+            "style checkpoint would resume wrong; save and resume with engine.save(path) / engine.load(path)")
+
+    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
+        raise OffloadError(
+            "engine.optimizer.load_state_dict() cannot restore the engine's optimizer state; resume with "
+            "engine.load(path) from a checkpoint written by engine.save(path)")
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]

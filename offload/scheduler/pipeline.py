@@ -102,6 +102,11 @@ class StepPipeline:
         in_backward = torch._C._current_graph_task_id() != -1
         for block in blocks:
             runtime = _runtime(block)
+            if block.residency is Residency.RESIDENT and not all(g.params_in_place() for g in block.groups):
+                raise OffloadError(
+                    f"the parameters of block {block.name!r} no longer point into the engine's buffers: the model "
+                    "was moved or converted after offload.wrap() (model.to(), .double(), .half(), .cuda()), so "
+                    "training would not reach them; convert the model first, then wrap it (engine.close() first)")
             self._wait_for_update(block, counted=True)
             if runtime.needs_push:
                 self.push(runtime)  # before a fetch, which reads the updated home anyway
