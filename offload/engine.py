@@ -157,9 +157,9 @@ class Engine:
         group.runtime.block.runtime.needs_push = False  # the device has the new weights, or fetches them
 
     def prepare_for_load(self) -> None:
-        self.zero_grad()
         self._pipeline.tracker.end_step()
-        self._pipeline.reset_step()
+        self._pipeline.reset_step()  # first: the load replaces whatever a step in progress did
+        self.zero_grad()
 
     def mark_inconsistent(self, exc: BaseException) -> None:
         self._pipeline.worker.fail(exc)

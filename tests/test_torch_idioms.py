@@ -138,3 +138,32 @@ def test_the_optimizers_torch_style_state_dict_is_refused_with_the_fix():
             engine.optimizer.state_dict()
         with pytest.raises(OffloadError, match="engine.load\\(path\\)"):
             engine.optimizer.load_state_dict({"state": {}, "param_groups": []})
+
+
+def test_a_parameter_unfrozen_after_wrap_is_refused_at_step():
+    """It had no optimizer state: it never changed, and its .grad grew at every backward."""
+    model = TinyGPT()
+    model.h[1].requires_grad_(False)
+    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu") as engine:
+        ((idx, tgt),) = make_batches(1, 1)[0]
+        model.h[1].requires_grad_(True)
+        engine(idx, tgt).backward()
+        with pytest.raises(OffloadError, match="'h.1.* was frozen at offload.wrap.*requires grad now"):
+            engine.step()
+
+
+def test_zero_grad_between_the_last_backward_and_step_is_refused_when_blocks_updated_early():
+    """torch would step on no gradient; with accumulation declared the blocks already stepped in backward."""
+    model = TinyGPT()
+    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", grad_accumulation_steps=1) as engine:
+        for ((idx, tgt),) in make_batches(2, 1):  # the second backward has a profile: blocks update early
+            engine(idx, tgt).backward()
+            if engine.stats()["early_block_updates"]:
+                with pytest.raises(OffloadError, match="zero_grad\\(\\) between the last backward and step"):
+                    engine.zero_grad()
+                break
+            engine.step()
+            engine.zero_grad()
+        assert engine.stats()["early_block_updates"] > 0
+        engine.step()  # the step in progress completes normally
+        engine.zero_grad()

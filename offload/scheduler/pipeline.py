@@ -198,6 +198,7 @@ class StepPipeline:
     def schedule_step(self) -> None:
         """optimizer.step(): offload the gradients still on the device, clip, and schedule every block's update
         in forward order."""
+        self._refuse_unfrozen()
         self.tracker.end_step()
         hyper = self.read_hypers()
         for param in self.slots:  # gradients still on the device (fewer backward calls than declared)
@@ -222,6 +223,17 @@ class StepPipeline:
             if not _runtime(self.blocks[index]).updated_early:
                 self.submit_update(_runtime(self.blocks[index]), hyper, scale)
         self.finish_step()
+
+    def _refuse_unfrozen(self) -> None:
+        """A parameter frozen at wrap() has no optimizer state: unfrozen later, torch would train it, and here
+        it would never change while autograd piled gradients into its `.grad`."""
+        for block in self.blocks:
+            for slot in block.slots:
+                if not slot.trainable and slot.param.requires_grad:
+                    raise OffloadError(
+                        f"parameter {slot.name!r} was frozen at offload.wrap() and requires grad now: the engine "
+                        "placed no optimizer state for it; set requires_grad before wrapping (engine.close(), then "
+                        "wrap again), or freeze it again")
 
     def _norms_of(self, runtime: BlockRuntime) -> List[Tuple[nn.Parameter, float]]:
         if runtime.norms is not None:
@@ -279,6 +291,12 @@ class StepPipeline:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """engine.optimizer.zero_grad(): drop the accumulated gradients (or zero them)."""
         self.check_open()
+        early = [b.name for b in self.blocks if _runtime(b).updated_early]
+        if early:  # torch would now step on no gradient at all; these blocks already stepped on the gradients
+            raise OffloadError(
+                f"zero_grad() between the last backward and step(): with grad_accumulation_steps declared, blocks "
+                f"(first: {early[0]!r}) were already updated during that backward; call zero_grad() after step(), "
+                "or leave grad_accumulation_steps unset")
         for block in self.blocks:
             for slot in block.slots:
                 if slot.trainable:
