@@ -116,3 +116,23 @@ def test_close_after_a_disk_error_reports_once_and_still_releases_everything(tmp
     assert not any(m._forward_pre_hooks for m in model.modules()) and os.listdir(tmp_path) == []
     with offload.wrap(model, tier="cpu", device="cpu", dtype=torch.float32) as again:  # not "already wrapped"
         assert again(torch.ones(2, 4)).shape == (2, 4)
+
+
+def test_a_script_that_ends_without_close_leaves_no_swap_file(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import torch, offload
+        from torch import nn
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        engine = offload.wrap(model, tier="nvme", nvme_path={str(tmp_path)!r}, device="cpu", dtype=torch.float32)
+        model(torch.ones(2, 4)).sum().backward()
+        engine.step()
+        print(len(__import__("os").listdir({str(tmp_path)!r})))
+    """)  # no engine.close(): the interpreter exits with the engine alive
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "2"  # the swap file and its layout existed while it ran
+    assert os.listdir(tmp_path) == []

@@ -16,6 +16,7 @@ import os
 import shutil
 import uuid
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
@@ -151,6 +152,9 @@ class SwapStore:
         self.weights: Dict[str, WeightRecord] = weights or {}
         self.path = os.path.join(directory, f"offload-{os.getpid()}-{uuid.uuid4().hex[:8]}.swap")
         self.layout_path = self.path + ".layout.json"
+        # A script that ends (or drops its engine) without close(): the files go at interpreter exit or
+        # when this store is collected, not at the next wrap() into the same directory.
+        self._forget = weakref.finalize(self, _remove_files, (self.path, self.layout_path), os.getpid())
         self._io = AsyncIO()
         ram_backed = warn_if_ram_backed(directory)
         self._file: SwapFile = self._io.open(self.path, size=max(size, ALIGNMENT),
@@ -244,11 +248,19 @@ class SwapStore:
         try:
             self._io.close()
         finally:
-            for path in (self.path, self.layout_path):
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+            self._forget.detach()
+            _remove_files((self.path, self.layout_path), os.getpid())
+
+
+def _remove_files(paths: Tuple[str, ...], owner_pid: int) -> None:
+    """Delete this process's swap files (never a forked child's copy of the store: the parent owns them)."""
+    if os.getpid() != owner_pid:
+        return
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _check_record_buffer(record: SwapRecord, buffer: Tensor) -> int:
