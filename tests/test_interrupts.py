@@ -31,6 +31,18 @@ def _slowed_updates(monkeypatch, release: threading.Event) -> None:
     monkeypatch.setattr(GroupState, "update", held)
 
 
+def _interrupted(action) -> bool:
+    """Run `action` with a real SIGINT 0.3 s in; whether the KeyboardInterrupt reached this thread."""
+    timer = _sigint_after(0.3)
+    try:
+        action()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        timer.cancel()
+    return False
+
+
 def _step(engine, idx, tgt) -> None:
     engine(idx, tgt).backward()
     engine.step()
@@ -55,16 +67,8 @@ def test_ctrl_c_while_a_forward_waits_for_an_update_does_not_poison(tmp_path, mo
         (idx, tgt), = batches[1]
         engine(idx, tgt).backward()
         engine.step()  # returns at once: the updates are held
-        timer = _sigint_after(0.3)
-        try:
-            engine(idx, tgt)  # waits for the first block's held update; Ctrl-C lands in that wait
-        except KeyboardInterrupt:
-            interrupted = True
-        else:
-            interrupted = False
-        finally:
-            timer.cancel()
-        assert interrupted, "the interrupt must reach the user"
+        # the forward waits for the first block's held update; Ctrl-C lands in that wait
+        assert _interrupted(lambda: engine(idx, tgt)), "the interrupt must reach the user"
         release.set()
         monkeypatch.undo()
         engine.zero_grad()
@@ -84,16 +88,7 @@ def test_ctrl_c_during_save_leaves_the_engine_usable(tmp_path, monkeypatch):
         engine(idx, tgt).backward()
         engine.step()
         engine.zero_grad()
-        timer = _sigint_after(0.3)
-        try:
-            engine.save(tmp_path / "ckpt")  # waits for the held updates first
-        except KeyboardInterrupt:
-            interrupted = True
-        else:
-            interrupted = False
-        finally:
-            timer.cancel()
-        assert interrupted
+        assert _interrupted(lambda: engine.save(tmp_path / "ckpt"))  # it waits for the held updates first
         assert not (tmp_path / "ckpt").exists()
         release.set()
         monkeypatch.undo()

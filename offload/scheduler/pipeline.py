@@ -312,12 +312,8 @@ class StepPipeline:
         placeholders, so reading them through the module is refused (engine.state_dict() reads their homes)."""
         if self.closed or self._engine_reads:
             return
-        self.synchronize()
-        streamed = [b.name for b in self.blocks if _runtime(b).streamed]
-        if streamed:
-            raise OffloadError(
-                f"model.state_dict() would return placeholders for the blocks streamed from host or disk (first: "
-                f"{streamed[0]!r}): use engine.state_dict() (full CPU copies) or engine.save(path)")
+        self._settle_for_the_module("model.state_dict() would return placeholders for",
+                                    "use engine.state_dict() (full CPU copies) or engine.save(path)")
 
     @contextlib.contextmanager
     def engine_reads(self) -> Iterator[None]:
@@ -332,12 +328,16 @@ class StepPipeline:
         """Every pending update lands first (it would overwrite the loaded weights); streamed blocks hold only
         placeholders, which the load cannot write into: refused before anything changes."""
         self.check_open()
+        self._settle_for_the_module("model.load_state_dict() cannot write the weights of",
+                                    "load the weights before offload.wrap(), or resume with engine.load(checkpoint)")
+
+    def _settle_for_the_module(self, what: str, fix: str) -> None:
+        """Wait for every update; refuse (by the first block's name) when some blocks stream, whose
+        parameters are placeholders the module's own state-dict methods would read or write."""
         self.synchronize()
         streamed = [b.name for b in self.blocks if _runtime(b).streamed]
         if streamed:
-            raise OffloadError(
-                f"model.load_state_dict() cannot write the weights of blocks streamed from host or disk (first: "
-                f"{streamed[0]!r}): load the weights before offload.wrap(), or resume with engine.load(checkpoint)")
+            raise OffloadError(f"{what} the blocks streamed from host or disk (first: {streamed[0]!r}): {fix}")
 
     def after_load_state_dict(self) -> None:
         """The loaded weights become the master weights (the Adam moments stay, as torch.optim.AdamW's do),
