@@ -94,3 +94,22 @@ def test_ctrl_c_during_save_leaves_the_engine_usable(tmp_path, monkeypatch):
         monkeypatch.undo()
         engine.save(tmp_path / "ckpt")
         assert (tmp_path / "ckpt" / "manifest.json").exists()
+
+
+def test_ctrl_c_during_load_while_updates_are_pending_does_not_poison(tmp_path, monkeypatch):
+    """load() first finishes the queued updates (an unseen failure among them would count): a Ctrl-C in
+    that wait is not a failed update either."""
+    with offload.wrap(TinyGPT(), tier="cpu", dtype=torch.float32, device="cpu") as engine:
+        ((idx, tgt),) = make_batches(1, 1)[0]
+        engine.save(tmp_path / "ckpt")
+        release = threading.Event()
+        _slowed_updates(monkeypatch, release)
+        engine(idx, tgt).backward()
+        engine.step()
+        engine.zero_grad()
+        assert _interrupted(lambda: engine.load(tmp_path / "ckpt"))
+        release.set()
+        monkeypatch.undo()
+        engine.save(tmp_path / "after")  # not poisoned
+        engine.load(tmp_path / "ckpt")
+        _step(engine, idx, tgt)

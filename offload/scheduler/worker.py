@@ -137,15 +137,20 @@ class StepWorker:
     def _drain_pending(self) -> List[BaseException]:
         """Wait for every queued job; return their errors in submission order of the blocks."""
         with self._lock:
-            futures = list(self._pending.values())
+            pending = list(self._pending.items())
             self._pending.clear()
         errors: List[BaseException] = []
-        for future in futures:
+        for position, (_block, future) in enumerate(pending):
             if future.cancelled():  # dropped at interpreter exit (`_stop_thread`): not a failed update
                 continue
             try:
                 future.result()
             except BaseException as exc:
+                if not _update_raised(future, exc):  # [Note: Ctrl-C in a wait]: the updates are still owed
+                    with self._lock:
+                        for block, owed in pending[position:]:
+                            self._pending.setdefault(block, owed)
+                    raise
                 errors.append(exc)
         return errors
 
