@@ -34,6 +34,7 @@ def wrap(
     host_memory: Bytes = None,
     grad_accumulation_steps: Optional[int] = None,
     param_groups: Optional[Sequence[Dict[str, Any]]] = None,
+    overlap_step: bool = False,
     **unknown: object,
 ) -> Engine:
     """Wrap `model` for training with AdamW, its optimizer state offloaded to `tier`.
@@ -54,6 +55,10 @@ def wrap(
         param_groups: AdamW options per group, as torch.optim takes them, e.g. no weight decay on biases
             and norms: `[{"params": no_decay, "weight_decay": 0.0}]`. Keys: params, lr, betas, eps,
             weight_decay; parameters not listed form a last group with the options above.
+        overlap_step: let `step()` return before the updates run, so they overlap the next forward. Then
+            read or write the weights between `step()` and the next forward only after
+            `engine.synchronize()` (`model.state_dict()` and the engine's own methods wait by themselves).
+            Off by default: `step()` returns with the weights updated, as torch's does.
 
     Returns:
         An `Engine`: call it like the model, then `loss.backward()`, `engine.step()`, `engine.zero_grad()`.
@@ -74,6 +79,7 @@ def wrap(
         host_memory=parse_bytes(host_memory, "host_memory"),
         grad_accumulation_steps=grad_accumulation_steps,
         param_groups=parse_param_groups(param_groups),
+        overlap_step=overlap_step,
     )
     if policy.tier is Tier.NVME:
         _check_nvme_path(policy.nvme_path)

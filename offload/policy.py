@@ -98,6 +98,10 @@ class OffloadPolicy:
             means "not told": results are still exact, but updates wait for `step()`.
         param_groups: per-group overrides of lr, betas, eps, weight_decay (offload/param_groups.py); empty:
             one group.
+        overlap_step: False (the default): `step()` returns with every update applied, as torch's does.
+            True: it returns once the updates are scheduled, so they overlap the next forward; weights read
+            or written between `step()` and the next forward must follow `engine.synchronize()`
+            (docs/design.md [Note: step returns early]).
     """
 
     tier: Tier = Tier.CPU
@@ -113,6 +117,7 @@ class OffloadPolicy:
     host_memory: Optional[int] = None
     grad_accumulation_steps: Optional[int] = None
     param_groups: Tuple[GroupOptions, ...] = ()
+    overlap_step: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.tier, Tier):
@@ -146,6 +151,8 @@ class OffloadPolicy:
         steps = self.grad_accumulation_steps
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise OffloadConfigError(f"grad_accumulation_steps must be an int >= 1 or None, got {steps!r}")
+        if not isinstance(self.overlap_step, bool):
+            raise OffloadConfigError(f"overlap_step must be True or False, got {self.overlap_step!r}")
 
 
 def _check_number(name: str, value: object, *, minimum: float) -> None:

@@ -167,7 +167,7 @@ def test_an_update_that_fails_surfaces_at_the_next_use_of_its_block(monkeypatch)
     from offload.scheduler.runtime import GroupState
 
     model = Net()
-    engine = offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu")
+    engine = offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", overlap_step=True)
     model(torch.ones(4, 8)).backward()
 
     def broken(self, *args, **kwargs):
@@ -188,13 +188,29 @@ def test_a_failure_never_reported_is_raised_by_close(monkeypatch):
     from offload.scheduler.runtime import GroupState
 
     model = Net()
-    engine = offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu")
+    engine = offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", overlap_step=True)
     model(torch.ones(4, 8)).backward()
     monkeypatch.setattr(GroupState, "update", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("late")))
     engine.step()
     with pytest.raises(RuntimeError, match="late"):
         engine.close()
     assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+def test_without_overlap_step_a_failed_update_raises_from_step(monkeypatch):
+    from offload.errors import OffloadError
+    from offload.scheduler.runtime import GroupState
+
+    model = Net()
+    engine = offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu")
+    model(torch.ones(4, 8)).backward()
+    monkeypatch.setattr(GroupState, "update", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("now")))
+    with pytest.raises(RuntimeError, match="now"):
+        engine.step()  # it waits for the updates, so their failure is the step's
+    with pytest.raises(OffloadError, match="failed earlier.*now"):
+        model(torch.ones(4, 8))
+    with pytest.warns(RuntimeWarning, match="closed after a failed update"):
+        engine.close()
 
 
 def test_changing_lr_after_an_early_update_warns():
@@ -220,7 +236,7 @@ def test_after_a_failed_update_the_engine_refuses_to_train_or_save_until_a_check
 
     torch.manual_seed(0)
     model = Net()
-    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu") as engine:
+    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", overlap_step=True) as engine:
         model(torch.ones(4, 8)).sum().backward()
         engine.step()
         engine.zero_grad()
@@ -276,7 +292,7 @@ def test_a_load_that_fails_leaves_a_failed_engine_failed_and_a_good_load_recover
     from offload.errors import OffloadError
 
     model = Net()
-    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu") as engine:
+    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", overlap_step=True) as engine:
         engine.save(tmp_path / "good")
         model(torch.ones(4, 8)).sum().backward()
         repair = _broken_update(monkeypatch)
@@ -292,7 +308,7 @@ def test_a_load_that_fails_leaves_a_failed_engine_failed_and_a_good_load_recover
         engine(torch.ones(4, 8)).sum().backward()
         engine.step()
     with pytest.warns(RuntimeWarning, match="closed after a failed update"):
-        with offload.wrap(Net(), tier="cpu", dtype=torch.float32, device="cpu") as engine:
+        with offload.wrap(Net(), tier="cpu", dtype=torch.float32, device="cpu", overlap_step=True) as engine:
             engine.module(torch.ones(4, 8)).sum().backward()
             repair = _broken_update(monkeypatch)
             engine.step()

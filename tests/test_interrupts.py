@@ -58,7 +58,8 @@ def test_ctrl_c_while_a_forward_waits_for_an_update_does_not_poison(tmp_path, mo
         for ((idx, tgt),) in batches:
             _step(plain, idx, tgt)
         expected = plain.state_dict()
-    with offload.wrap(model, tier="nvme", nvme_path=tmp_path, dtype=torch.float32, device="cpu") as engine:
+    with offload.wrap(model, tier="nvme", nvme_path=tmp_path, dtype=torch.float32, device="cpu",
+                      overlap_step=True) as engine:
         (idx, tgt), = batches[0]
         _step(engine, idx, tgt)
         engine.synchronize()
@@ -80,8 +81,36 @@ def test_ctrl_c_while_a_forward_waits_for_an_update_does_not_poison(tmp_path, mo
         assert torch.equal(got[key], value), key  # the interrupted step was applied exactly once
 
 
+def test_ctrl_c_while_step_waits_for_the_updates_does_not_poison(monkeypatch):
+    """step() waits for the updates it scheduled (overlap_step off); Ctrl-C in that wait reaches the user,
+    the step stays scheduled, and the next forward waits for it: the result is the uninterrupted one."""
+    batches = make_batches(2, 1)
+    torch.manual_seed(0)
+    model, reference_model = TinyGPT(), TinyGPT()
+    reference_model.load_state_dict(model.state_dict())
+    with offload.wrap(reference_model, tier="cpu", dtype=torch.float32, device="cpu") as plain:
+        for ((idx, tgt),) in batches:
+            _step(plain, idx, tgt)
+        expected = plain.state_dict()
+    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu") as engine:
+        release = threading.Event()
+        _slowed_updates(monkeypatch, release)
+        (idx, tgt), = batches[0]
+        engine(idx, tgt).backward()
+        assert _interrupted(engine.step), "the interrupt must reach the user"
+        release.set()
+        monkeypatch.undo()
+        engine.zero_grad()
+        (idx, tgt), = batches[1]
+        _step(engine, idx, tgt)
+        assert engine.stats()["steps"] == 2
+        got = engine.state_dict()
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
+
+
 def test_ctrl_c_during_save_leaves_the_engine_usable(tmp_path, monkeypatch):
-    with offload.wrap(TinyGPT(), tier="cpu", dtype=torch.float32, device="cpu") as engine:
+    with offload.wrap(TinyGPT(), tier="cpu", dtype=torch.float32, device="cpu", overlap_step=True) as engine:
         ((idx, tgt),) = make_batches(1, 1)[0]
         release = threading.Event()
         _slowed_updates(monkeypatch, release)
@@ -99,7 +128,7 @@ def test_ctrl_c_during_save_leaves_the_engine_usable(tmp_path, monkeypatch):
 def test_ctrl_c_during_load_while_updates_are_pending_does_not_poison(tmp_path, monkeypatch):
     """load() first finishes the queued updates (an unseen failure among them would count): a Ctrl-C in
     that wait is not a failed update either."""
-    with offload.wrap(TinyGPT(), tier="cpu", dtype=torch.float32, device="cpu") as engine:
+    with offload.wrap(TinyGPT(), tier="cpu", dtype=torch.float32, device="cpu", overlap_step=True) as engine:
         ((idx, tgt),) = make_batches(1, 1)[0]
         engine.save(tmp_path / "ckpt")
         release = threading.Event()

@@ -188,12 +188,19 @@ class StepPipeline:
         return tuple(AdamHyper.from_group(group) for group in self.optimizer.param_groups)
 
     def step(self) -> None:
-        """engine.optimizer.step(): schedule the remaining block updates in forward order and return.
-        Ctrl-C waits until the step is fully scheduled (offload/_interrupts.py)."""
+        """engine.optimizer.step(): schedule the remaining block updates in forward order, then (unless
+        `overlap_step`) wait until every block's new weights are in its parameters, as torch's step leaves
+        them. Ctrl-C waits until the step is fully scheduled (offload/_interrupts.py); in the wait after
+        that, it reaches the user and the updates run on ([Note: step returns early])."""
         self.check_open()
         self.worker.raise_if_failed()
         with self.tracer.span("step()"), deferred_keyboard_interrupt():
             self.schedule_step()
+        if not self.policy.overlap_step:
+            start = time.perf_counter()
+            with self.tracer.span("wait for updates", "step()"):
+                self.settle_weights()
+            self.counters.wait_seconds += time.perf_counter() - start
 
     def schedule_step(self) -> None:
         """optimizer.step(): offload the gradients still on the device, clip, and schedule every block's update
@@ -363,6 +370,11 @@ class StepPipeline:
                 # interrupts the wait: the writes go on, and the next flush waits for them.)
                 self.worker.fail(exc)
                 raise
+        self.settle_weights()
+
+    def settle_weights(self) -> None:
+        """Every pending update done and its weights in the parameters (swap writes may still be in flight)."""
+        self.worker.wait_all()
         for block in self.blocks:
             if _runtime(block).needs_push:
                 self.push(_runtime(block))
