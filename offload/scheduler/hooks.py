@@ -3,12 +3,14 @@
 - forward pre-hooks on each module that directly owns a block's parameters: wait for that block's
   pending update and make its weights resident (also runs for checkpoint recompute and under no_grad);
 - a forward hook on the root module: hooks its outputs to learn when a backward pass begins;
-- a post-accumulate-grad hook on each trainable parameter: moves its gradient off the device.
+- a post-accumulate-grad hook on each trainable parameter: moves its gradient off the device;
+- a `__deepcopy__` on each module holding parameters: a plain PyTorch copy of the current weights
+  (model_copy.py).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Protocol
+from typing import Callable, Dict, List, Optional, Protocol
 
 import torch
 from torch import nn
@@ -16,6 +18,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from offload.scheduler.block import Block
+from offload.scheduler.model_copy import ModelCopies
 
 
 class ForwardPhases(Protocol):
@@ -39,12 +42,15 @@ class ForwardPhases(Protocol):
 
     def after_load_state_dict(self) -> None: ...
 
+    def synchronize(self) -> None: ...
+
 
 class HookSet:
     """The engine's hooks on one model; `remove()` restores the model to plain PyTorch."""
 
     def __init__(self) -> None:
         self._handles: List[RemovableHandle] = []
+        self._copies: Optional[ModelCopies] = None
 
     def attach(self, root: nn.Module, blocks: List[Block], owners: Dict[int, List[nn.Module]],
                phases: ForwardPhases) -> None:
@@ -87,8 +93,13 @@ class HookSet:
         enter, exit_ = _eager(phases.begin_root_forward), _eager(phases.end_root_forward)
         self._handles.append(root.register_forward_pre_hook(lambda _m, _a: enter(), prepend=True))
         self._handles.append(root.register_forward_hook(lambda _m, _a, _o: exit_(), always_call=True))
+        # copy.deepcopy(model) or of a sub-module: a plain copy, current weights, no engine hooks (model_copy.py)
+        self._copies = ModelCopies(root, blocks, phases.synchronize, self._handles)
 
     def remove(self) -> None:
+        if self._copies is not None:
+            self._copies.remove()
+            self._copies = None
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -11,7 +11,9 @@ Where a group's weights live between uses, and how they are moved, is its weight
 a host mirror, or a swap-file record read through the staging ring for blocks the plan puts on disk);
 this module keeps only the device budget, the LRU and the pins.
 Autograd never holds a streamed weight directly: a saved-tensor hook packs it as a handle, and unpacking
-in backward fetches the block again. See docs/design.md [Note: weight streaming].
+in backward fetches the block again. See docs/design.md [Note: weight streaming]. The same hook refuses a
+placeholder: autograd saving one means the forward computes with a released block's weights, read outside
+the modules that own them ([Note: reading streamed weights outside their module]).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from offload.scheduler.block import Block, FlatGroup, Residency
+from offload.errors import OffloadError
+from offload.scheduler.block import Block, FlatGroup, ParamSlot, Residency
 from offload.scheduler.streams import CopyContext
 from offload.scheduler.weight_home import WeightHome
 from offload.tiers.device import DeviceTier
@@ -55,6 +58,9 @@ class WeightStreamer:
         self._lru: "OrderedDict[int, None]" = OrderedDict()  # resident streamed blocks, oldest first
         self._pins: Dict[int, int] = {}
         self._by_storage: Dict[int, Tuple[int, FlatGroup]] = {}  # device storage address -> (block, group)
+        # a released group's placeholder: its storage address -> (block, group), and group -> that address
+        self._placeholders: Dict[int, Tuple[int, FlatGroup]] = {}
+        self._placeholder_of: Dict[int, int] = {}
         self.fetches = 0
         self.evictions = 0
         self.prefetches = 0
@@ -113,11 +119,16 @@ class WeightStreamer:
 
     # ----- saved-tensor hooks ------------------------------------------------------------------------
     def pack(self, tensor: Tensor) -> object:
-        """Saved-tensor pack hook: a streamed weight becomes a handle, anything else stays as it is."""
+        """Saved-tensor pack hook: a streamed weight becomes a handle, anything else stays as it is; a
+        placeholder (a released block's parameter, read outside its modules) is refused by name."""
         if tensor.layout is not torch.strided or tensor.is_meta:
             return tensor
-        owner = self._by_storage.get(tensor.untyped_storage().data_ptr())
+        address = tensor.untyped_storage().data_ptr()
+        owner = self._by_storage.get(address)
         if owner is None:
+            released = self._placeholders.get(address)
+            if released is not None:
+                raise self._read_outside_its_module(tensor, self._blocks[released[0]], released[1])
             return tensor
         return PackedWeight(owner[0], owner[1], tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
 
@@ -144,6 +155,9 @@ class WeightStreamer:
                 home.fetch()
             self._by_storage[storage.data_ptr()] = (block.index, group)
             group.point_params_at(group.device_buffer)
+            placeholder = self._placeholder_of.pop(id(group), None)
+            if placeholder is not None:  # it is freed now: its address may come back for any tensor
+                del self._placeholders[placeholder]
         block.move_to(Residency.RESIDENT)
         self._lru[block.index] = None
         self.fetches += 1
@@ -157,6 +171,9 @@ class WeightStreamer:
             one = group.device_buffer.new_full((1,), fill)
             for slot in group.slots:
                 slot.param.data = one.reshape([1] * len(slot.shape)).expand(slot.shape)
+            address = one.untyped_storage().data_ptr()  # alive while the parameters point at it
+            self._placeholders[address] = (block.index, group)
+            self._placeholder_of[id(group)] = address
             storage.resize_(0)
         self._device.unreserve(block.weight_bytes)
         block.move_to(Residency.RELEASED)
@@ -185,6 +202,34 @@ class WeightStreamer:
         if self._device.fits(following.weight_bytes):
             self._fetch(following)
             self.prefetches += 1
+
+    @staticmethod
+    def _read_outside_its_module(tensor: Tensor, block: Block, group: FlatGroup) -> OffloadError:
+        """The error for a placeholder autograd was about to save, naming the parameter when it can tell."""
+        slot = _slot_of(tensor, group)
+        what = (f"parameter {slot.name!r} of block {block.name!r}" if slot is not None else
+                f"a parameter of block {block.name!r} ({', '.join(repr(s.name) for s in group.slots[:4])}"
+                f"{', ...' if len(group.slots) > 4 else ''})")
+        return OffloadError(
+            f"the forward computes with {what} outside the modules that own it, while that block is streamed out "
+            "(device_memory is smaller than the weights): there its value is a NaN placeholder, and only a forward "
+            "of a module that owns the parameter makes it resident. Use a streamed block's parameters only inside "
+            "a module that owns them: call the module (module(x), not module.forward(x)); for a tied output head "
+            "written by hand (F.linear(h, self.emb.weight)) make the head an nn.Linear whose weight is the "
+            "embedding's parameter (head.weight = emb.weight) and call it, so both owners are hooked; or give "
+            f"device_memory room to keep block {block.name!r} resident. See docs/design.md [Note: reading "
+            "streamed weights outside their module]")
+
+
+def _slot_of(tensor: Tensor, group: FlatGroup) -> Optional[ParamSlot]:
+    """The parameter `tensor` is (or is a view of), else the only one of its shape (or transposed)."""
+    base = tensor._base if tensor._base is not None else tensor
+    for slot in group.slots:
+        if base is slot.param:
+            return slot
+    shape = tuple(tensor.shape)
+    alike = [s for s in group.slots if tuple(s.shape) in (shape, shape[::-1])]
+    return alike[0] if len(alike) == 1 else None
 
 
 def _homes(block: Block) -> List[WeightHome]:
