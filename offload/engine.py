@@ -9,7 +9,7 @@ docs/design.md starts with a map of the layers and the path of one gradient.
 
 from __future__ import annotations
 
-import warnings
+import gc
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -18,6 +18,7 @@ from torch import nn
 
 from offload._system import usable_cores
 from offload.checkpoint import load_checkpoint, save_checkpoint
+from offload.engine_release import MARKER, EngineRelease
 from offload.errors import OffloadConfigError
 from offload.param_groups import optimizer_groups
 from offload.planner import Plan
@@ -28,9 +29,6 @@ from offload.scheduler.pipeline import StepPipeline
 from offload.scheduler.placement import materialize, plan_and_open
 from offload.scheduler.runtime import GroupState
 from offload.scheduler.trace import PhaseObserver, Tracer
-
-_MARKER = "_offload_engine"
-
 
 class Engine:
     """Trains `module` with AdamW, its optimizer state placed per `policy`. Made by `offload.wrap`.
@@ -44,12 +42,7 @@ class Engine:
     def __init__(self, module: nn.Module, policy: OffloadPolicy) -> None:
         if not isinstance(module, nn.Module):
             raise OffloadConfigError(f"offload.wrap needs a torch.nn.Module, got {type(module).__name__}")
-        for name, sub in module.named_modules():
-            previous = getattr(sub, _MARKER, None)
-            if previous is not None and previous() is not None:
-                what = "this model is" if sub is module else f"its sub-module {name!r} is"
-                raise OffloadConfigError(f"{what} already wrapped by an offload engine; call engine.close() on "
-                                         "that engine before wrapping again (wrap the outer model only)")
+        _refuse_wrapped(module)
         self.module = module
         self.policy = policy
         self.blocks: List[Block] = build_blocks(module, policy.dtype)
@@ -73,7 +66,14 @@ class Engine:
         self.optimizer = self._pipeline.optimizer
         self._hooks = HookSet()
         self._hooks.attach(module, self.blocks, param_owners(module), self._pipeline)
-        setattr(module, _MARKER, weakref.ref(self))
+        mark = weakref.ref(self)
+        setattr(module, MARKER, mark)
+        self._release = EngineRelease(self._pipeline, self._hooks, self.blocks, module, mark)
+        # [Note: an engine dropped without close()] last: released as close() would when collected. Not at
+        # interpreter exit: the worker and the swap store stop and delete on their own then, without the
+        # cost of bringing every streamed weight back into a model about to vanish.
+        self._dropped = weakref.finalize(self, self._release.dropped)
+        self._dropped.atexit = False
 
     # ----- training ----------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -176,34 +176,10 @@ class Engine:
         """Finish pending updates, remove every hook, bring streamed weights back and free the optimizer
         state: the module stays usable as a plain PyTorch model with its trained weights. Idempotent.
         An update that failed and was not reported yet, or an I/O error met while closing, is raised once,
-        after the cleanup: the hooks, the swap file and the model's mark are gone even then."""
-        pipeline = self._pipeline
-        if pipeline.closed:
-            return
-        failure: Optional[BaseException] = None
-        try:
-            failure = pipeline.close()
-        except Exception as exc:  # e.g. weights on a failed disk could not be read back: release all the same
-            failure = exc
-        finally:  # whatever failed, the hooks, records, files and the model's mark go (reported once, below)
-            pipeline.closed = True
-            self._hooks.remove()
-            for block in self.blocks:
-                block.runtime = None
-                for group in block.groups:
-                    group.runtime = None
-            try:
-                pipeline.tiers.close()
-            except Exception as exc:
-                failure = failure or exc
-            if getattr(self.module, _MARKER, None) is not None:
-                delattr(self.module, _MARKER)
-        if failure is not None:
-            raise failure
-        if pipeline.worker.failure is not None:
-            warnings.warn(f"offload: closed after a failed update ({pipeline.worker.failure}); the model keeps "
-                          "inconsistent weights (some blocks updated, some not): load a checkpoint into it",
-                          RuntimeWarning)
+        after the cleanup: the hooks, the swap file and the model's mark are gone even then. An engine
+        dropped without close() is released the same way when it is collected (errors then warn)."""
+        self._dropped.detach()
+        self._release.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -213,6 +189,22 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"Engine(tier={self.policy.tier.value}, blocks={len(self.blocks)}, device={self.policy.device})"
+
+
+def _refuse_wrapped(module: nn.Module) -> None:
+    """A model (or a sub-module) already wrapped by a live engine is refused. An engine dropped but still in
+    an uncollected reference cycle is not live: one collection releases it (and removes its mark) first."""
+    for collected in (False, True):
+        wrapped = [(name, sub) for name, sub in module.named_modules()
+                   if getattr(sub, MARKER, None) is not None and getattr(sub, MARKER)() is not None]
+        if not wrapped:
+            return
+        if not collected:
+            gc.collect()
+    name, sub = wrapped[0]
+    what = "this model is" if sub is module else f"its sub-module {name!r} is"
+    raise OffloadConfigError(f"{what} already wrapped by an offload engine; call engine.close() on that engine "
+                             "before wrapping again (wrap the outer model only)")
 
 
 __all__ = ["Engine"]

@@ -16,15 +16,13 @@ from offload.scheduler.worker import StepWorker
 
 def test_queued_updates_run_in_priority_order_and_same_block_in_order():
     gate, started = threading.Event(), threading.Event()
-    ran = []
-    worker = StepWorker(1)
+    ran, seen = [], []
+    worker = StepWorker(1, on_next=seen.append)  # the order the ring is told to read ahead
     try:
         worker.submit(99, lambda: (started.set(), gate.wait()), priority=0)  # hold the thread
         started.wait()
         for block, priority in [(7, 7), (5, 5), (0, 0), (5, 5), (3, 3)]:
             worker.submit(block, lambda b=block: ran.append(b), priority=priority)
-        seen = []
-        worker._on_next = seen.append  # the order the ring is told to read ahead
         gate.set()
         worker.wait_all()
         assert ran == [0, 3, 5, 5, 7]

@@ -240,6 +240,11 @@ class DiskRing:
             raise first
         self._raise_deferred()
 
+    def close(self) -> None:
+        """After `drain` (close): give the slots' host memory back to the staging pool now. The ring's objects
+        refer to each other (cycles), so without this the memory would wait for a garbage collection."""
+        self._slots.close()
+
     def flush_writes(self) -> None:
         """Wait for every write in flight (the swap file then holds the current state) and raise the first
         error of any of them. Reads issued ahead stay (by then only those of groups that got no update:

@@ -44,7 +44,9 @@ class Tiers:
     ring: Optional[DiskRing] = None
 
     def close(self) -> None:
-        """Delete the swap file and free the staging pool (after the ring has drained)."""
+        """Delete the swap file and free the ring's slots and the staging pool (after the ring has drained)."""
+        if self.ring is not None:
+            self.ring.close()
         if self.swap is not None:
             self.swap.close()
         if self.staging is not None:

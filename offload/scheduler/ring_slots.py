@@ -79,10 +79,21 @@ class SlotPool:
         self._oldest_write = oldest_write
         self._retire = retire
 
+    def close(self) -> None:
+        """Let go of the slots when every one is free (nothing reads or writes into them): their leases go back
+        to the staging pool now, whatever still refers to this pool. Slots in use are kept (I/O may target
+        them); they go with the pool."""
+        with self.lock:
+            if len(self.free) == len(self.slots):
+                self.free.clear()
+                self.slots.clear()
+
     def take(self) -> Slot:
         """A free slot; retires the oldest write when none is free (always possible, see disk_ring's module doc)."""
         while True:
             with self.lock:
+                if not self.slots:
+                    raise OffloadConfigError("the nvme staging ring is closed")
                 if self.free:
                     return self.free.pop()
                 oldest = self._oldest_write()

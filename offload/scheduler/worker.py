@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import types
 import weakref
 from concurrent.futures import Future
 from typing import Callable, Dict, List, Optional, Tuple
@@ -22,6 +23,7 @@ import torch
 from offload.errors import OffloadError
 
 Job = Tuple[float, int, int, Callable[[], object], Future]  # (priority, sequence, block index, work, future)
+OnNext = Callable[[List[int]], None]  # told the block indices still queued, in the order they will run
 EXIT_JOIN_SECONDS = 60.0  # how long interpreter exit waits for the update that is running
 
 
@@ -33,16 +35,20 @@ class StepWorker:
     some blocks were updated and some not, so training on would silently use inconsistent state.
     [Note: a failed update poisons the engine]"""
 
-    def __init__(self, num_threads: int, on_next: Optional[Callable[[List[int]], None]] = None) -> None:
+    def __init__(self, num_threads: int, on_next: Optional[OnNext] = None) -> None:
         self.num_threads = num_threads
-        self._on_next = on_next
         self._queue: List[Job] = []
         self._pending: Dict[int, Future] = {}
         self._sequence = 0
         self._stopping = threading.Event()
         self.failure: Optional[BaseException] = None  # the first update that raised, until `clear_failure`
         self._lock = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="offload-step", daemon=True)
+        # [Note: an engine dropped without close()] a running thread is a GC root: it holds the queue, never
+        # this worker, and the callback only weakly when it is a bound method (the pipeline's), so a dropped
+        # engine's pipeline and worker can be collected, and this worker's finalizer then stops the thread.
+        self._thread = threading.Thread(target=_serve, name="offload-step", daemon=True,
+                                        args=(self._lock, self._queue, self._stopping, num_threads,
+                                              _held_weakly(on_next)))
         self._thread.start()
         # [Note: stop the worker before the interpreter exits] a daemon thread still inside a native call
         # (an Adam step, a disk wait) when Python finalizes is killed as it takes the GIL back, unwinding
@@ -154,25 +160,42 @@ class StepWorker:
                 errors.append(exc)
         return errors
 
-    def _run(self) -> None:
-        torch.set_num_threads(self.num_threads)
-        while True:
-            with self._lock:
-                while not self._queue and not self._stopping.is_set():
-                    self._lock.wait()
-                if not self._queue:
-                    return
-                self._queue.sort(key=lambda job: (job[0], job[1]))
-                _priority, _seq, _block, work, future = self._queue.pop(0)
-                upcoming = [job[2] for job in self._queue]
-            if not future.set_running_or_notify_cancel():
-                continue
+    def on_own_thread(self) -> bool:
+        """Whether the caller is this worker's thread (which must not wait for itself)."""
+        return threading.current_thread() is self._thread
+
+
+def _serve(lock: threading.Condition, queue: List[Job], stopping: threading.Event, num_threads: int,
+           on_next: Callable[[], Optional[OnNext]]) -> None:
+    """The worker thread: run queued jobs by priority until stopped and the queue is empty. Holds no reference
+    to the StepWorker, and none to a finished job (its update holds the pipeline) while it waits."""
+    torch.set_num_threads(num_threads)
+    while True:
+        with lock:
+            while not queue and not stopping.is_set():
+                lock.wait()
+            if not queue:
+                return
+            queue.sort(key=lambda job: (job[0], job[1]))
+            _priority, _seq, _block, work, future = queue.pop(0)
+            upcoming = [job[2] for job in queue]
+        if future.set_running_or_notify_cancel():
             try:
-                if self._on_next is not None and upcoming:
-                    self._on_next(upcoming)  # may raise an earlier write's error: reported with this job
+                callback = on_next()
+                if callback is not None and upcoming:
+                    callback(upcoming)  # may raise an earlier write's error: reported with this job
                 future.set_result(work())
             except BaseException as exc:
                 future.set_exception(exc)
+        work = future = callback = None  # type: ignore[assignment]  # not kept alive while waiting
+
+
+def _held_weakly(callback: Optional[OnNext]) -> Callable[[], Optional[OnNext]]:
+    """A getter for `callback`: a bound method (the pipeline's read-ahead) is held weakly, so the thread does
+    not keep its object alive; any other callable strongly."""
+    if isinstance(callback, types.MethodType):
+        return weakref.WeakMethod(callback)
+    return lambda: callback
 
 
 def _update_raised(future: Future, exc: BaseException) -> bool:
@@ -185,9 +208,10 @@ def _update_raised(future: Future, exc: BaseException) -> bool:
 
 def _stop_thread(lock: threading.Condition, queue: List[Job], stopping: threading.Event,
                  thread: threading.Thread, owner_pid: int) -> None:
-    """At interpreter exit (weakref.finalize runs it then, unless `close` did already): drop the queued
-    updates, let the running one finish, and join the thread while Python is still whole. Not in a forked
-    child: the thread does not exist there, and the lock may have been held at the fork."""
+    """At interpreter exit, or when a worker never closed is collected (weakref.finalize runs it then, unless
+    `close` did already): drop the queued updates, let the running one finish, and join the thread while
+    Python is still whole. Not in a forked child: the thread does not exist there, and the lock may have been
+    held at the fork. Not joined from the thread itself (a collection that ran there): it ends on its own."""
     if os.getpid() != owner_pid:
         return
     with lock:
@@ -196,6 +220,8 @@ def _stop_thread(lock: threading.Condition, queue: List[Job], stopping: threadin
         queue.clear()
         stopping.set()
         lock.notify_all()
+    if thread is threading.current_thread():
+        return
     thread.join(timeout=EXIT_JOIN_SECONDS)
     if thread.is_alive():
         print(f"offload: an optimizer update was still running {EXIT_JOIN_SECONDS:.0f} s after the interpreter "
