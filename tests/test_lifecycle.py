@@ -194,11 +194,18 @@ def test_an_engine_kept_alive_by_a_reference_cycle_is_released_by_the_collector(
 
 def test_an_engine_still_in_an_uncollected_cycle_does_not_block_wrapping_again(tmp_path):
     model = TinyGPT()
-    holder = {"engine": _wrap(model, "cpu", tmp_path)}
-    holder["self"] = holder
-    del holder  # unreachable, not yet collected: wrap() collects once before refusing
-    with _wrap(model, "cpu", tmp_path) as again:
-        _train(again, steps=1)
+    gc.disable()  # only wrap() may collect here
+    try:
+        holder = {"engine": _wrap(model, "cpu", tmp_path)}
+        holder["self"] = holder
+        engine = weakref.ref(holder["engine"])
+        del holder  # unreachable, not yet collected: wrap() collects once before refusing
+        assert engine() is not None
+        with _wrap(model, "cpu", tmp_path) as again:
+            assert engine() is None
+            _train(again, steps=1)
+    finally:
+        gc.enable()
 
 
 def test_the_optimizer_kept_after_the_engine_is_dropped_refuses_to_step(tmp_path):
