@@ -18,6 +18,7 @@ from torch import nn
 
 from offload._system import usable_cores
 from offload.checkpoint import load_checkpoint, save_checkpoint
+from offload.distributed_guard import refuse_data_parallel_wrapper, refuse_several_ranks
 from offload.engine_release import MARKER, EngineRelease
 from offload.errors import OffloadConfigError
 from offload.param_groups import optimizer_groups
@@ -42,6 +43,8 @@ class Engine:
     def __init__(self, module: nn.Module, policy: OffloadPolicy) -> None:
         if not isinstance(module, nn.Module):
             raise OffloadConfigError(f"offload.wrap needs a torch.nn.Module, got {type(module).__name__}")
+        refuse_data_parallel_wrapper(module)
+        refuse_several_ranks()
         _refuse_wrapped(module)
         self.module = module
         self.policy = policy
@@ -89,6 +92,13 @@ class Engine:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the accumulated gradients, as `torch.optim.Optimizer.zero_grad`."""
         self.optimizer.zero_grad(set_to_none)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: Optional[bool] = None) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ for the gradients the engine holds (torch's own cannot see them:
+        `param.grad` is a stand-in that raises when read). Call it between backward and `step()`; returns the
+        total norm before clipping, as torch's does. `foreach` is accepted for torch's signature and unused."""
+        return torch.tensor(self._pipeline.clip_grad_norm(max_norm, norm_type, error_if_nonfinite))
 
     def synchronize(self) -> None:
         """Wait for every pending block update, so that the module's weights are the current ones."""
@@ -140,6 +150,7 @@ class Engine:
 
     def checkpoint_groups(self) -> Iterator[Tuple[Block, FlatGroup, Optional[GroupState]]]:
         self.synchronize()
+        self._pipeline.adopt_all_weight_edits()  # the saved master weights are the ones the model holds
         for block in self.blocks:
             assert block.runtime is not None
             for runtime in block.runtime.groups:

@@ -133,7 +133,8 @@ def test_grads_leave_the_device_and_stats_count_them():
     with offload.wrap(TinyGPT(), tier="cpu", dtype=torch.bfloat16, device="cpu") as engine:
         (idx, tgt), = make_batches(1, 1)[0]
         engine(idx, tgt).backward()
-        assert all(p.grad is None for p in engine.module.parameters())
+        # each .grad is a storage-less stand-in: the gradient itself is in the engine's host buffers
+        assert all(type(p.grad).__name__ == "HeldGrad" for p in engine.module.parameters() if p.requires_grad)
         stats = engine.stats()
         bf16 = sum(p.numel() for p in engine.module.parameters() if p.requires_grad and p.dtype == torch.bfloat16)
         fp32 = sum(p.numel() for p in engine.module.parameters() if p.requires_grad and p.dtype == torch.float32)

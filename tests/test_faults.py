@@ -83,9 +83,8 @@ def test_bit_flip_in_swap_file_is_an_integrity_error_naming_file_and_block(tmp_p
         byte = f.read(1)
         f.seek(record["offset"] + 12)
         f.write(bytes([byte[0] ^ 0x01]))
-    train(engine, scheduler, range(1, 2))
     with pytest.raises(OffloadIntegrityError, match=rf"{swap.name}.*block 'h.2'.*checksum"):
-        engine.synchronize()
+        train(engine, scheduler, range(1, 2))  # step() waits for the updates, which read the damaged record
     with pytest.warns(RuntimeWarning, match="closed after a failed update"):
         engine.close()  # the damaged block was reported once; cleanup still works
 
@@ -144,9 +143,8 @@ def test_records_loaded_into_the_nvme_tier_are_sealed_chunk_by_chunk(tmp_path):
         engine.save(tmp_path / "again")  # chunked load, then chunked save: the same state
         assert _same(_optimizer_tensors(tmp_path / "again"), _optimizer_tensors(tmp_path / "ckpt"))
         swap = _flip_in_swap(tmp_path / "swap", "h.2", 0, 2 * 2048 + 9)  # master, third chunk
-        train(engine, scheduler, range(1, 2))
         with pytest.raises(OffloadIntegrityError, match=rf"{swap.name}.*block 'h.2'.*checksum"):
-            engine.synchronize()
+            train(engine, scheduler, range(1, 2))  # step() waits for the update that reads the flipped chunk
 
 
 def _optimizer_tensors(path):

@@ -198,3 +198,149 @@ def test_an_ema_over_model_parameters_right_after_step_matches_torch(tmp_path, t
                     avg.lerp_(p, 0.5)
     for got, want in zip(ema, ema_ref):
         torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)
+
+
+def _edits(model) -> None:
+    """What people do to weights after building (or wrapping) a model: nn.init, a sub-module's
+    load_state_dict, a torch.no_grad() write."""
+    torch.nn.init.zeros_(model.h[0].fc.bias)
+    torch.nn.init.constant_(model.ln_f.weight, 0.5)
+    torch.manual_seed(3)
+    model.h[0].proj.load_state_dict(torch.nn.Linear(*model.h[0].proj.weight.shape[::-1]).state_dict())
+    with torch.no_grad():
+        model.wte.weight[:4].mul_(0.5)
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme", "gpu"])
+def test_weights_written_after_wrap_train_on_as_with_torch(tmp_path, tier):
+    """Before: nn.init.zeros_(layer.bias) after wrap() was undone by the first step (the fp32 master copy
+    never saw it), and a sub-module's load_state_dict was discarded the same way."""
+    batches = make_batches(4, 1)
+    torch.manual_seed(0)
+    model, reference = TinyGPT(), TinyGPT()
+    reference.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+
+    def torch_step():
+        opt.step()
+        opt.zero_grad()
+
+    _edits(reference)  # right after building, i.e. right after wrap() for the engine
+    _train(reference, torch_step, batches[:2])
+    _edits(reference)  # between steps: the moments stay
+    _train(reference, torch_step, batches[2:])
+    with offload.wrap(model, tier=tier, nvme_path=tmp_path if tier == "nvme" else None, lr=LR, betas=BETAS,
+                      eps=EPS, weight_decay=WD, dtype=torch.float32, device="cpu") as engine:
+
+        def engine_step():
+            engine.step()
+            engine.zero_grad()
+
+        _edits(model)
+        _train(engine, engine_step, batches[:2])
+        _edits(model)
+        _train(engine, engine_step, batches[2:])
+        got = engine.state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(got[key], value, atol=TOL, rtol=TOL, msg=key)
+
+
+def test_a_checkpoint_saved_right_after_a_write_holds_it(tmp_path):
+    """engine.save() takes the written weights as the master weights too, so a resume trains on from them."""
+    batches = make_batches(3, 1)
+    torch.manual_seed(0)
+    model, reference = TinyGPT(), TinyGPT()
+    reference.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    _train(reference, lambda: (opt.step(), opt.zero_grad()), batches[:1])
+    _edits(reference)
+    _train(reference, lambda: (opt.step(), opt.zero_grad()), batches[1:])
+    options = dict(tier="cpu", lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, dtype=torch.float32, device="cpu")
+    with offload.wrap(model, **options) as engine:
+        _train(engine, lambda: (engine.step(), engine.zero_grad()), batches[:1])
+        _edits(model)
+        engine.save(tmp_path / "ckpt")
+    torch.manual_seed(0)
+    with offload.wrap(TinyGPT(), **options) as resumed:
+        resumed.load(tmp_path / "ckpt")
+        _train(resumed, lambda: (resumed.step(), resumed.zero_grad()), batches[1:])
+        got = resumed.state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(got[key], value, atol=TOL, rtol=TOL, msg=key)
+
+
+def test_a_bf16_write_keeps_the_fp32_master_of_the_weights_it_did_not_touch(tmp_path):
+    """Only the written parameters take their (bf16) values into the fp32 master copy; the others keep the
+    fp32 master digits the bf16 weights cannot hold."""
+    from safetensors.torch import load_file
+
+    masters = []
+    for write in (False, True):
+        torch.manual_seed(0)
+        with offload.wrap(TinyGPT(), tier="cpu", dtype=torch.bfloat16, device="cpu", lr=LR) as engine:
+            _train(engine, lambda: (engine.step(), engine.zero_grad()), make_batches(1, 1))
+            if write:
+                torch.nn.init.zeros_(engine.module.h[0].fc.bias)
+            engine.save(tmp_path / f"ckpt{write}")
+        masters.append(load_file(str(tmp_path / f"ckpt{write}" / "optimizer.safetensors")))
+    untouched, written = masters
+    assert torch.equal(written["master/h.0.fc.bias"], torch.zeros_like(written["master/h.0.fc.bias"]))
+    for key in ("master/h.0.fc.weight", "master/h.0.qkv.weight", "master/wte.weight"):
+        assert torch.equal(untouched[key], written[key]), key
+        assert not torch.equal(written[key], written[key].bfloat16().float()), key  # real fp32 digits kept
+
+
+def test_a_write_while_an_update_is_pending_is_refused_with_overlap_step(monkeypatch):
+    from offload.scheduler.runtime import GroupState
+
+    release = threading.Event()
+    real = GroupState.update
+    monkeypatch.setattr(GroupState, "update", lambda self, *a, **k: (release.wait(30), real(self, *a, **k))[1])
+    model = TinyGPT()
+    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", overlap_step=True) as engine:
+        ((idx, tgt),) = make_batches(1, 1)[0]
+        engine(idx, tgt).backward()
+        engine.step()  # returns at once: the updates are held
+        torch.nn.init.zeros_(model.h[0].fc.bias)
+        threading.Timer(0.2, release.set).start()
+        with pytest.raises(OffloadError, match="'h.0.fc.bias' was written while its block's update was still pending"):
+            engine(idx, tgt)
+
+
+def test_a_sub_module_state_dict_after_an_overlapped_step_holds_the_updated_weights(monkeypatch):
+    """The state-dict hooks sit on every module that owns parameters, so `model.h[0].state_dict()` waits
+    for that block's update as `model.state_dict()` does."""
+    from offload.scheduler.runtime import GroupState
+
+    release = threading.Event()
+    real = GroupState.update
+    monkeypatch.setattr(GroupState, "update", lambda self, *a, **k: (release.wait(30), real(self, *a, **k))[1])
+    torch.manual_seed(0)
+    model, reference = TinyGPT(), TinyGPT()
+    reference.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    ((idx, tgt),) = make_batches(1, 1)[0]
+    reference(idx, tgt).backward()
+    opt.step()
+    with offload.wrap(model, tier="cpu", lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, dtype=torch.float32,
+                      device="cpu", overlap_step=True) as engine:
+        model(idx, tgt).backward()
+        engine.step()  # returns at once: the updates are held
+        threading.Timer(0.2, release.set).start()
+        got = {k: v.clone() for k, v in model.h[0].state_dict().items()}
+    for key, value in reference.h[0].state_dict().items():
+        torch.testing.assert_close(got[key], value, atol=TOL, rtol=TOL, msg=key)
+
+
+def test_a_streamed_sub_module_state_dict_or_load_is_refused():
+    """Before: `model.h[0].state_dict()` of a streamed block returned its NaN placeholders, no error."""
+    model = TinyGPT()
+    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", device_memory=60_000) as engine:
+        streamed = [b.name for b in engine.blocks if b.runtime.streamed]
+        layer = model.get_submodule(streamed[0])
+        with pytest.raises(OffloadError, match="placeholders.*engine.state_dict()"):
+            layer.state_dict()
+        with pytest.raises(OffloadError, match="cannot write the weights"):
+            layer.load_state_dict({k: torch.zeros_like(v) for k, v in TinyGPT().get_submodule(streamed[0])
+                                   .state_dict().items()})
+        assert all(torch.isfinite(v).all() for v in engine.state_dict().values())  # nothing was written

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from offload.optim.functional import sum_of_squares
 from offload.scheduler.block import FlatGroup
+from offload.scheduler.held_grad import HeldGrad
 from offload.scheduler.streams import CopyContext, GradDownloads
 
 
@@ -31,13 +32,18 @@ class GradAccumulator:
         self.grad = (torch.zeros(n, dtype=group.dtype, device=device) if self.downloads is None
                      else self.downloads.new_accumulator())
         self.has_grad: List[bool] = [False] * len(group.trainable_slots)
+        # what each parameter's `.grad` holds while its gradient is here (held_grad.py)
+        self.held = [HeldGrad(slot.param, slot.name) for slot in group.trainable_slots]
 
     @property
     def nbytes(self) -> int:
         return self.grad.nbytes
 
-    def accumulate(self, index: int, grad: Tensor) -> int:
-        """Add one parameter's gradient into its range (a copy for the first one); returns bytes moved."""
+    def accumulate(self, index: int, grad: Tensor, fresh: bool = False) -> int:
+        """Add one parameter's gradient into its range (a copy for the first one since `zero`, or when `fresh`:
+        the parameter's `.grad` was cleared outside the engine); returns bytes moved."""
+        if fresh:
+            self.has_grad[index] = False
         slot = self.group.trainable_slots[index]
         target = self.grad[slot.offset:slot.offset + slot.numel]
         source = grad.detach().reshape(-1)
@@ -55,14 +61,34 @@ class GradAccumulator:
         if self.downloads is not None:
             self.downloads.settle()
 
+    def held_for(self, index: int) -> HeldGrad:
+        """The stand-in for the parameter's `.grad` once its gradient is here (nothing pending in it)."""
+        held = self.held[index]
+        held.pending = None
+        return held
+
+    def forget(self, index: int) -> None:
+        """The parameter's `.grad` was cleared outside the engine (model.zero_grad()): torch would not step it."""
+        self.has_grad[index] = False
+
     def zero(self, set_to_none: bool) -> None:
+        """As torch's zero_grad; each parameter's `.grad` becomes None, or stays held (zeros) for one that
+        had a gradient when `set_to_none` is False."""
         self.settle()  # a copy still in flight would land after the zeroing or the next first copy
+        for index, slot in enumerate(self.group.trainable_slots):
+            slot.param.grad = None
+            if not set_to_none and self.has_grad[index]:
+                self.grad[slot.offset:slot.offset + slot.numel].zero_()
+                slot.param.grad = self.held_for(index)
         if set_to_none:
             self.has_grad = [False] * len(self.has_grad)
-            return
+
+    def scale_(self, coef: float) -> None:
+        """Multiply every gradient by `coef`, as torch.nn.utils.clip_grad_norm_ does to each `.grad`."""
+        self.settle()
         for index, slot in enumerate(self.group.trainable_slots):
             if self.has_grad[index]:
-                self.grad[slot.offset:slot.offset + slot.numel].zero_()
+                self.grad[slot.offset:slot.offset + slot.numel].mul_(coef)
 
     def ready_indices(self) -> List[int]:
         """Trainable parameters that have a gradient now: taken when an update is scheduled, because

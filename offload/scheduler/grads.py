@@ -17,9 +17,9 @@ class BackwardTracker:
     """Counts backward passes since the last step and gradient-hook firings per parameter (by `id`: a
     hook runs per gradient, and `Tensor.__hash__` is a Python call, several times slower than `id`).
 
-    A backward pass starts when the gradient of an output of the wrapped module is first computed in a new
-    autograd graph task; several outputs of one forward (or two forwards summed into one loss) share the
-    graph task and so count once. The firing counts of the previous backward become the `profile` that
+    A backward pass is an autograd graph task that accumulates a gradient into a parameter's `.grad` (so
+    `torch.autograd.grad`, which writes none, is not one, as torch does not count it); several outputs of
+    one forward (or two forwards summed into one loss) share the graph task and so count once. The firing counts of the previous backward become the `profile` that
     says how many firings make a parameter's gradient complete.
     """
 
@@ -29,9 +29,25 @@ class BackwardTracker:
         self.fires: Dict[int, int] = {}
         self.profile: Optional[Dict[int, int]] = None
         self._graph_task: Optional[int] = None
+        self._announced: Optional[int] = None
+
+    def is_new(self, graph_task: int) -> bool:
+        return graph_task != self._graph_task
+
+    def announce(self, graph_task: int) -> None:
+        """A gradient of the module's outputs is being computed in this graph task: it is a backward pass if
+        it accumulates a gradient (`accumulating`)."""
+        self._announced = graph_task
+
+    def accumulating(self, graph_task: int) -> None:
+        """A parameter's `.grad` is written in this graph task. Counts the announced task at its first such
+        gradient, or any task when none is counted yet (a backward that bypassed the module's outputs); a
+        task nested in the counted one (reentrant checkpointing's recompute) is part of it."""
+        if graph_task != self._graph_task and (graph_task == self._announced or self.micro_batches == 0):
+            self.begin_backward(graph_task)
 
     def begin_backward(self, graph_task: int) -> None:
-        """Called from a hook on the module's outputs; a no-op for a graph task already counted."""
+        """Count a backward pass (a no-op for a graph task already counted)."""
         if graph_task == self._graph_task:
             return
         self.finish_backward()

@@ -36,9 +36,9 @@ class ForwardPhases(Protocol):
 
     def on_grad(self, param: nn.Parameter) -> None: ...
 
-    def before_load_state_dict(self) -> None: ...
+    def before_load_state_dict(self, blocks: Optional[List[Block]] = None) -> None: ...
 
-    def before_state_dict(self) -> None: ...
+    def before_state_dict(self, blocks: Optional[List[Block]] = None) -> None: ...
 
     def after_load_state_dict(self) -> None: ...
 
@@ -69,11 +69,19 @@ class HookSet:
                     modules[id(module)] = module
                 if slot.trainable:
                     self._handles.append(slot.param.register_post_accumulate_grad_hook(on_grad))
+        before_load, after_load = phases.before_load_state_dict, phases.after_load_state_dict
+        before_state_dict = phases.before_state_dict
         for key, module in modules.items():
             needed = blocks_of_module[key]
             self._handles.append(module.register_forward_pre_hook(lambda _m, _a, needed=needed: pre_forward(needed)))
             self._handles.append(module.register_forward_hook(
                 lambda _m, _a, _o, needed=needed: post_forward(needed), always_call=True))
+            # a sub-module's (or any ancestor's) state_dict / load_state_dict reaches these through torch's
+            # recursion: its blocks' pending updates land first, and streamed placeholders are refused
+            self._handles.append(module.register_state_dict_pre_hook(
+                lambda *_args, needed=needed: before_state_dict(needed)))
+            self._handles.append(module.register_load_state_dict_pre_hook(
+                lambda *_args, needed=needed: before_load(needed)))
 
         def hook_outputs(_module: nn.Module, _args: object, output: object) -> None:
             if not torch.is_grad_enabled():
@@ -83,11 +91,11 @@ class HookSet:
                     leaf.register_hook(lambda _grad: begin_backward())
 
         self._handles.append(root.register_forward_hook(hook_outputs))
-        # model.load_state_dict(): the engine's copies of the weights (master, host mirrors) follow it.
-        before_load, after_load = phases.before_load_state_dict, phases.after_load_state_dict
+        # model.load_state_dict(): the engine's copies of the weights (master, host mirrors) follow it (a
+        # sub-module's load is caught by the parameters' version counters, [Note: weights written after wrap()]).
         self._handles.append(root.register_load_state_dict_pre_hook(lambda *_args: before_load()))
         self._handles.append(root.register_load_state_dict_post_hook(lambda *_args: after_load()))
-        before_state_dict = phases.before_state_dict  # model.state_dict() right after step(): current weights
+        # model.state_dict() right after step(): current weights
         self._handles.append(root.register_state_dict_pre_hook(lambda *_args: before_state_dict()))
         # The root's context encloses everything above: entered before any pre-hook, left after every hook.
         enter, exit_ = _eager(phases.begin_root_forward), _eager(phases.end_root_forward)

@@ -33,6 +33,14 @@ class EngineOptimizer(torch.optim.Optimizer):
                                      "offload.wrap instead of adding a group afterwards")
         super().add_param_group(param_group)
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """torch.amp.GradScaler.step() asks this first: refuse with the fix instead of its assertion."""
+        raise OffloadError(
+            "torch.amp.GradScaler cannot drive engine.optimizer: the offload engine holds the gradients off the "
+            "device, where GradScaler cannot unscale or check them. Train with dtype=torch.bfloat16 (no loss "
+            "scaling needed) or float32")
+
     def state_dict(self) -> dict:  # type: ignore[override]
         raise OffloadError(
             "engine.optimizer.state_dict() has no per-parameter state in torch's format: the Adam moments and "

@@ -24,11 +24,13 @@ import torch
 from torch import nn
 
 from offload._interrupts import deferred_keyboard_interrupt
+from offload.distributed_guard import refuse_several_ranks
 from offload.errors import OffloadError
 from offload.policy import OffloadPolicy, Tier
 from offload.scheduler.block import Block, Residency
 from offload.scheduler.forward_order import ForwardOrder
 from offload.scheduler.grads import BackwardTracker
+from offload.scheduler.held_grad import is_held
 from offload.scheduler.jobs import GroupUpdate, NormJob, UpdateJob
 from offload.scheduler.nonfinite import NonFiniteSkips
 from offload.scheduler.optimizer_view import EngineOptimizer
@@ -83,6 +85,7 @@ class StepPipeline:
     def begin_root_forward(self) -> None:
         """Time the forward; when streaming, autograd saves streamed weights as handles (fetched again in
         backward)."""
+        refuse_several_ranks()  # under DDP the ranks' gradients would never be averaged
         self.clock.forward_begins()
         if self.streamer.active:
             context = torch.autograd.graph.saved_tensors_hooks(self.streamer.pack, self.streamer.unpack)
@@ -107,6 +110,7 @@ class StepPipeline:
                     f"the parameters of block {block.name!r} no longer point into the engine's buffers: the model "
                     "was moved or converted after offload.wrap() (model.to(), .double(), .half(), .cuda()), so "
                     "training would not reach them; convert the model first, then wrap it (engine.close() first)")
+            self.adopt_weight_edits(runtime)  # before the wait: a write made while the update was pending is refused
             self._wait_for_update(block, counted=True)
             if runtime.needs_push:
                 self.push(runtime)  # before a fetch, which reads the updated home anyway
@@ -137,18 +141,21 @@ class StepPipeline:
 
     # ----- backward ----------------------------------------------------------------------------------
     def begin_backward(self) -> None:
+        """The first gradient of the module's outputs in a graph task. The task counts as a backward only at
+        its first accumulated gradient (`on_grad`): `torch.autograd.grad` (a gradient penalty) passes here
+        too but writes no `.grad`, and torch would not count it."""
         task = torch._C._current_graph_task_id()
         self.clock.backward_begins(task)
-        self.tracker.begin_backward(task)
-        if self.tracker.is_last_backward:
-            self._read_ahead_for_backward()
+        if self.tracker.is_new(task):
+            self.tracker.announce(task)
+            if self.tracker.next_is_last:
+                self._read_ahead_for_backward()
 
     def on_grad(self, param: nn.Parameter) -> None:
         """A parameter's gradient is complete for this backward. See [Note: when a block may update early]."""
         ref = self.slots[param]
         tracker, block = self.tracker, ref.block
-        if tracker.micro_batches == 0:  # a backward that did not pass through the root module's outputs
-            tracker.begin_backward(torch._C._current_graph_task_id())
+        tracker.accumulating(torch._C._current_graph_task_id())
         tracker.fire(id(param))
         if tracker.keeps_grads_on_device:
             return
@@ -168,12 +175,36 @@ class StepPipeline:
                 self.worker.submit(block.block.index, NormJob(block, self.run_block_norms), self._priority(block))
 
     def _offload_grad(self, ref: SlotRef, param: nn.Parameter) -> None:
+        """Move `param.grad` into its accumulator and leave the stand-in there ([Note: where a gradient is
+        after backward]): a plain tensor means `.grad` was None before autograd wrote it (cleared since the
+        engine took the last one), a HeldGrad with `pending` that autograd accumulated into it."""
         self._wait_for_update(ref.block.block, counted=False)  # the last update may still read the gradients
-        assert param.grad is not None
-        nbytes = ref.state.grads.accumulate(ref.index, param.grad)
-        param.grad = None
+        grad, grads = param.grad, ref.state.grads
+        if is_held(grad):
+            pending = grad.pop_pending()
+            if pending is None:
+                return
+            nbytes = grads.accumulate(ref.index, pending)
+        else:
+            assert grad is not None
+            nbytes = grads.accumulate(ref.index, grad, fresh=True)
+        param.grad = grads.held_for(ref.index)
         if self.policy.tier is not Tier.GPU:
             self.tiers.copies.count_to_host(nbytes)
+
+    def _collect_grads(self) -> None:
+        """Before the step reads the gradients: take those still in `.grad` (fewer backward calls than
+        declared, or a `.grad` the user set), and forget those cleared outside the engine (model.zero_grad())."""
+        for param in self.slots:
+            grad = param.grad
+            if grad is not None and not (is_held(grad) and grad.pending is None):
+                self._offload_grad(self.slots[param], param)
+            elif grad is None:
+                ref = self.slots[param]
+                if ref.state.grads.has_grad[ref.index]:
+                    if ref.block.updated_early:
+                        raise self._zeroed_after_early_update(ref.block.block.name)
+                    ref.state.grads.forget(ref.index)
 
     def _read_ahead_for_backward(self) -> None:
         """Blocks update as their gradients complete, roughly in reverse forward order: start reading their
@@ -194,6 +225,7 @@ class StepPipeline:
         that, it reaches the user and the updates run on ([Note: step returns early])."""
         self.check_open()
         self.worker.raise_if_failed()
+        refuse_several_ranks()  # a process group started after wrap(), e.g. for DDP
         with self.tracer.span("step()"), deferred_keyboard_interrupt():
             self.schedule_step()
         if not self.policy.overlap_step:
@@ -208,9 +240,7 @@ class StepPipeline:
         self._refuse_unfrozen()
         self.tracker.end_step()
         hyper = self.read_hypers()
-        for param in self.slots:  # gradients still on the device (fewer backward calls than declared)
-            if param.grad is not None:
-                self._offload_grad(self.slots[param], param)
+        self._collect_grads()
         if any(_runtime(b).updated_early for b in self.blocks) and self._early_hyper != hyper:
             warnings.warn("optimizer hyperparameters changed between the last backward and step(); blocks updated "
                           "early used the earlier values (set them before the last backward)", RuntimeWarning)
@@ -249,6 +279,7 @@ class StepPipeline:
 
     def submit_update(self, runtime: BlockRuntime, hypers: Tuple[AdamHyper, ...], grad_scale: float) -> None:
         """Queue the block's update on the worker (nothing when no parameter of it has a gradient)."""
+        self.adopt_weight_edits(runtime)
         parts = [GroupUpdate(g, g.state.grads.ready_indices(), g.state.hypers_of(hypers), g.home.update_target())
                  for g in runtime.groups if g.state is not None]
         if not any(part.ready for part in parts):
@@ -280,6 +311,10 @@ class StepPipeline:
                     continue
                 part.runtime.home.release_source()  # the last upload of `out` has read it
                 state.update(part.ready, part.hypers, job.grad_scale, part.out, self.worker.num_threads)
+                edited = part.runtime.edited_slots()
+                if edited:  # overlap_step: written after step() returned; the update overwrote it
+                    job.block.lost_write = part.runtime.group.trainable_slots[edited[0]].name
+                    part.runtime.mark_seen()
         self.counters.update_seconds += time.perf_counter() - start
 
     def run_block_norms(self, job: NormJob) -> None:
@@ -300,26 +335,56 @@ class StepPipeline:
         self.check_open()
         early = [b.name for b in self.blocks if _runtime(b).updated_early]
         if early:  # torch would now step on no gradient at all; these blocks already stepped on the gradients
-            raise OffloadError(
-                f"zero_grad() between the last backward and step(): with grad_accumulation_steps declared, blocks "
-                f"(first: {early[0]!r}) were already updated during that backward; call zero_grad() after step(), "
-                "or leave grad_accumulation_steps unset")
+            raise self._zeroed_after_early_update(early[0])
         for block in self.blocks:
-            for slot in block.slots:
-                if slot.trainable:
-                    slot.param.grad = None
             if not set_to_none:
                 self.worker.wait(block.index)
             for state in _runtime(block).states:
                 state.grads.zero(set_to_none)
 
+    @staticmethod
+    def _zeroed_after_early_update(block_name: str) -> OffloadError:
+        return OffloadError(
+            f"zero_grad() between the last backward and step(): with grad_accumulation_steps declared, blocks "
+            f"(first: {block_name!r}) were already updated during that backward; call zero_grad() after step(), "
+            "or leave grad_accumulation_steps unset")
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> float:
+        """engine.clip_grad_norm_(): torch.nn.utils.clip_grad_norm_ over the gradients the engine holds (scaled
+        in place, so the step and a later norm see them clipped); returns the total norm before clipping."""
+        self.check_open()
+        self.worker.raise_if_failed()
+        if float(norm_type) != 2.0:
+            raise OffloadError(f"engine.clip_grad_norm_ computes the L2 norm only (norm_type=2), got {norm_type!r}")
+        early = [b.name for b in self.blocks if _runtime(b).updated_early]
+        if early:
+            raise OffloadError(
+                f"engine.clip_grad_norm_() after blocks (first: {early[0]!r}) were updated during the last backward "
+                "(grad_accumulation_steps declared, no max_grad_norm): pass max_grad_norm= to offload.wrap, which "
+                "clips before any update, or leave grad_accumulation_steps unset")
+        self._collect_grads()
+        self.worker.wait_all()  # norm jobs, and (overlap_step) updates that still read the gradients
+        per_param = [n for b in self.blocks for state in _runtime(b).states for n in state.grads.norms()]
+        per_param.sort(key=lambda pn: self.slots[pn[0]].position)  # torch's order: model.parameters()
+        total_norm, coef = clip_scale([n for _p, n in per_param], max_norm)
+        if error_if_nonfinite and not math.isfinite(total_norm):
+            raise RuntimeError(f"The total norm of order 2.0 for gradients is non-finite ({total_norm}), so it "
+                               "cannot be clipped. To disable this error and scale the gradients by the "
+                               "non-finite norm anyway, set `error_if_nonfinite=False`")
+        for block in self.blocks:
+            _runtime(block).norms = None  # norms computed during backward are of the unclipped gradients
+            for state in _runtime(block).states:
+                state.grads.scale_(coef)
+        return total_norm
+
     # ----- the user's model.state_dict() and model.load_state_dict() -------------------------------------
-    def before_state_dict(self) -> None:
-        """Every pending update lands first (step() returns before the updates run); streamed blocks hold
-        placeholders, so reading them through the module is refused (engine.state_dict() reads their homes)."""
+    def before_state_dict(self, blocks: Optional[List[Block]] = None) -> None:
+        """Every pending update of these blocks (None: all) lands first (with overlap_step, step() returns
+        before the updates run); streamed blocks hold placeholders, so reading them through the module is
+        refused (engine.state_dict() reads their homes)."""
         if self.closed or self._engine_reads:
             return
-        self._settle_for_the_module("model.state_dict() would return placeholders for",
+        self._settle_for_the_module(blocks, "model.state_dict() would return placeholders for",
                                     "use engine.state_dict() (full CPU copies) or engine.save(path)")
 
     @contextlib.contextmanager
@@ -331,33 +396,64 @@ class StepPipeline:
         finally:
             self._engine_reads -= 1
 
-    def before_load_state_dict(self) -> None:
-        """Every pending update lands first (it would overwrite the loaded weights); streamed blocks hold only
-        placeholders, which the load cannot write into: refused before anything changes."""
+    def before_load_state_dict(self, blocks: Optional[List[Block]] = None) -> None:
+        """Every pending update of these blocks (None: all) lands first (it would overwrite the loaded
+        weights); streamed blocks hold only placeholders, which the load cannot write into: refused before
+        anything changes."""
         self.check_open()
-        self._settle_for_the_module("model.load_state_dict() cannot write the weights of",
+        self._settle_for_the_module(blocks, "model.load_state_dict() cannot write the weights of",
                                     "load the weights before offload.wrap(), or resume with engine.load(checkpoint)")
 
-    def _settle_for_the_module(self, what: str, fix: str) -> None:
-        """Wait for every update; refuse (by the first block's name) when some blocks stream, whose
-        parameters are placeholders the module's own state-dict methods would read or write."""
-        self.synchronize()
-        streamed = [b.name for b in self.blocks if _runtime(b).streamed]
+    def _settle_for_the_module(self, blocks: Optional[List[Block]], what: str, fix: str) -> None:
+        """Wait for the blocks' updates (None: every block, and the swap writes); refuse (by the first block's
+        name) when some of them stream, whose parameters are placeholders the module's own state-dict methods
+        would read or write."""
+        if blocks is None:
+            self.synchronize()
+            blocks = self.blocks
+        else:
+            for block in blocks:
+                self._wait_for_update(block, counted=False)
+                if _runtime(block).needs_push:
+                    self.push(_runtime(block))
+            self.tiers.copies.synchronize()
+        streamed = [b.name for b in blocks if _runtime(b).streamed]
         if streamed:
             raise OffloadError(f"{what} the blocks streamed from host or disk (first: {streamed[0]!r}): {fix}")
 
     def after_load_state_dict(self) -> None:
         """The loaded weights become the master weights (the Adam moments stay, as torch.optim.AdamW's do),
         and the host mirrors follow; without this the next step would write the old weights back."""
+        self.adopt_all_weight_edits()
+
+    def adopt_all_weight_edits(self) -> None:
         for block in self.blocks:
-            for group in _runtime(block).groups:
-                if group.state is None:
-                    continue
-                assert group.group.device_buffer is not None
-                weights = group.group.device_buffer.detach()
-                overwrite_master(group.state.store, weights[:group.group.trainable_numel])
-                if group.home.pushes:
-                    group.home.replace(weights.to("cpu"), resident=True)
+            self.adopt_weight_edits(_runtime(block))
+
+    def adopt_weight_edits(self, runtime: BlockRuntime) -> None:
+        """Weights written in place through the parameters since the engine last looked (nn.init, any
+        module's load_state_dict, a torch.no_grad() write) become the master weights, moments kept, as
+        torch.optim would train on from them; the host mirror follows. Run before each use of the block and
+        before its update reads the master. See docs/design.md [Note: weights written after wrap()]."""
+        if runtime.streamed:
+            return  # outside its module's forward a streamed parameter is a placeholder that cannot be written
+        if runtime.lost_write is not None:
+            name, runtime.lost_write = runtime.lost_write, None
+            raise _written_while_pending(name, "the update overwrote the write")
+        for group in runtime.groups:
+            edited = group.edited_slots()
+            if not edited:
+                continue
+            if self.worker.is_pending(runtime.block.index) or runtime.needs_push:
+                raise _written_while_pending(group.group.trainable_slots[edited[0]].name,
+                                             "the update would overwrite it")
+            assert group.state is not None and group.group.device_buffer is not None
+            weights = group.group.device_buffer.detach()
+            ranges = [(s.offset, s.offset + s.numel) for s in (group.group.trainable_slots[i] for i in edited)]
+            overwrite_master(group.state.store, weights[:group.group.trainable_numel], ranges)
+            if group.home.pushes:
+                group.home.replace(weights.to("cpu"), resident=True)
+            group.mark_seen()
 
     # ----- synchronization ---------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -416,6 +512,9 @@ class StepPipeline:
                 self.push(_runtime(block))
         self.streamer.restore_all()
         self.tiers.copies.synchronize()  # the module is plain PyTorch from here on
+        for param in self.slots:
+            if is_held(param.grad):
+                param.grad = None  # the gradients the engine held go with its buffers
         self.slots.clear()
         return failure
 
@@ -474,6 +573,13 @@ class StepPipeline:
         if self.tiers.staging is not None:
             out["nvme_staging_bytes"] = self.tiers.staging.budget_bytes
         return out
+
+
+def _written_while_pending(name: str, consequence: str) -> OffloadError:
+    return OffloadError(
+        f"parameter {name!r} was written while its block's update was still pending (overlap_step=True: step() "
+        f"returns before the updates run), and {consequence}; call engine.synchronize() after step() before "
+        "writing weights, or leave overlap_step off")
 
 
 def _runtime(block: Block) -> BlockRuntime:

@@ -81,11 +81,25 @@ class GroupRuntime:
         self.group = group
         self.home = home
         self.state = state
+        self.seen_versions: List[int] = []  # each trainable parameter's `_version` when the engine last looked
+        self.mark_seen()
 
     def replace_weights(self, flat: Tensor) -> None:
         """New compute weights for the whole group (a checkpoint load): into its home, and into the device
         buffer when the block is resident."""
         self.home.replace(flat, resident=self.block.residency is Residency.RESIDENT)
+        self.mark_seen()  # what was written in place before the load is replaced by it
+
+    def edited_slots(self) -> List[int]:
+        """Trainable parameters written in place through the parameter since `mark_seen` (nn.init, a
+        load_state_dict, a torch.no_grad() write: each bumps the parameter's version counter; the engine's own
+        writes go through the flat buffer, whose counter is not the parameter's)."""
+        if self.state is None:
+            return []
+        return [i for i, slot in enumerate(self.group.trainable_slots) if slot.param._version != self.seen_versions[i]]
+
+    def mark_seen(self) -> None:
+        self.seen_versions = [slot.param._version for slot in self.group.trainable_slots]
 
 
 class BlockRuntime:
@@ -100,6 +114,7 @@ class BlockRuntime:
         self.needs_push = False  # updated weights not yet sent to the device
         self.updated_early = False  # updated during the last backward, before step()
         self.norms: Optional[List[Tuple[nn.Parameter, float]]] = None  # gradient norms computed for clipping
+        self.lost_write: Optional[str] = None  # a parameter written while its update ran (overlap_step)
 
     @property
     def states(self) -> List[GroupState]:

@@ -84,16 +84,21 @@ class StateStore(Protocol):
     def swap_sections(self) -> Optional[SwapSections]: ...
 
 
-def overwrite_master(store: StateStore, weights: Tensor) -> None:
-    """New master weights (the group's trainable range, any dtype and device), keeping the Adam moments, as
-    torch.optim.AdamW keeps them when the user loads weights into the model: chunk by chunk through the
-    store's own update path (`load`, change, `store`), so the disk store needs no memory of its own."""
+def overwrite_master(store: StateStore, weights: Tensor, ranges: Sequence[Tuple[int, int]]) -> None:
+    """New master weights for `ranges` of the group's trainable range (`weights`: that range, any dtype and
+    device), keeping the Adam moments, as torch.optim.AdamW keeps them when the user writes weights into
+    the model: chunk by chunk through the store's own update path (`load`, change, `store`), so the disk
+    store needs no memory of its own; chunks no range touches are not read."""
     for start, stop in store.chunks():
+        hits = [(max(a, start), min(b, stop)) for a, b in ranges if a < stop and b > start]
+        if not hits:
+            continue
         chunk = store.load(start, stop)
         try:
-            chunk.master.copy_(weights[start:stop])
-            if chunk.weights is not None:
-                chunk.weights.copy_(weights[start:stop])
+            for a, b in hits:
+                chunk.master[a - start:b - start].copy_(weights[a:b])
+                if chunk.weights is not None:
+                    chunk.weights[a - start:b - start].copy_(weights[a:b])
         except BaseException:
             store.abandon(chunk)
             raise

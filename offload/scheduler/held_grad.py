@@ -1,0 +1,96 @@
+"""What `param.grad` holds once the engine has taken a gradient off the device: a `HeldGrad`.
+
+Torch code around a model reads `.grad` (torch.nn.utils.clip_grad_norm_, GradScaler, gradient logging) and
+clears it (`model.zero_grad()`, HF Trainer's way, `p.grad = None`). The engine keeps gradients in its own
+accumulators (grad_accumulator.py), so with `.grad` left None every reader would silently see "no gradient"
+(clip_grad_norm_ returned 0.0 and clipped nothing) and a clear through the model would not reach the engine.
+A HeldGrad is a tensor with the parameter's shape, dtype and device and no storage:
+
+- reading it (any torch op) raises OffloadError naming the parameter and the engine's way to do it;
+- clearing it is seen: `param.grad is None` at the next gradient or at `step()` means "zeroed", exactly the
+  state torch would be in, so `model.zero_grad()` works as `engine.zero_grad()`;
+- autograd accumulating into it (a backward without zero_grad in between, as torch allows) lands in
+  `pending`, which the engine adds into its accumulator: torch's accumulation, kept.
+
+See docs/design.md [Note: where a gradient is after backward].
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+from offload.errors import OffloadError
+
+_aten = torch.ops.aten
+_ACCUMULATE = (_aten.add_.Tensor, _aten.add.Tensor)  # what autograd's AccumulateGrad does with a grad present
+
+
+class HeldGrad(Tensor):
+    """Stands in `param.grad` for a gradient the engine holds; see the module docstring."""
+
+    param_name: str
+    pending: Optional[Tensor]
+
+    @staticmethod
+    def __new__(cls, param: nn.Parameter, param_name: str) -> "HeldGrad":
+        held = Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device,
+                                             requires_grad=False)
+        held.param_name = param_name
+        held.pending = None
+        return held
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if func in _ACCUMULATE and type(args[0]) is cls and isinstance(args[1], Tensor) \
+                and not isinstance(args[1], HeldGrad) and kwargs.get("alpha", 1) == 1:
+            held = args[0]
+            held.take(args[1])
+            return held
+        leaves = tree_flatten((args, kwargs))[0]
+        name = next(t.param_name for t in leaves if isinstance(t, HeldGrad))
+        raise OffloadError(_read_error(name, str(func)))
+
+    def take(self, grad: Tensor) -> None:
+        """Autograd accumulated `grad` into this gradient (no zero_grad since the engine took it)."""
+        grad = grad.detach()
+        self.pending = grad.clone() if self.pending is None else self.pending.add_(grad)
+
+    def pop_pending(self) -> Optional[Tensor]:
+        pending, self.pending = self.pending, None
+        return pending
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"HeldGrad({self.param_name!r}: the gradient is held by the offload engine)"
+
+    def __deepcopy__(self, memo: dict) -> "HeldGrad":
+        raise OffloadError(_read_error(self.param_name, "deepcopy"))
+
+    def __reduce_ex__(self, protocol):  # type: ignore[override]
+        raise OffloadError(_read_error(self.param_name, "pickle"))
+
+
+def _read_error(name: str, what: str) -> str:
+    if "amp" in what and "unscale" in what:
+        return (f"torch.amp.GradScaler cannot unscale the gradient of {name!r}: the offload engine holds the "
+                "gradients off the device. Train with dtype=torch.bfloat16 (no loss scaling needed) or float32")
+    if "zero" in what:
+        return (f"the gradient of {name!r} is held by the offload engine: clear it with engine.zero_grad() or "
+                "model.zero_grad() (set_to_none=True); engine.zero_grad(set_to_none=False) keeps zeros")
+    return (f"the gradient of {name!r} is held by the offload engine, off the device ({what} read it): clip with "
+            "engine.clip_grad_norm_(max_norm) (it returns the total norm, as torch's does) or max_grad_norm= in "
+            "offload.wrap (HF Trainer: TrainingArguments(max_grad_norm=0) and max_grad_norm= in offload.wrap); "
+            "torch.amp.GradScaler is not supported (train in bfloat16); the gradient is not readable from the model")
+
+
+def is_held(grad: Optional[Tensor]) -> bool:
+    return type(grad) is HeldGrad
+
+
+__all__ = ["HeldGrad", "is_held"]
