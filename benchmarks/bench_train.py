@@ -74,6 +74,8 @@ def main(argv: List[str] = None) -> None:
         "offload cpu tier, GA declared": offload.wrap(twin(), tier="cpu", dtype=dtype, device="cpu",
                                                       grad_accumulation_steps=1),
         "offload cpu tier, GA unset": offload.wrap(twin(), tier="cpu", dtype=dtype, device="cpu"),
+        "offload cpu tier, GA unset, overlap_step": offload.wrap(twin(), tier="cpu", dtype=dtype, device="cpu",
+                                                                overlap_step=True),
     }
     swap_dir = tempfile.mkdtemp(prefix="offload-bench-", dir=args.nvme_path)
     engines["offload nvme tier, GA declared"] = offload.wrap(

@@ -19,7 +19,8 @@ from torch import nn
 from offload._system import usable_cores
 from offload.checkpoint import load_checkpoint, save_checkpoint
 from offload.distributed_guard import refuse_data_parallel_wrapper, refuse_several_ranks
-from offload.engine_release import MARKER, EngineRelease
+from offload.engine_release import EngineRelease
+from offload.scheduler.wrapped_mark import MARKER
 from offload.errors import OffloadConfigError
 from offload.param_groups import optimizer_groups
 from offload.planner import Plan

@@ -20,8 +20,8 @@ from torch import nn
 from offload.scheduler.block import Block
 from offload.scheduler.hooks import HookSet
 from offload.scheduler.pipeline import StepPipeline
+from offload.scheduler.wrapped_mark import MARKER
 
-MARKER = "_offload_engine"  # the attribute on a wrapped model: a weak reference to its engine
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ import signal
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import safetensors.torch

@@ -4,7 +4,6 @@ file; they stream disk -> host staging -> device per block, and training still m
 from __future__ import annotations
 
 import json
-import os
 import warnings
 
 import pytest

@@ -28,8 +28,9 @@ from torch.utils.hooks import RemovableHandle
 
 from offload.errors import OffloadError
 from offload.scheduler.block import Block, FlatGroup, ParamSlot
+from offload.scheduler.wrapped_mark import MARKER
 
-_MARKS = ("_offload_engine",)  # what the engine sets on the root module (engine.py's _MARKER)
+_MARKS = (MARKER,)  # what the engine sets on the root module
 
 
 class ModelCopies:
