@@ -5,15 +5,17 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
+from offload.checkpoint.weight_source import WeightSource
 from offload.engine import Engine
 from offload.errors import OffloadConfigError
 from offload.param_groups import parse_param_groups
 from offload.policy import OffloadPolicy, Tier, parse_bytes, resolve_device
+from offload.scheduler.initial_weights import choose
 
 Bytes = Union[int, str, None]
 
@@ -35,6 +37,8 @@ def wrap(
     grad_accumulation_steps: Optional[int] = None,
     param_groups: Optional[Sequence[Dict[str, Any]]] = None,
     overlap_step: bool = False,
+    weights: Optional[Union[str, os.PathLike]] = None,
+    init: Optional[Callable[[nn.Module], None]] = None,
     **unknown: object,
 ) -> Engine:
     """Wrap `model` for training with AdamW, its optimizer state offloaded to `tier`.
@@ -59,6 +63,13 @@ def wrap(
             read or write the weights between `step()` and the next forward only after
             `engine.synchronize()` (`model.state_dict()` and the engine's own methods wait by themselves).
             Off by default: `step()` returns with the weights updated, as torch's does.
+        weights: a pretrained checkpoint to fill the model from, block by block as it is placed (a
+            `.safetensors` file, a directory of Hugging Face shards, or an offload checkpoint directory):
+            the model may be built on the meta device (`accelerate.init_empty_weights()`), so it never
+            exists whole in memory. Names must match as `load_state_dict(strict=True)` requires.
+        init: for a model on the meta device without `weights`: `init(module)` initializes each module
+            as its block is placed (for Hugging Face models, `model._init_weights`); unset, each module's
+            `reset_parameters()` does.
 
     Returns:
         An `Engine`: call it like the model, then `loss.backward()`, `engine.step()`, `engine.zero_grad()`.
@@ -83,7 +94,12 @@ def wrap(
     )
     if policy.tier is Tier.NVME:
         _check_nvme_path(policy.nvme_path)
-    return Engine(model, policy)
+    if init is not None and not callable(init):
+        raise OffloadConfigError(f"init must be a function of one module, got {init!r}")
+    if not isinstance(model, nn.Module):
+        raise OffloadConfigError(f"offload.wrap needs a torch.nn.Module, got {type(model).__name__}")
+    source = WeightSource(weights) if weights is not None else None
+    return Engine(model, policy, choose(model, source, init))
 
 
 def _refuse_unknown_options(names: List[str]) -> None:

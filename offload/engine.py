@@ -27,6 +27,7 @@ from offload.planner import Plan
 from offload.policy import OffloadPolicy
 from offload.scheduler.block import Block, FlatGroup, build_blocks, param_owners
 from offload.scheduler.hooks import HookSet
+from offload.scheduler.initial_weights import InitialWeights, choose
 from offload.scheduler.pipeline import StepPipeline
 from offload.scheduler.placement import materialize, plan_and_open
 from offload.scheduler.runtime import GroupState
@@ -41,7 +42,7 @@ class Engine:
     `offload.checkpoint.target.CheckpointTarget` that `save` and `load` work on.
     """
 
-    def __init__(self, module: nn.Module, policy: OffloadPolicy) -> None:
+    def __init__(self, module: nn.Module, policy: OffloadPolicy, initial: Optional[InitialWeights] = None) -> None:
         if not isinstance(module, nn.Module):
             raise OffloadConfigError(f"offload.wrap needs a torch.nn.Module, got {type(module).__name__}")
         refuse_data_parallel_wrapper(module)
@@ -49,7 +50,9 @@ class Engine:
         _refuse_wrapped(module)
         self.module = module
         self.policy = policy
-        self.blocks: List[Block] = build_blocks(module, policy.dtype)
+        self.blocks: List[Block] = build_blocks(module, policy.dtype, allow_meta=True)
+        initial = initial if initial is not None else choose(module, None, None)
+        initial.check(module, self.blocks)  # names, shapes, meta buffers: before any memory or file
         trainable = [s.param for b in self.blocks for s in b.slots if s.trainable]
         names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
         groups = optimizer_groups(policy.param_groups, trainable, names)
@@ -58,7 +61,7 @@ class Engine:
         self.plan, tiers = plan_and_open(self.blocks, policy, tracer)
         try:
             materialize(self.blocks, module, self.plan, policy, tiers,
-                        {p: i for i, g in enumerate(groups) for p in g["params"]})
+                        {p: i for i, g in enumerate(groups) for p in g["params"]}, initial)
             if tiers.ring is not None:
                 tiers.ring.drain()
         except BaseException:

@@ -88,8 +88,12 @@ class FlatGroup:
         return param.dtype == self.dtype and param.data_ptr() == self.device_buffer.data_ptr()
 
     def point_params_at(self, buffer: torch.Tensor) -> None:
-        """Re-point each parameter's `.data` to its view of `buffer` (the identity of the Parameter is kept)."""
+        """Re-point each parameter's `.data` to its view of `buffer` (the identity of the Parameter is kept;
+        a parameter on the meta device first becomes a real, empty one in place: `.data` cannot change a
+        tensor's type, `torch.utils.swap_tensors` can)."""
         for slot in self.slots:
+            if slot.param.is_meta:
+                _make_real(slot.name, slot.param, buffer)
             slot.param.data = buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
 
@@ -129,6 +133,16 @@ class Block:
 
     def __repr__(self) -> str:
         return f"Block({self.name!r}, {self.weight_bytes} bytes, {self.residency.value})"
+
+
+def _make_real(name: str, param: nn.Parameter, like: torch.Tensor) -> None:
+    """Turn a meta parameter into an empty real one, the same Python object (its own version counter)."""
+    real = nn.Parameter(torch.empty(0, dtype=like.dtype, device=like.device), requires_grad=param.requires_grad)
+    try:
+        torch.utils.swap_tensors(param, real)
+    except RuntimeError as exc:
+        raise OffloadConfigError(f"parameter {name!r} on the meta device cannot be materialized in place ({exc}); "
+                                 "drop the weak references to it before offload.wrap()") from None
 
 
 def is_norm_layer(module: nn.Module) -> bool:
@@ -183,7 +197,7 @@ def block_key(param_name: str, owner_path: str, layer_list: Optional[str]) -> st
     return owner_path or "<root>"
 
 
-def build_blocks(module: nn.Module, compute_dtype: torch.dtype) -> List[Block]:
+def build_blocks(module: nn.Module, compute_dtype: torch.dtype, allow_meta: bool = False) -> List[Block]:
     """Group the module's parameters into blocks (in registration order) and describe their flat layout.
 
     Tied parameters are stored once, under their first name. Floating fp32 parameters take
@@ -194,7 +208,7 @@ def build_blocks(module: nn.Module, compute_dtype: torch.dtype) -> List[Block]:
     norm_params = {id(p) for m in module.modules() if is_norm_layer(m) for p in m.parameters(recurse=False)}
     by_block: Dict[str, Dict[torch.dtype, List[Tuple[str, nn.Parameter]]]] = {}
     for name, param in module.named_parameters():
-        if param.is_meta:
+        if param.is_meta and not allow_meta:
             raise OffloadConfigError(
                 f"parameter {name!r} is on the meta device: materialize the model first "
                 "(model.to_empty(device='cpu') and load its weights) before offload.wrap()")

@@ -21,6 +21,7 @@ from offload.scheduler.block import Block
 from offload.scheduler.disk_ring import DiskRing
 from offload.scheduler.disk_store import DiskStore
 from offload.scheduler.grad_accumulator import GradAccumulator
+from offload.scheduler.initial_weights import InitialWeights
 from offload.scheduler.runtime import BlockRuntime, GroupRuntime, GroupState
 from offload.scheduler.state_store import MemoryStore, StateStore
 from offload.scheduler.streaming import WeightStreamer
@@ -82,21 +83,26 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer) ->
 
 
 def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: OffloadPolicy, tiers: Tiers,
-                optimizer_group_of: Dict[nn.Parameter, int]) -> None:
-    """Give every block its flat device buffers and its runtime record (`block.runtime`); move the
-    module's buffers to the device. `optimizer_group_of`: each trainable parameter's optimizer group."""
+                optimizer_group_of: Dict[nn.Parameter, int], initial: InitialWeights) -> None:
+    """Give every block its flat device buffers, filled from `initial` (the parameters, a checkpoint, or an
+    initializer: one block at a time, so a model built on the meta device is never whole in memory), and its
+    runtime record (`block.runtime`); move the module's buffers to the device. `optimizer_group_of`: each
+    trainable parameter's optimizer group."""
     streamed, on_disk = set(plan.streamed_blocks), set(plan.disk_weight_blocks)
     for block in blocks:
-        groups = []
         for group in block.groups:
             buffer = tiers.device.allocate(group.numel, group.dtype, f"block {block.name!r}")
-            with torch.no_grad():
-                for slot in group.slots:
-                    buffer[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+            if initial.copies_parameters():
+                with torch.no_grad():
+                    for slot in group.slots:
+                        buffer[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
             group.device_buffer = buffer
             group.point_params_at(buffer)
             for slot in group.slots:
                 slot.param.grad = None
+        initial.fill(block)
+        groups = []
+        for group in block.groups:
             state = None
             if group.trainable_numel:
                 store = _state_store(group, policy, tiers)
@@ -109,6 +115,7 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
         block.runtime = BlockRuntime(block, groups, streamed=block.name in streamed)
         if block.runtime.streamed:
             tiers.streamer.adopt(block)  # released before the next block takes its device memory
+    initial.finish(module, policy.device)
     for sub in module.modules():
         for key, buf in sub._buffers.items():
             if buf is not None and buf.device != policy.device:
