@@ -144,6 +144,19 @@ class Engine:
         with self._pipeline.engine_reads():  # the writer reads module.state_dict() for the entries' names
             return save_checkpoint(self, path, scheduler=scheduler, rng=rng, progress=progress)
 
+    def save_pretrained(self, path: str, max_shard_size: Any = "5GB", *, progress: Optional[bool] = None) -> str:
+        """Export the trained weights for `from_pretrained`, as transformers' `save_pretrained` lays them out:
+        `model.safetensors`, or shards of at most `max_shard_size` (an int or "5GB", "500MB") with
+        `model.safetensors.index.json`, plus `config.json` when the module is a Hugging Face model. Each
+        tensor keeps the dtype it has in the engine; names are `module.state_dict()`'s, a tied weight is
+        stored once. Streams one flat group at a time; each shard appears whole or not at all. No optimizer
+        state: that is `save`. Returns the directory's absolute path (checkpoint/export.py)."""
+        from offload.checkpoint.export import export_pretrained
+
+        self._pipeline.check_open()
+        with self._pipeline.engine_reads():  # the exporter reads module.state_dict() for the names
+            return export_pretrained(self, path, max_shard_size, progress)
+
     def load(self, path: str, *, scheduler: Any = None, rng: bool = False, progress: Optional[bool] = None) -> dict:
         """Load a checkpoint saved by any tier (keyed by parameter names); training then continues exactly as
         it would have. Damaged or missing files raise OffloadIntegrityError naming the file and block, and
