@@ -92,13 +92,20 @@ class Plan:
     device_budget: Optional[int]
     host_budget: Optional[int]
     ring_bytes: int = 0  # nvme tier: host staging ring through which disk-resident state and weights flow
+    grad_window_bytes: Optional[int] = None  # nvme tier, gradients windowed: host bytes for gradients at once
+
+    @property
+    def host_grad_bytes(self) -> int:
+        """Host bytes the gradient accumulators take: all of them, or the window."""
+        if self.grad_window_bytes is not None:
+            return self.grad_window_bytes
+        return sum(b.grad_bytes for b in self.blocks)
 
     def bytes_on(self, location: Location) -> int:
-        total = self.ring_bytes if location is Location.HOST else 0
+        total = self.ring_bytes + self.host_grad_bytes if location is Location.HOST else 0
         for block in self.blocks:
             total += block.weight_bytes if block.weights is location else 0
             total += block.state_bytes if block.state is location else 0
-            total += block.grad_bytes if location is Location.HOST else 0
         return total
 
     @property
@@ -126,18 +133,22 @@ class Plan:
             limit = "no budget" if budget is None else f"budget {_human(budget)}"
             lines.append(f"total on {location.value}: {_human(self.bytes_on(location))} ({limit})")
         if self.ring_bytes:
-            grads = sum(b.grad_bytes for b in self.blocks)
-            lines.append(f"  host holds: gradients {_human(grads)}, staging ring {_human(self.ring_bytes)}")
+            grads = _human(self.host_grad_bytes)
+            if self.grad_window_bytes is not None:
+                grads = f"a window of {grads} (of {_human(sum(b.grad_bytes for b in self.blocks))}: each block's " \
+                        "gradient lives from its first part to its update during the last backward)"
+            lines.append(f"  host holds: gradients {grads}, staging ring {_human(self.ring_bytes)}")
         return "\n".join(lines)
 
 
 def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[int],
-              host_budget: Optional[int], ring: Optional[RingSize] = None) -> Plan:
+              host_budget: Optional[int], ring: Optional[RingSize] = None, grad_window: bool = False) -> Plan:
     """Place each block; raises OffloadConfigError naming the block or budget that cannot work.
 
-    nvme tier (`ring` given): host memory holds the gradient accumulators, then the staging ring (at least
-    its minimum, up to its preferred size or a quarter of what is left), then streamed weights in forward
-    order; weights that do not fit go to disk. See docs/design.md [Note: the nvme step pipeline]."""
+    nvme tier (`ring` given): host memory holds the gradient accumulators (all of them, or with
+    `grad_window` a window of GRAD_WINDOW_BLOCKS of the largest), then the staging ring (at least its minimum,
+    up to its preferred size or a quarter of what is left), then streamed weights in forward order; weights
+    that do not fit go to disk. See docs/design.md [Note: the nvme step pipeline], [Note: the gradient window]."""
     if not blocks:
         raise OffloadConfigError("the model has no parameters to offload")
     if tier is Tier.GPU:
@@ -166,9 +177,11 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
                 f"is {_human(host_budget)}; use tier='nvme' or raise host_memory")
         host_left = None if host_left is None else host_left - state_total
     ring_bytes = 0
+    window = None
     if tier is Tier.NVME:
         ring = ring or RingSize(0, 0)
-        host_left, ring_bytes = _reserve_nvme_host(blocks, host_left, ring)
+        window = grad_window_bytes(blocks) if grad_window else None
+        host_left, ring_bytes = _reserve_nvme_host(blocks, host_left, ring, window)
     device_left = device_budget
     total_weights = sum(b.weight_bytes for b in blocks)
     if device_left is not None and total_weights > device_left:
@@ -192,22 +205,36 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
                 "the host budget left after the optimizer state; use tier='nvme' or raise a budget")
         placements.append(BlockPlacement(block.name, weights, state_home, block.weight_bytes, block.state_bytes,
                                          block.grad_bytes))
-    return Plan(tier, tuple(placements), device_budget, host_budget, ring_bytes)
+    return Plan(tier, tuple(placements), device_budget, host_budget, ring_bytes, window)
 
 
-def _reserve_nvme_host(blocks: Sequence[BlockSpec], host_left: Optional[int],
-                       ring: RingSize) -> Tuple[Optional[int], int]:
+GRAD_WINDOW_BLOCKS = 3  # gradients in host memory at once: one filling, one updating, one tied or reused
+
+
+def grad_window_bytes(blocks: Sequence[BlockSpec]) -> int:
+    """The gradient window: GRAD_WINDOW_BLOCKS of the largest block's gradient, at most all of them."""
+    largest = max((b.grad_bytes for b in blocks), default=0)
+    return min(GRAD_WINDOW_BLOCKS * largest, sum(b.grad_bytes for b in blocks))
+
+
+def _reserve_nvme_host(blocks: Sequence[BlockSpec], host_left: Optional[int], ring: RingSize,
+                       window: Optional[int]) -> Tuple[Optional[int], int]:
     """Host bytes left for streamed weights after the gradients and the staging ring, and the ring size."""
     if host_left is None:
         return None, ring.preferred
-    grads = sum(b.grad_bytes for b in blocks)
+    grads = sum(b.grad_bytes for b in blocks) if window is None else window
     need = grads + ring.minimum
     if need > host_left:
         biggest = max(blocks, key=lambda b: b.grad_bytes)
+        hint = ""
+        if window is None and grad_window_bytes(blocks) + ring.minimum <= host_left:
+            hint = (f"; or declare grad_accumulation_steps (without max_grad_norm): the gradients then need only a "
+                    f"window of {_human(grad_window_bytes(blocks))}")
+        what = "the gradient accumulators need" if window is None else "the gradient window needs"
         raise OffloadConfigError(
-            f"host_memory ({_human(host_left)}) is too small for tier='nvme': the gradient accumulators need "
+            f"host_memory ({_human(host_left)}) is too small for tier='nvme': {what} "
             f"{_human(grads)} (the largest, block {biggest.name!r}, {_human(biggest.grad_bytes)}) and the staging "
-            f"ring at least {_human(ring.minimum)}; raise host_memory to at least {need} bytes")
+            f"ring at least {_human(ring.minimum)}; raise host_memory to at least {need} bytes{hint}")
     spare = host_left - need
     # Half of what is left, up to the preferred ring: when weights spill to disk every fetch and update goes
     # through the ring, and a deeper one pipelines them (bench_train's weights-on-disk row: 1.89x -> 1.63x

@@ -119,6 +119,13 @@ class OffloadPolicy:
     param_groups: Tuple[GroupOptions, ...] = ()
     overlap_step: bool = False
 
+    @property
+    def windowed_grads(self) -> bool:
+        """nvme tier, accumulation declared, no clipping: each block's gradient is consumed by its update
+        during the last backward, so host memory holds a window of gradients (docs/design.md
+        [Note: the gradient window])."""
+        return self.tier is Tier.NVME and self.grad_accumulation_steps is not None and self.max_grad_norm is None
+
     def __post_init__(self) -> None:
         if not isinstance(self.tier, Tier):
             raise OffloadConfigError(f"tier must be a Tier, got {self.tier!r}; use Tier.parse()")

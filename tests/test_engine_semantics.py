@@ -217,10 +217,10 @@ def test_without_overlap_step_a_failed_update_raises_from_step(monkeypatch):
 def test_changing_lr_after_an_early_update_warns():
     model = Net()
     with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", grad_accumulation_steps=1) as engine:
-        for _ in range(2):  # the second step has a profile, so blocks update during backward
+        for step in range(2):  # blocks update during backward (the first step by the forward's prediction)
             model(torch.ones(4, 8)).backward()
             if engine.stats()["early_block_updates"]:
-                engine.optimizer.param_groups[0]["lr"] = 0.5
+                engine.optimizer.param_groups[0]["lr"] = 0.5 + step
                 with pytest.warns(RuntimeWarning, match="hyperparameters changed"):
                     engine.step()
             else:

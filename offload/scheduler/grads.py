@@ -8,7 +8,7 @@ backward is the last one before `step()` (only knowable when the user declared
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, Optional, Set
 
 from offload.errors import OffloadError
 
@@ -30,6 +30,8 @@ class BackwardTracker:
         self.profile: Optional[Dict[int, int]] = None
         self._graph_task: Optional[int] = None
         self._announced: Optional[int] = None
+        self.predicted: Dict[int, int] = {}  # the first backward's profile, from the forward
+        self.unpredictable: Set[int] = set()
 
     def is_new(self, graph_task: int) -> bool:
         return graph_task != self._graph_task
@@ -87,16 +89,32 @@ class BackwardTracker:
     def is_last_backward(self) -> bool:
         return self.declared_steps is not None and self.micro_batches == self.declared_steps
 
-    def completes(self, param_ids: Iterable[int]) -> bool:
-        """Whether every given parameter has had as many gradient firings as in the previous backward.
+    def predict_from_forward(self, param_ids: Iterable[int], predictable: bool) -> None:
+        """Before any backward has given a profile: a block whose modules ran in the root forward with grad
+        enabled gets one firing per parameter (autograd runs each parameter's AccumulateGrad once per graph
+        task, however often the forward used it); one that also ran under no_grad inside a grad-mode forward
+        (reentrant checkpointing: its recompute backward is a nested graph task, a second firing) is not
+        predicted, so it waits for `step()`. A wrong prediction is loud: a gradient reaching a block already
+        updated raises (pipeline.on_grad)."""
+        for pid in param_ids:
+            if not predictable:
+                self.unpredictable.add(pid)
+                self.predicted.pop(pid, None)
+            elif pid not in self.unpredictable:
+                self.predicted[pid] = 1
 
-        False when there is no profile yet or a parameter got no gradient last time: such blocks wait for
+    def completes(self, param_ids: Iterable[int]) -> bool:
+        """Whether every given parameter has had as many gradient firings as in the previous backward (or, in
+        the first backward, as predicted from the forward: `predict_from_forward`).
+
+        False when there is neither, or a parameter got no gradient last time: such blocks wait for
         `step()`, which is always exact.
         """
-        if self.profile is None:
+        profile = self.profile if self.profile is not None else self.predicted
+        if not profile:
             return False
         for pid in param_ids:
-            expected = self.profile.get(pid, 0)
+            expected = profile.get(pid, 0)
             if expected == 0 or self.fires.get(pid, 0) != expected:
                 return False
         return True

@@ -29,6 +29,7 @@ from offload.errors import OffloadError
 from offload.policy import OffloadPolicy, Tier
 from offload.scheduler.block import Block, Residency
 from offload.scheduler.forward_order import ForwardOrder
+from offload.scheduler.grad_accumulator import released_gradient
 from offload.scheduler.grads import BackwardTracker
 from offload.scheduler.held_grad import is_held
 from offload.scheduler.jobs import GroupUpdate, NormJob, UpdateJob
@@ -77,15 +78,19 @@ class StepPipeline:
         self.closed = False
         # last: nothing above may fail with the worker's thread already running
         self.worker = StepWorker(num_threads, on_next=self._read_ahead_of if tiers.ring is not None else None)
+        if tiers.grad_pool is not None:
+            tiers.grad_pool.bind(self.worker.has_work)  # an update running or queued will give bytes back
         self._early_hyper: Optional[Tuple[AdamHyper, ...]] = None
         self._saved_tensor_hooks: List[object] = []
         self._engine_reads = 0  # >0 while the engine itself reads module.state_dict() (engine_reads)
+        self._root_grad_enabled = False  # whether the root forward in progress records a graph
 
     # ----- forward -----------------------------------------------------------------------------------
     def begin_root_forward(self) -> None:
         """Time the forward; when streaming, autograd saves streamed weights as handles (fetched again in
         backward)."""
         refuse_several_ranks()  # under DDP the ranks' gradients would never be averaged
+        self._root_grad_enabled = torch.is_grad_enabled()
         self.clock.forward_begins()
         if self.streamer.active:
             context = torch.autograd.graph.saved_tensors_hooks(self.streamer.pack, self.streamer.unpack)
@@ -122,6 +127,8 @@ class StepPipeline:
                     self.streamer.pin(block.index)
                     torch.autograd.Variable._execution_engine.queue_callback(
                         lambda index=block.index: self.streamer.unpin(index))
+            if not in_backward and self.tracker.profile is None and self._root_grad_enabled:
+                self.tracker.predict_from_forward(runtime.trainable_ids, torch.is_grad_enabled())
             if not self.order.record(block.index) and not in_backward and block.index == self.order.first \
                     and self.tracker.next_is_last:
                 self._read_ahead_for_backward()  # the disk is otherwise idle during the forward
@@ -196,15 +203,17 @@ class StepPipeline:
         """Before the step reads the gradients: take those still in `.grad` (fewer backward calls than
         declared, or a `.grad` the user set), and forget those cleared outside the engine (model.zero_grad())."""
         for param in self.slots:
-            grad = param.grad
+            grad, ref = param.grad, self.slots[param]
+            grads = ref.state.grads
             if grad is not None and not (is_held(grad) and grad.pending is None):
-                self._offload_grad(self.slots[param], param)
-            elif grad is None:
-                ref = self.slots[param]
-                if ref.state.grads.has_grad[ref.index]:
-                    if ref.block.updated_early:
-                        raise self._zeroed_after_early_update(ref.block.block.name)
-                    ref.state.grads.forget(ref.index)
+                self._offload_grad(ref, param)
+            elif grad is not None and ref.index in grads.lost and not ref.block.updated_early:
+                # held since an update of an earlier step gave its bytes back (nvme gradient window)
+                raise released_gradient(ref.state.group.trainable_slots[ref.index].name)
+            elif grad is None and grads.has_grad[ref.index]:
+                if ref.block.updated_early:
+                    raise self._zeroed_after_early_update(ref.block.block.name)
+                grads.forget(ref.index)
 
     def _read_ahead_for_backward(self) -> None:
         """Blocks update as their gradients complete, roughly in reverse forward order: start reading their
@@ -308,9 +317,11 @@ class StepPipeline:
                 if job.check_finite and not state.grads.all_finite(self.worker.num_threads):
                     self.nonfinite.record(job.step, job.block.block.name)
                     state.store.discard()  # its announced reads would otherwise hold ring slots
+                    state.grads.release()
                     continue
                 part.runtime.home.release_source()  # the last upload of `out` has read it
                 state.update(part.ready, part.hypers, job.grad_scale, part.out, self.worker.num_threads)
+                state.grads.release()  # the gradient window (nvme, declared accumulation) gets its bytes back
                 edited = part.runtime.edited_slots()
                 if edited:  # overlap_step: written after step() returned; the update overwrote it
                     job.block.lost_write = part.runtime.group.trainable_slots[edited[0]].name
@@ -337,10 +348,12 @@ class StepPipeline:
         if early:  # torch would now step on no gradient at all; these blocks already stepped on the gradients
             raise self._zeroed_after_early_update(early[0])
         for block in self.blocks:
-            if not set_to_none:
-                self.worker.wait(block.index)
-            for state in _runtime(block).states:
+            states = _runtime(block).states
+            if not set_to_none or any(s.grads.windowed for s in states):
+                self.worker.wait(block.index)  # the update may still read (or give back) the buffer
+            for state in states:
                 state.grads.zero(set_to_none)
+        self.tracker.end_step()  # the backward passes counted toward the next step held those gradients
 
     @staticmethod
     def _zeroed_after_early_update(block_name: str) -> OffloadError:
@@ -564,6 +577,9 @@ class StepPipeline:
                    device_over_budget_events=device.over_budget_events,
                    block_fetches=streamer.fetches, block_evictions=streamer.evictions,
                    block_prefetches=streamer.prefetches,
+                   host_grad_bytes_peak=0 if self.tiers.grad_pool is None else self.tiers.grad_pool.peak,
+                   host_grad_over_budget_events=0 if self.tiers.grad_pool is None else
+                   self.tiers.grad_pool.over_budget_events,
                    bytes_disk_read=0 if swap is None else swap.bytes_read,
                    bytes_disk_written=0 if swap is None else swap.bytes_written,
                    host_state_bytes=sum(s.host_bytes for b in self.blocks if b.runtime is not None

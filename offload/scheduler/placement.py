@@ -21,6 +21,7 @@ from offload.scheduler.block import Block
 from offload.scheduler.disk_ring import DiskRing
 from offload.scheduler.disk_store import DiskStore
 from offload.scheduler.grad_accumulator import GradAccumulator
+from offload.scheduler.grad_pool import GradPool
 from offload.scheduler.initial_weights import InitialWeights
 from offload.scheduler.runtime import BlockRuntime, GroupRuntime, GroupState
 from offload.scheduler.state_store import MemoryStore, StateStore
@@ -43,6 +44,7 @@ class Tiers:
     swap: Optional[SwapStore] = None
     staging: Optional[StagingPool] = None
     ring: Optional[DiskRing] = None
+    grad_pool: Optional[GradPool] = None  # the nvme tier's gradient window (grad_pool.py)
 
     def close(self) -> None:
         """Delete the swap file and free the ring's slots and the staging pool (after the ring has drained)."""
@@ -60,9 +62,11 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer) ->
     largest_record = max((r.numel for r in records.values()), default=0)
     ring = ring_size_for(largest_record) if records else None
     plan = make_plan([b.spec(policy.tier) for b in blocks], policy.tier, policy.device_memory,
-                     policy.host_memory, ring)
+                     policy.host_memory, ring, grad_window=policy.windowed_grads)
     device, copies = DeviceTier(policy.device, policy.device_memory), CopyContext(policy.device)
     tiers = Tiers(device, copies, WeightStreamer(device, copies))
+    if plan.grad_window_bytes is not None:
+        tiers.grad_pool = GradPool(plan.grad_window_bytes)
     if policy.tier is Tier.NVME:
         assert policy.nvme_path is not None
         if not records:  # before any file exists
@@ -107,7 +111,7 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
             if group.trainable_numel:
                 store = _state_store(group, policy, tiers)
                 grads = GradAccumulator(group, torch.device("cpu") if store.on_host else policy.device,
-                                        tiers.copies)
+                                        tiers.copies, tiers.grad_pool)
                 state = GroupState(group, store, grads, [optimizer_group_of[s.param] for s in group.trainable_slots])
             group.runtime = GroupRuntime(block, group, _weight_home(block, group, policy, tiers, streamed, on_disk,
                                                                     state is not None), state)

@@ -55,7 +55,8 @@ class GroupState:
         weights go to `out` when the store does not keep them. `num_threads` caps the CPU kernel's threads."""
         self.grads.settle()
         if ready:
-            adamw(self.store, self.grads.grad, self.advance_steps(ready, hypers), grad_scale, out, num_threads)
+            adamw(self.store, self.grads.buffer(wait=False), self.advance_steps(ready, hypers), grad_scale, out,
+                  num_threads)
 
     def advance_steps(self, ready: List[int], hypers: Sequence[AdamHyper]) -> List[UpdateSpan]:
         """Count the step of every ready parameter; the spans to update: the whole group in one span when

@@ -69,6 +69,10 @@ class StepWorker:
             self._lock.notify()
         return future
 
+    def has_work(self) -> bool:
+        """Whether any submitted work is still queued or running."""
+        return any(not future.done() for future in list(self._pending.values()))
+
     def is_pending(self, block_index: int) -> bool:
         future = self._pending.get(block_index)
         return future is not None and not future.done()
