@@ -177,7 +177,7 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
                 f"is {_human(host_budget)}; use tier='nvme' or raise host_memory")
         host_left = None if host_left is None else host_left - state_total
     ring_bytes = 0
-    window = None
+    window: Optional[int] = None
     if tier is Tier.NVME:
         ring = ring or RingSize(0, 0)
         window = grad_window_bytes(blocks) if grad_window else None
@@ -187,8 +187,8 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
     if device_left is not None and total_weights > device_left:
         # Streaming: keep room for the blocks in flight, two of the largest when the budget allows.
         # See docs/design.md [Note: weight streaming].
-        window = 2 * largest.weight_bytes if device_left >= 2 * largest.weight_bytes else largest.weight_bytes
-        device_left -= window
+        in_flight = 2 * largest.weight_bytes if device_left >= 2 * largest.weight_bytes else largest.weight_bytes
+        device_left -= in_flight
     placements = []
     for block in blocks:
         if device_left is None or block.weight_bytes <= device_left:

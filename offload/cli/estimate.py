@@ -2,6 +2,8 @@
 
     python -m offload estimate --params 7e9 --host-memory 64GB --device-memory 24GB
     python -m offload estimate --layers 32 --dim 4096 --vocab 32000 --tier nvme --blocks
+    python -m offload estimate --params 70e9 --host-memory 128GB --device-memory 24GB --tier nvme \
+        --grad-accumulation-steps 1
 
 Runs the same planner `offload.wrap` runs, on blocks described by sizes instead of a model: a GPT config
 gives one block per layer (12 d^2 + 13 d parameters) plus the embeddings; `--params N` is split into
@@ -54,12 +56,24 @@ class ModelShape:
 
 
 def estimate(shape: ModelShape, tier: Tier, dtype: torch.dtype, device_memory: Optional[int],
-             host_memory: Optional[int]) -> Plan:
-    """The plan `offload.wrap` would make for a model of this shape (all parameters trainable)."""
+             host_memory: Optional[int], grad_window: bool = False) -> Plan:
+    """The plan `offload.wrap` would make for a model of this shape (all parameters trainable); `grad_window`:
+    accumulation declared without clipping, so the nvme tier windows the gradients."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     specs: List[BlockSpec] = [spec_of(name, n * itemsize, [(n, dtype)], tier) for name, n in shape.blocks]
     ring = ring_size_for(max(n for _name, n in shape.blocks)) if tier is Tier.NVME else None
-    return make_plan(specs, tier, device_memory, host_memory, ring)
+    return make_plan(specs, tier, device_memory, host_memory, ring, grad_window=grad_window)
+
+
+def _with_window(shape: ModelShape, tier: Tier, dtype: torch.dtype, device_memory: Optional[int],
+                 host_memory: Optional[int]) -> Optional[Plan]:
+    """The nvme plan with windowed gradients, when that one fits."""
+    if tier is not Tier.NVME:
+        return None
+    try:
+        return estimate(shape, tier, dtype, device_memory, host_memory, grad_window=True)
+    except OffloadConfigError:
+        return None
 
 
 def _summary(plan: Plan) -> str:
@@ -98,6 +112,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tier", choices=[t.value for t in Tier] + ["all"], default="all")
     parser.add_argument("--device-memory", type=byte_size, default=None, help="device budget, e.g. 24GB")
     parser.add_argument("--host-memory", type=byte_size, default=None, help="host budget, e.g. 64GB")
+    parser.add_argument("--grad-accumulation-steps", type=positive_int, default=None,
+                        help="declared as in offload.wrap: without --max-grad-norm the nvme tier then keeps only a "
+                             "window of gradients in host memory")
+    parser.add_argument("--max-grad-norm", action="store_true", help="clipping on (gradients are not windowed)")
     parser.add_argument("--blocks", action="store_true", help="print the per-block plan table too")
 
 
@@ -134,12 +152,19 @@ def run(args: argparse.Namespace) -> int:
           f"budgets: device {_human(device_memory) if device_memory else 'none'}, "
           f"host {_human(host_memory) if host_memory else 'none'}")
     fits_any = False
+    declared = getattr(args, "grad_accumulation_steps", None) is not None
+    clipping = getattr(args, "max_grad_norm", False)
     for tier in tiers:
+        window = tier is Tier.NVME and declared and not clipping
         try:
-            plan = estimate(shape, tier, dtype, device_memory, host_memory)
+            plan = estimate(shape, tier, dtype, device_memory, host_memory, grad_window=window)
         except OffloadConfigError as exc:
-            print(f"tier={tier.value:<5} does not fit: {exc}")
-            continue
+            plan = _with_window(shape, tier, dtype, device_memory, host_memory) if not (window or clipping) else None
+            if plan is None:
+                print(f"tier={tier.value:<5} does not fit: {exc}")
+                continue
+            print(f"tier={tier.value:<5} fits with grad_accumulation_steps declared and no clipping (gradients "
+                  f"windowed: {_human(plan.grad_window_bytes)} on the host); without: {exc}")
         fits_any = True
         print(f"tier={tier.value:<5} {_summary(plan)}")
         if args.blocks:
