@@ -39,6 +39,13 @@ class OffloadIOError(OffloadError, OSError):
     def from_errno(err: int, path: str, offset: int, size: int, op: str = "") -> "OffloadIOError":
         return OffloadIOError(err, os.strerror(err) if err else "I/O error", path, offset, size, op)
 
+    def if_disk_full(self, message: str) -> "OffloadIOError":
+        """This error, or for a full disk (ENOSPC, EDQUOT) the same one saying `message` (what is intact and
+        what to do) instead of the bare errno text."""
+        if self.errno not in (_errno.ENOSPC, _errno.EDQUOT):
+            return self
+        return OffloadIOError(self.errno, message, self.path, self.offset, self.size, self.op)
+
 
 class OffloadIntegrityError(OffloadError):
     """Data read back is not what was written (checksum or size mismatch): never returned as garbage."""

@@ -105,11 +105,8 @@ def export_pretrained(engine: "CheckpointTarget", directory: Union[str, "os.Path
 
 
 def _explained(exc: OffloadIOError, directory: str) -> OffloadIOError:
-    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-        return exc
-    return OffloadIOError(exc.errno, f"no space left while exporting to {directory!r}; files of an earlier export "
-                          "there are intact and training state is unharmed: free space and export again",
-                          exc.path, exc.offset, exc.size, exc.op)
+    return exc.if_disk_full(f"no space left while exporting to {directory!r}; files of an earlier export "
+                            "there are intact and training state is unharmed: free space and export again")
 
 
 def _kept_name(names: List[str], tied_targets: Any) -> str:

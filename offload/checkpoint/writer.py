@@ -66,11 +66,8 @@ def save_checkpoint(engine: "CheckpointTarget", path: str, *, scheduler: Any = N
 
 
 def _explained(exc: OffloadIOError, path: str) -> OffloadIOError:
-    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-        return exc
-    return OffloadIOError(exc.errno, f"no space left while saving checkpoint {path!r}; the previous checkpoint "
-                          "there (if any) is intact and training state is unharmed: free space and save again",
-                          exc.path, exc.offset, exc.size, exc.op)
+    return exc.if_disk_full(f"no space left while saving checkpoint {path!r}; the previous checkpoint "
+                            "there (if any) is intact and training state is unharmed: free space and save again")
 
 
 @dataclass
