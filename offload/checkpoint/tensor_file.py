@@ -30,6 +30,11 @@ _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", t
 _BY_CODE = {code: dtype for dtype, code in _DTYPES.items()}
 
 
+def dtype_of_code(code: str) -> Optional[torch.dtype]:
+    """The torch dtype of a safetensors dtype code ("BF16", "F32", ...), None for one offload cannot hold."""
+    return _BY_CODE.get(code)
+
+
 @dataclass(frozen=True)
 class Entry:
     """One tensor of a file: its name, dtype and shape (the header order is the data order)."""

@@ -3,21 +3,24 @@
 `wrap(model, weights=PATH)` fills each block's buffers from here as the block is materialized, so a model
 larger than RAM never exists whole in memory. PATH is a `.safetensors` file, a directory of Hugging Face
 shards (`model.safetensors.index.json`, as `save_pretrained` writes them) or with one `model.safetensors`,
-or an offload checkpoint directory (its `model.safetensors`). Only headers are read when opening; each
-`read` maps one tensor (safetensors' `safe_open`), never a whole file.
+or an offload checkpoint directory (its `model.safetensors`). Opening reads only the headers; each `read`
+preads one tensor's bytes into a tensor of its own (or straight into the caller's buffer): no file is
+mapped, because mapped shards stay resident in the process (a checkpoint's worth of RSS while loading).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import struct
 from typing import Dict, List, Tuple
 
 import torch
-from safetensors import safe_open
 from torch import Tensor
 
 from offload.checkpoint.atomic import MANIFEST, resolve
+from offload.checkpoint.tensor_file import dtype_of_code
 from offload.errors import OffloadConfigError
 
 HF_INDEX = "model.safetensors.index.json"
@@ -29,37 +32,72 @@ class WeightSource:
 
     def __init__(self, path: "str | os.PathLike[str]") -> None:
         self.path = os.path.abspath(os.fspath(path))
-        self._file_of: Dict[str, str] = {}
+        self._where: Dict[str, Tuple[str, int, int]] = {}  # name -> (file, first byte, end byte)
         self.shapes: Dict[str, Tuple[int, ...]] = {}
         self.dtypes: Dict[str, torch.dtype] = {}
-        self._handles: Dict[str, object] = {}
         for file in _files_of(self.path):
-            with safe_open(file, framework="pt") as handle:
-                for name in handle.keys():
-                    piece = handle.get_slice(name)
-                    self._file_of[name] = file
-                    self.shapes[name] = tuple(piece.get_shape())
-                    self.dtypes[name] = _DTYPES.get(piece.get_dtype(), torch.float32)
+            base, header = _read_header(file)
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                dtype = dtype_of_code(info.get("dtype", ""))
+                if dtype is None:
+                    raise OffloadConfigError(f"{file}: tensor {name!r} has dtype {info.get('dtype')!r}, which "
+                                             "offload cannot load")
+                first, stop = info["data_offsets"]
+                self._where[name] = (file, base + first, base + stop)
+                self.shapes[name] = tuple(info["shape"])
+                self.dtypes[name] = dtype
 
     def names(self) -> List[str]:
-        return list(self._file_of)
+        return list(self._where)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._file_of
+        return name in self._where
 
     def read(self, name: str) -> Tensor:
-        """One tensor, as stored (a CPU tensor backed by the mapped file until copied)."""
-        file = self._file_of[name]
-        handle = self._handles.get(file)
-        if handle is None:
-            handle = self._handles[file] = safe_open(file, framework="pt")
-        return handle.get_tensor(name)  # type: ignore[attr-defined]
+        """One tensor, as stored, in memory of its own (a CPU tensor)."""
+        out = torch.empty(self.shapes[name], dtype=self.dtypes[name])
+        self.read_into(name, out)
+        return out
+
+    def read_into(self, name: str, out: Tensor) -> None:
+        """Tensor `name`'s bytes into the contiguous CPU tensor `out` of its dtype and size."""
+        file, first, stop = self._where[name]
+        assert out.is_contiguous() and out.device.type == "cpu"
+        # a view by address: Tensor.numpy() would mark the storage unresizable, and a streamed block's
+        # buffer must shrink to zero bytes when it is released
+        view = memoryview((ctypes.c_char * (out.numel() * out.element_size())).from_address(out.data_ptr())).cast("B")
+        if len(view) != stop - first or out.dtype != self.dtypes[name]:
+            raise OffloadConfigError(f"{file}: tensor {name!r} is {self.dtypes[name]} {list(self.shapes[name])}, "
+                                     f"asked for {out.dtype} with {out.numel()} elements")
+        with open(file, "rb", buffering=0) as f:
+            done = 0
+            while done < len(view):
+                got = os.preadv(f.fileno(), [view[done:]], first + done)
+                if got <= 0:
+                    raise OffloadConfigError(f"{file}: short read of tensor {name!r} (truncated file?)")
+                done += got
 
     def close(self) -> None:
-        self._handles.clear()  # each handle unmaps its file when collected
+        pass  # nothing stays open between reads
 
     def __repr__(self) -> str:
-        return f"WeightSource({self.path!r}, {len(self._file_of)} tensors)"
+        return f"WeightSource({self.path!r}, {len(self._where)} tensors)"
+
+
+def _read_header(file: str) -> Tuple[int, dict]:
+    """(offset of the data, the JSON header) of a safetensors file."""
+    with open(file, "rb") as f:
+        head = f.read(8)
+        size = os.fstat(f.fileno()).st_size
+        try:
+            (length,) = struct.unpack("<Q", head)
+            if length > size - 8:
+                raise ValueError("header length out of range")
+            return 8 + length, json.loads(f.read(length))
+        except (ValueError, UnicodeDecodeError, struct.error) as exc:
+            raise OffloadConfigError(f"{file} is not a readable safetensors file ({exc})") from None
 
 
 def _files_of(path: str) -> List[str]:
@@ -89,6 +127,3 @@ def _files_of(path: str) -> List[str]:
                              "file, a directory of Hugging Face shards or an offload checkpoint directory")
 
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}

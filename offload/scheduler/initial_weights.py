@@ -93,9 +93,11 @@ class FromSource:
                 assert group.device_buffer is not None
                 for slot in group.slots:
                     name = next(n for n in self._names_of[id(slot.param)] if n in self.source)
-                    value = self.source.read(name)
                     target = group.device_buffer[slot.offset:slot.offset + slot.numel]
-                    target.copy_(value.reshape(-1))  # converts to the compute dtype and device
+                    if target.device.type == "cpu" and self.source.dtypes[name] == target.dtype:
+                        self.source.read_into(name, target)  # straight into the block's buffer
+                    else:
+                        target.copy_(self.source.read(name).reshape(-1))  # converts dtype, moves to the device
 
     def finish(self, module: nn.Module, device: torch.device) -> None:
         """The checkpoint's buffers (e.g. BatchNorm statistics) replace the module's."""
