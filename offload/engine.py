@@ -21,11 +21,11 @@ from offload.checkpoint import load_checkpoint, save_checkpoint
 from offload.distributed_guard import refuse_data_parallel_wrapper, refuse_several_ranks
 from offload.engine_release import EngineRelease
 from offload.scheduler.wrapped_mark import MARKER
-from offload.errors import OffloadConfigError
+from offload.errors import OffloadConfigError, OffloadError
 from offload.param_groups import optimizer_groups
 from offload.planner import Plan
 from offload.policy import OffloadPolicy
-from offload.scheduler.block import Block, FlatGroup, build_blocks, param_owners
+from offload.scheduler.block import Block, FlatGroup, build_blocks, mixed_dtype_hint, param_owners
 from offload.scheduler.hooks import HookSet
 from offload.scheduler.initial_weights import InitialWeights, choose
 from offload.scheduler.pipeline import StepPipeline
@@ -87,7 +87,13 @@ class Engine:
         """The wrapped model's forward."""
         self._pipeline.check_open()
         self._pipeline.worker.raise_if_failed()
-        return self.module(*args, **kwargs)
+        try:
+            return self.module(*args, **kwargs)
+        except RuntimeError as exc:
+            hint = mixed_dtype_hint(exc, self.policy.dtype, self.policy.device, self.blocks)
+            if hint is None:
+                raise
+            raise OffloadError(hint) from exc
 
     def step(self) -> None:
         """Apply AdamW to every block (through `engine.optimizer.step()`, so LR schedulers see it)."""

@@ -344,3 +344,25 @@ def test_a_streamed_sub_module_state_dict_or_load_is_refused():
             layer.load_state_dict({k: torch.zeros_like(v) for k, v in TinyGPT().get_submodule(streamed[0])
                                    .state_dict().items()})
         assert all(torch.isfinite(v).all() for v in engine.state_dict().values())  # nothing was written
+
+
+def test_a_bf16_forward_failing_on_an_fp32_norm_names_autocast():
+    """Norm weights stay fp32 under a bf16 compute dtype (as autocast keeps them); a Hugging Face style norm
+    then returns fp32 into a bf16 layer. Before: torch's bare dtype error, nothing about why or the fix."""
+
+    class ScaleNorm(torch.nn.Module):  # like LlamaRMSNorm: weight * x, in the weight's dtype
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            return self.weight * x
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), ScaleNorm(), torch.nn.Linear(8, 1))
+    with offload.wrap(model, dtype=torch.bfloat16, device="cpu") as engine:
+        assert model[1].weight.dtype == torch.float32 and model[0].weight.dtype == torch.bfloat16
+        with pytest.raises(OffloadError, match=r"mixed dtypes.*torch.autocast\(device_type='cpu', dtype=torch.bfloat16\)"):
+            engine(torch.ones(2, 8, dtype=torch.bfloat16))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            engine(torch.ones(2, 8, dtype=torch.bfloat16)).sum().backward()
+        engine.step()

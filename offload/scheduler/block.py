@@ -145,6 +145,25 @@ def _make_real(name: str, param: nn.Parameter, like: torch.Tensor) -> None:
                                  "drop the weak references to it before offload.wrap()") from None
 
 
+_DTYPE_MISMATCH = ("same dtype", "expected scalar type", "expected both", "type (float)", "dtype mismatch",
+                   "expected mat1 and mat2")
+
+
+def mixed_dtype_hint(exc: RuntimeError, compute: torch.dtype, device: torch.device,
+                     blocks: List["Block"]) -> Optional[str]:
+    """For a forward that failed on mixed dtypes while normalization weights stay fp32 under a lower compute
+    dtype ([Note: compute dtypes]): the fix (autocast), else None."""
+    if compute == torch.float32 or not any(m in str(exc) for m in _DTYPE_MISMATCH):
+        return None
+    if not any(g.dtype == torch.float32 for b in blocks for g in b.groups):
+        return None
+    name = str(compute).replace("torch.", "")
+    return (f"the forward failed on mixed dtypes ({exc}): offload computes in {name} but keeps normalization "
+            f"layers' weights fp32, as autocast does, so a norm's fp32 output can meet a {name} layer; run the "
+            f"forward under torch.autocast(device_type={device.type!r}, dtype=torch.{name}), or wrap with "
+            "dtype=torch.float32")
+
+
 def is_norm_layer(module: nn.Module) -> bool:
     """torch's normalization layers, and any module class named like one ("...Norm": HF's LlamaRMSNorm,
     T5LayerNorm, Qwen2RMSNorm are plain nn.Modules). Only a module's own parameters count, so a wrapper
