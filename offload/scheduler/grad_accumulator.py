@@ -21,6 +21,7 @@ from offload.scheduler.block import FlatGroup
 from offload.scheduler.grad_pool import GradPool
 from offload.scheduler.held_grad import HeldGrad
 from offload.scheduler.streams import CopyContext, GradDownloads
+from offload.tiers.mapped import mapped_zeros
 
 
 class GradAccumulator:
@@ -57,6 +58,8 @@ class GradAccumulator:
     def _new_buffer(self) -> Tensor:
         if self.downloads is not None:
             return self.downloads.new_accumulator()
+        if self.pool is not None and self.device.type == "cpu":
+            return mapped_zeros(self.group.trainable_numel, self.group.dtype)  # its pages go back at release
         return torch.zeros(self.group.trainable_numel, dtype=self.group.dtype, device=self.device)
 
     def buffer(self, wait: bool = True) -> Tensor:

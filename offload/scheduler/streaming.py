@@ -149,8 +149,8 @@ class WeightStreamer:
         self._device.reserve(block.weight_bytes, f"block {block.name!r}", over_budget_ok=True)
         for group, home in zip(block.groups, _homes(block)):
             assert group.device_buffer is not None
+            self._device.regrow(group.device_buffer, group.numel)
             storage = group.device_buffer.untyped_storage()
-            storage.resize_(group.nbytes)
             with torch.no_grad():
                 home.fetch()
             self._by_storage[storage.data_ptr()] = (block.index, group)
@@ -174,7 +174,7 @@ class WeightStreamer:
             address = one.untyped_storage().data_ptr()  # alive while the parameters point at it
             self._placeholders[address] = (block.index, group)
             self._placeholder_of[id(group)] = address
-            storage.resize_(0)
+            self._device.shrink(group.device_buffer)
         self._device.unreserve(block.weight_bytes)
         block.move_to(Residency.RELEASED)
         self._lru.pop(block.index, None)

@@ -1,7 +1,9 @@
 """The device tier: the compute device's memory, as a budget the engine accounts for.
 
 On a machine without a GPU the compute device is the CPU and this tier is only a budget: the same
-allocation, release and accounting run, which is how CI tests the streaming paths.
+allocation, release and accounting run, which is how CI tests the streaming paths. There each buffer is an
+anonymous memory mapping of its own (tiers/mapped.py), so a streamed block's release gives its pages back
+to the system at once (docs/design.md [Note: the nvme memory bound]). On CUDA the caching allocator keeps what it frees for the next fetch, as it should.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Optional
 import torch
 
 from offload.errors import OffloadMemoryError
+from offload.tiers.mapped import mapped_storage
 
 
 class DeviceTier:
@@ -25,8 +28,26 @@ class DeviceTier:
 
     def allocate(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
         """An uninitialised flat buffer; raises OffloadMemoryError instead of growing past the budget."""
-        self.reserve(numel * torch.empty((), dtype=dtype).element_size(), what)
-        return torch.empty(numel, dtype=dtype, device=self.device)
+        self.reserve(numel * dtype.itemsize, what)
+        if self.device.type != "cpu":
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        buffer = torch.empty(0, dtype=dtype)
+        self.regrow(buffer, numel)
+        return buffer
+
+    def regrow(self, buffer: torch.Tensor, numel: int) -> None:
+        """Give a released flat buffer (the same tensor object) memory for `numel` elements again."""
+        if self.device.type != "cpu":
+            buffer.untyped_storage().resize_(numel * buffer.element_size())
+            return
+        buffer.set_(mapped_storage(numel * buffer.element_size()), 0, (numel,), (1,))
+
+    def shrink(self, buffer: torch.Tensor) -> None:
+        """Free a flat buffer's memory, keeping the tensor object (its views must be gone)."""
+        if self.device.type != "cpu":
+            buffer.untyped_storage().resize_(0)
+            return
+        buffer.set_(torch.UntypedStorage(0), 0, (0,), (1,))
 
     def fits(self, nbytes: int) -> bool:
         return self.budget is None or self.in_use + nbytes <= self.budget
