@@ -38,6 +38,16 @@ def test_bench_train_quick(tmp_path):
         assert rival in out
 
 
+def test_bench_scale_quick(tmp_path):
+    """A ~100M-parameter Llama-style model built on the meta device, initialized and trained by offload on the nvme
+    tier: every table prints and the swap directory is removed."""
+    out = _run(["benchmarks/bench_scale.py", "--quick", "--nvme-path", str(tmp_path)])
+    for key in ("training state", "peak RSS growth", "disk bandwidth (DiskProbe", "efficiency", "DeepSpeed",
+                "estimate(), this model's blocks", "wrap()'s plan", "bytes per tier against wrap()'s plan"):
+        assert key in out, out
+    assert list(tmp_path.iterdir()) == []  # swap file, layout and probe file all removed
+
+
 def test_bench_checkpoint_quick(tmp_path):
     out = _run(["benchmarks/bench_checkpoint.py", "--quick", "--dir", str(tmp_path)])
     rows = [line for line in out.splitlines() if line.split("  ")[0].strip() in (

@@ -1,0 +1,542 @@
+"""The largest model this machine trains: a Llama-style model whose training state is >= 1.5x this machine's RAM,
+built on the meta device, initialized block by block by offload, trained a few steps on the nvme tier.
+
+    python benchmarks/bench_scale.py                      # ~2.5B parameters (40 GB of training state), minutes
+    python benchmarks/bench_scale.py --params-target 4e9 --host-memory 3GB --device-memory 3GB --nvme-path /mnt/nvme
+    python benchmarks/bench_scale.py --quick              # ~100M parameters, a smoke run of < 1 minute
+
+The model is transformers' `LlamaForCausalLM` from a `LlamaConfig` (hidden 2560, MLP 6912, 20 heads, vocab
+32000, untied head, layers chosen to reach `--params-target`), built under `accelerate.init_empty_weights()`
+(parameters on the meta device, the rotary buffers real) and initialized by `offload.wrap(..., init=
+model._init_weights)` as each block is placed; without transformers/accelerate (or with `--builtin`) a small
+Llama-like module of this file (RMSNorm, SwiGLU MLP, attention without rotary) built under
+`torch.device("meta")` and initialized by its modules' `reset_parameters()`. The model never exists whole in
+memory: training state = 16 B/param (fp32 master, Adam m and v in the swap file; bf16 weights and gradients).
+
+Measured in one process: peak RSS (VmHWM, reset after the imports and the disk probe's buffer) against
+`host_memory + device_memory`; each step's time (forward, backward, `step()`, `zero_grad()`, then
+`synchronize()`) and disk bytes (engine.stats()); the disk bound T_read + T_write of those bytes at the
+O_DIRECT bandwidths `offload.measure.DiskProbe` measured in the swap directory between steps; efficiency =
+bound / step. Also what `python -m offload estimate` (offload.cli.estimate.estimate) predicts per tier for the
+same blocks and budgets, against the plan `wrap()` made and the swap file it allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import math
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from collections import namedtuple
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import offload  # noqa: E402
+from common import append_csv, machine_header, print_table  # noqa: E402
+from offload.cli.estimate import ModelShape, estimate  # noqa: E402
+from offload.measure import DiskProbe, dram_bandwidth  # noqa: E402
+from offload.planner import Location  # noqa: E402
+from offload.planner import human_bytes as human  # noqa: E402
+from offload.policy import Tier, parse_bytes  # noqa: E402
+
+try:
+    from tqdm import tqdm
+except ImportError:  # a progress bar is a nicety
+    tqdm = None
+
+GB = 1e9
+STATE_BYTES_PER_PARAM = 16  # fp32 master 4 + Adam m 4 + v 4 + bf16 weight 2 + bf16 gradient 2
+
+
+# ----- the model -----------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+class Layer(nn.Module):
+    """Pre-norm decoder layer: causal attention (no rotary: positions are not what is measured), SwiGLU MLP."""
+
+    def __init__(self, dim: int, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.input_layernorm = RMSNorm(dim)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.post_attention_layernorm = RMSNorm(dim)
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.input_layernorm(x)
+        q, k, v = (p(h).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o_proj(a.transpose(1, 2).reshape(b, t, d))
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+Output = namedtuple("Output", "loss")  # a tuple, so the engine's hook on the root's outputs sees the loss
+
+
+class LlamaLike(nn.Module):
+    """Llama's parameter layout (embed_tokens, layers, norm, untied lm_head) in plain torch."""
+
+    def __init__(self, vocab: int, dim: int, hidden: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Layer(dim, hidden, heads) for _ in range(layers))
+        self.norm = RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Output:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.lm_head(self.norm(x)).float()
+        loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1))
+        return Output(loss)
+
+
+def layer_params(dim: int, hidden: int) -> int:
+    return 4 * dim * dim + 3 * dim * hidden + 2 * dim
+
+
+def model_params(vocab: int, dim: int, hidden: int, layers: int) -> int:
+    return 2 * vocab * dim + layers * layer_params(dim, hidden) + dim
+
+
+def layers_for(target: float, vocab: int, dim: int, hidden: int) -> int:
+    """The fewest layers that reach `target` parameters (at least 1)."""
+    return max(1, math.ceil((target - 2 * vocab * dim - dim) / layer_params(dim, hidden)))
+
+
+def build(args: argparse.Namespace) -> Tuple[nn.Module, Optional[object], str]:
+    """(the model on the meta device, its init function or None for reset_parameters(), its description)."""
+    if not args.builtin:
+        try:
+            import accelerate
+            from transformers import LlamaConfig, LlamaForCausalLM
+        except ImportError as exc:
+            print(f"# transformers/accelerate not importable ({exc}): the built-in Llama-like module instead")
+        else:
+            config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=args.hidden,
+                                 num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                 num_key_value_heads=args.heads, tie_word_embeddings=False,
+                                 max_position_embeddings=max(2048, args.context))
+            with accelerate.init_empty_weights():  # parameters on meta, buffers (rotary inv_freq) real
+                model = LlamaForCausalLM(config)
+            described = "transformers LlamaForCausalLM (init_empty_weights, init=model._init_weights)"
+            return model, model._init_weights, described
+    with torch.device("meta"):
+        model = LlamaLike(args.vocab, args.dim, args.hidden, args.layers, args.heads)
+    return model, None, "built-in Llama-like module (torch.device('meta'), init by reset_parameters())"
+
+
+# ----- measuring -------------------------------------------------------------------------------------------------
+def proc_status(key: str) -> Optional[int]:
+    """A /proc/self/status memory line in bytes (VmRSS, VmHWM), None where there is no /proc."""
+    try:
+        with open("/proc/self/status", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def current_rss() -> int:
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+    except ImportError:
+        return proc_status("VmRSS") or 0
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0: `5` to /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="utf-8") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> int:
+    return proc_status("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def allocated_bytes(directory: str) -> int:
+    """Bytes the engine's files under `directory` take on disk (allocated blocks of the preallocated swap file)."""
+    total = 0
+    for root, _dirs, files in os.walk(directory):
+        for name in files:
+            if name.startswith("offload-probe-"):
+                continue  # DiskProbe's file, not the engine's
+            try:
+                total += os.stat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class Progress:
+    """One bar per step: decoder layers entering forward, then block updates finishing (told by the engine)."""
+
+    def __init__(self, layers: List[nn.Module], updates_per_step: int) -> None:
+        self.bar = None
+        self.total = len(layers) + updates_per_step
+        self._handles = [m.register_forward_pre_hook(self._tick) for m in layers]
+
+    def start(self, step: int, steps: int) -> None:
+        if tqdm is not None:
+            self.bar = tqdm(total=self.total, desc=f"step {step}/{steps} (layers fwd + block updates)",
+                            unit="", leave=False, file=sys.stderr)
+
+    def _tick(self, *_args) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def on_span(self, name: str, detail: str, start: float, end: float) -> None:
+        if name == "update":
+            self._tick()
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def counting_init(init, total: int, label: str):
+    """`init` (or reset_parameters()) with a progress bar over the modules it initializes."""
+    bar = tqdm(total=total, desc=label, unit="module", leave=False, file=sys.stderr) if tqdm is not None else None
+
+    def run(module: nn.Module) -> None:
+        if init is not None:
+            init(module)
+        else:
+            module.reset_parameters()
+        if bar is not None:
+            bar.update(1)
+
+    return run, bar
+
+
+def init_check(model: nn.Module) -> str:
+    """What initialization gave the first embedding and the final norm (when their blocks are resident)."""
+    parts = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("embed_tokens.weight") or name in ("model.norm.weight", "norm.weight"):
+                if not bool(torch.isfinite(param).all()):
+                    parts.append(f"{name} not resident")
+                else:
+                    value = param.float()
+                    parts.append(f"{name} mean {value.mean():.4f} std {value.std():.4f}")
+    return "; ".join(parts) + " (wrap() checked every parameter finite)"
+
+
+def deepspeed_line() -> str:
+    try:
+        import deepspeed  # type: ignore[import-not-found]
+    except ImportError:
+        return ("DeepSpeed: not installed on this machine (no ZeRO-Infinity rival here; the GPU issue compares "
+                "with it where it is installed)")
+    except Exception as exc:  # noqa: BLE001 - a broken install is reported, not raised
+        return (f"DeepSpeed: installed but not importable ({type(exc).__name__}: {str(exc)[:80]}): "
+                "no ZeRO-Infinity rival")
+    return (f"DeepSpeed {deepspeed.__version__}: installed, but ZeRO-Infinity needs a CUDA device: not run here "
+            "(the GPU issue compares with it)")
+
+
+def estimate_plan(blocks: List[Tuple[str, int]], device_memory: int, host_memory: int):
+    """What `python -m offload estimate` predicts for these blocks and budgets, with the gradient window when the
+    estimate knows about it (grad_accumulation_steps declared, no clipping, as this run wraps)."""
+    shape = ModelShape(tuple(blocks))
+    windowed = "grad_window" in inspect.signature(estimate).parameters
+    kwargs = {"grad_window": True} if windowed else {}
+    try:
+        return estimate(shape, Tier.NVME, torch.bfloat16, device_memory, host_memory, **kwargs), windowed, None
+    except Exception as exc:  # noqa: BLE001 - OffloadConfigError: the estimate refuses; reported
+        return None, windowed, f"{type(exc).__name__}: {exc}"
+
+
+# ----- the run ---------------------------------------------------------------------------------------------------
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--params-target", type=float, default=None,
+                        help="parameters to reach: the fewest layers that do (default 2.5e9: 30 layers, 2.54B)")
+    parser.add_argument("--host-memory", default=None, help="offload host_memory budget (default 3GB)")
+    parser.add_argument("--device-memory", default=None,
+                        help="offload device_memory budget; the device is this CPU's RAM here (default 3GB)")
+    parser.add_argument("--nvme-path", default=None, help="directory for the swap file (default: the temp dir)")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--context", type=int, default=64, help="tokens per sequence (batch 1)")
+    parser.add_argument("--dim", type=int, default=2560)
+    parser.add_argument("--hidden", type=int, default=6912, help="MLP width")
+    parser.add_argument("--heads", type=int, default=20)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--min-free-disk", default=None,
+                        help="refuse a run that would leave less free disk (default 10GB; 1GB with --quick)")
+    parser.add_argument("--builtin", action="store_true", help="the built-in Llama-like module, not transformers'")
+    parser.add_argument("--quick", action="store_true",
+                        help="~100M parameters (hidden 768), budgets 250MB + 200MB: a smoke run (< 1 min)")
+    args = parser.parse_args(argv)
+    if args.quick:  # weights on device, host and disk
+        args.dim, args.hidden, args.heads = 768, 2048, 6
+        defaults = dict(params_target=1e8, host_memory="250MB", device_memory="200MB")
+    else:
+        defaults = dict(params_target=2.5e9, host_memory="3GB", device_memory="3GB")
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    host_memory = parse_bytes(args.host_memory, "--host-memory")
+    device_memory = parse_bytes(args.device_memory, "--device-memory")
+    min_free = parse_bytes(args.min_free_disk or ("1GB" if args.quick else "10GB"), "--min-free-disk")
+    args.layers = layers_for(args.params_target, args.vocab, args.dim, args.hidden)
+    n_params = model_params(args.vocab, args.dim, args.hidden, args.layers)
+    state_bytes = STATE_BYTES_PER_PARAM * n_params
+    ram = ram_bytes()
+
+    base_dir = args.nvme_path or tempfile.gettempdir()
+    free_before = shutil.disk_usage(base_dir).free
+    # The swap file: 12 B/param of state, plus the bf16 weights the plan puts on disk (at most 2 B/param).
+    disk_need = 14 * n_params + (1 << 30)
+    if free_before - disk_need < min_free:
+        fits = (free_before - min_free - (1 << 30)) / 14
+        print(f"not run: ~{disk_need / GB:.1f} GB of swap for {n_params / 1e9:.2f}B parameters would leave "
+              f"{(free_before - disk_need) / GB:.1f} GB free in {base_dir} (< --min-free-disk {min_free / GB:.0f} GB); "
+              f"--params-target {max(fits, 0):.3g} fits", file=sys.stderr)
+        return 2
+
+    header = machine_header()
+    print(header)
+    print(f"# {deepspeed_line()}")
+    malloc_env = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")]
+    if malloc_env:
+        print(f"# glibc malloc tuned by the environment: {' '.join(malloc_env)}")
+    torch.manual_seed(0)
+    model, init, described = build(args)
+    assert sum(p.numel() for p in model.parameters()) == n_params, "parameter count formula is off"
+    modules_to_init = sum(1 for m in model.modules() if any(p is not None for p in m._parameters.values()))
+    print(f"model: {described}; hidden {args.dim}, MLP {args.hidden}, {args.heads} heads, {args.layers} layers, "
+          f"vocab {args.vocab}, untied head: {n_params:,} parameters ({n_params / 1e9:.3f}B)")
+    print(f"training state {state_bytes / GB:.1f} GB at {STATE_BYTES_PER_PARAM} B/param = "
+          f"{state_bytes / ram:.2f}x this machine's RAM ({ram / GB:.1f} GB); budgets: host_memory "
+          f"{human(host_memory)}, device_memory {human(device_memory)} (device = CPU RAM here)")
+
+    swap_dir = tempfile.mkdtemp(prefix="offload-scale-", dir=args.nvme_path)
+    try:
+        probe_bytes = (32 if args.quick else 256) << 20
+        probe = DiskProbe(swap_dir, sample_bytes=probe_bytes, samples=args.steps + 2)
+        copy_buffers = (torch.ones(32 * 2**20), torch.empty(32 * 2**20))
+        bandwidths = sorted(dram_bandwidth(*copy_buffers) for _ in range(5))
+        dram = bandwidths[2]
+        del copy_buffers
+        gen = torch.Generator().manual_seed(0)
+        batches = [torch.randint(0, args.vocab, (1, args.context), generator=gen) for _ in range(args.steps)]
+        probe.sample()
+
+        rss_base = current_rss()
+        hwm_reset = reset_peak_rss()
+        init_fn, init_bar = counting_init(init, modules_to_init, "wrap: placing and initializing blocks")
+        t0 = time.perf_counter()
+        engine = offload.wrap(model, tier="nvme", nvme_path=swap_dir, dtype=torch.bfloat16, device="cpu",
+                              host_memory=host_memory, device_memory=device_memory, grad_accumulation_steps=1,
+                              init=init_fn)
+        wrap_seconds = time.perf_counter() - t0
+        if init_bar is not None:
+            init_bar.close()
+        swap_allocated = allocated_bytes(swap_dir)
+        peak_wrap = peak_rss()
+        reset_peak_rss()  # from here: the training steps' peak
+        plan = engine.plan
+        print(f"wrap(): {wrap_seconds:.1f} s ({n_params / wrap_seconds / 1e6:.0f}M params/s initialized and written); "
+              f"swap file {swap_allocated / GB:.2f} GB allocated in {swap_dir}")
+        print(f"plan: device {human(plan.bytes_on(Location.DEVICE))}, host {human(plan.bytes_on(Location.HOST))} "
+              f"(gradient {'window ' if plan.grad_window_bytes is not None else ''}{human(plan.host_grad_bytes)}, ring "
+              f"{human(plan.ring_bytes)}), disk {human(plan.bytes_on(Location.DISK))}; weights: "
+              f"{sum(b.weights is Location.DEVICE for b in plan.blocks)} blocks on device, "
+              f"{sum(b.weights is Location.HOST for b in plan.blocks)} on host, {len(plan.disk_weight_blocks)} on disk "
+              f"(of {len(plan.blocks)})")
+
+        print(f"init check: {init_check(model)}")
+
+        layer_list = [m for name, m in model.named_modules() if name.rsplit(".", 2)[-2:-1] == ["layers"]]
+        progress = Progress(layer_list, len(engine.blocks))
+        remove_observer = engine.add_observer(progress)
+        losses: List[float] = []
+        stats_per_step = []
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16)  # norms stay fp32: a bf16 Linear after them needs it
+        for step, ids in enumerate(batches, 1):
+            before = engine.stats()
+            progress.start(step, args.steps)
+            start = time.perf_counter()
+            with autocast:
+                loss = engine(input_ids=ids, labels=ids).loss
+            loss.backward()
+            engine.step()
+            engine.zero_grad()
+            engine.synchronize()
+            seconds = time.perf_counter() - start
+            progress.stop()
+            after = engine.stats()
+            losses.append(loss.detach().item())
+            delta = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}
+            stats_per_step.append((seconds, delta))
+            probe.sample()  # between steps: the disk's bandwidth in this run, this directory, this hour
+            print(f"step {step}: {seconds:.1f} s, loss {losses[-1]:.4f}", file=sys.stderr)
+        remove_observer()
+        progress.remove()
+        peak_steps = peak_rss()
+        peak = max(peak_wrap, peak_steps)
+        disk = probe.result()
+        final_stats = engine.stats()
+
+        # ----- what the estimate says, against the plan wrap() made and the file it allocated ----------------------
+        blocks = [(b.name, sum(g.trainable_numel for g in b.groups)) for b in engine.blocks]
+        est, windowed, refused = estimate_plan(blocks, device_memory, host_memory)
+        uniform_est, _, uniform_refused = estimate_plan(list(ModelShape.uniform(n_params, len(blocks)).blocks),
+                                                        device_memory, host_memory)
+        engine.close()
+        leftovers = [n for n in os.listdir(swap_dir) if not n.startswith("offload-probe-")]
+        probe.close()
+        os.rmdir(swap_dir)
+
+        # ----- the tables ---------------------------------------------------------------------------------------------
+        rows = []
+        for step, (seconds, d) in enumerate(stats_per_step, 1):
+            read, written = d.get("bytes_disk_read", 0), d.get("bytes_disk_written", 0)
+            t_read, t_write = read / disk.read, written / disk.write
+            rows.append(dict(step=step, step_s=seconds, loss=losses[step - 1], disk_read_GB=read / GB,
+                             disk_written_GB=written / GB, read_B_per_param=read / n_params,
+                             T_read_s=t_read, T_write_s=t_write, bound_s=t_read + t_write,
+                             efficiency=(t_read + t_write) / seconds, forward_s=d.get("forward_seconds", 0.0),
+                             backward_s=d.get("backward_seconds", 0.0), update_s=d.get("update_seconds", 0.0),
+                             wait_s=d.get("wait_seconds", 0.0),
+                             io_wait_s=d.get("nvme_io_wait_seconds", 0.0),
+                             early_updates=d.get("early_block_updates", 0),
+                             fetches=d.get("block_fetches", 0)))
+        capacity = (ram + free_before) / STATE_BYTES_PER_PARAM
+        t_cpu = n_params * 30 / dram
+        mem_bound = host_memory + device_memory
+        summary = [
+            dict(quantity="parameters", value=f"{n_params:,} ({n_params / 1e9:.3f}B)",
+                 against=f"{args.layers} layers x {args.dim}, vocab {args.vocab}"),
+            dict(quantity="training state (16 B/param)", value=f"{state_bytes / GB:.1f} GB",
+                 against=f"{state_bytes / ram:.2f}x RAM ({ram / GB:.1f} GB)"),
+            dict(quantity="peak RSS, whole process (VmHWM)", value=f"{peak / GB:.2f} GB",
+                 against=f"host_memory + device_memory = {mem_bound / GB:.2f} GB"),
+            dict(quantity="peak RSS growth over baseline", value=f"{(peak - rss_base) / GB:.2f} GB",
+                 against=f"{(peak - rss_base) / mem_bound:.2f}x the budgets (baseline {rss_base / GB:.2f} GB: imports, "
+                         f"meta model, probe buffer{'' if hwm_reset else '; VmHWM not reset'})"),
+            dict(quantity="  peak growth in wrap() / in the steps",
+                 value=f"{(peak_wrap - rss_base) / GB:.2f} / {(peak_steps - rss_base) / GB:.2f} GB",
+                 against=f"plan: device {plan.bytes_on(Location.DEVICE) / GB:.2f} + host "
+                         f"{plan.bytes_on(Location.HOST) / GB:.2f} GB"),
+            dict(quantity="swap file allocated", value=f"{swap_allocated / GB:.2f} GB",
+                 against=f"plan's disk bytes {plan.bytes_on(Location.DISK) / GB:.2f} GB"),
+            dict(quantity="wrap() (init + first swap write)", value=f"{wrap_seconds:.1f} s", against=""),
+            dict(quantity="disk bandwidth (DiskProbe, median)",
+                 value=f"read {disk.read / GB:.2f}, write {disk.write / GB:.2f} GB/s",
+                 against=f"{len(probe.reads)} samples of {probe_bytes >> 20} MiB, {disk.backend}, "
+                         f"O_DIRECT {disk.direct}"),
+            dict(quantity="T_cpu (Adam, 30 B/param / DRAM)", value=f"{t_cpu:.1f} s",
+                 against=f"DRAM {dram / GB:.1f} GB/s measured"),
+            dict(quantity="params / ((RAM + free disk) / 16 B)", value=f"{n_params / capacity:.2f}",
+                 against=f"{capacity / 1e9:.2f}B params = ({ram / GB:.1f} + {free_before / GB:.1f} GB) / 16 B"),
+            dict(quantity="over-budget events (device, host grads)",
+                 value=f"{final_stats.get('device_over_budget_events', 0)}, "
+                       f"{final_stats.get('host_grad_over_budget_events', 0)}",
+                 against=f"host grad peak {final_stats.get('host_grad_bytes_peak', 0) / GB:.2f} GB, device peak "
+                         f"{final_stats.get('device_peak_bytes', 0) / GB:.2f} GB"),
+        ]
+        print()
+        print_table(summary, ["quantity", "value", "against"])
+        print()
+        columns = ["step", "step_s", "loss", "disk_read_GB", "disk_written_GB", "T_read_s", "T_write_s", "bound_s",
+                   "efficiency", "forward_s", "backward_s", "wait_s", "update_s", "io_wait_s", "early_updates",
+                   "fetches"]
+        print_table([{k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows], columns)
+
+        # ----- estimate vs plan ----------------------------------------------------------------------------------
+        print()
+        flag = " --grad-accumulation-steps 1" if windowed else ""
+        print(f"python -m offload estimate --params {n_params} --layers {len(blocks)} --tier nvme --dtype bf16 "
+              f"--host-memory {host_memory} --device-memory {device_memory}{flag}  (uniform blocks), and "
+              f"offload.cli.estimate.estimate() on this model's {len(blocks)} blocks"
+              + ("" if windowed else "; this estimate() has no grad_window: it plans every gradient on the host"))
+        est_rows = []
+        verdicts = []
+        for label, plan_est, why in (("estimate(), this model's blocks", est, refused),
+                                     ("estimate --params (uniform blocks)", uniform_est, uniform_refused)):
+            if plan_est is None:
+                est_rows.append(dict(source=label, device="refused", host="", disk=str(why)[:160]))
+                verdicts.append(f"{label}: refused")
+                continue
+            cells, off = dict(source=label), []
+            for loc in Location:
+                e, p = plan_est.bytes_on(loc), plan.bytes_on(loc)
+                ok = abs(e - p) <= 0.1 * p or abs(e - p) < (1 << 20)  # within 10% (or 1 MiB: fp32 norms vs bf16)
+                if not ok:
+                    off.append(loc.value)
+                change = f"{'+' if e >= p else ''}{(e - p) / max(p, 1) * 100:.1f}%{'' if ok else ' !'}"
+                cells[loc.value] = f"{human(e)} ({change})"
+            est_rows.append(cells)
+            verdicts.append(f"{label}: {'every tier within 10%' if not off else 'NOT within 10% on ' + ', '.join(off)}")
+        est_rows.append(dict(source="wrap()'s plan", **{loc.value: human(plan.bytes_on(loc)) for loc in Location}))
+        est_rows.append(dict(source="measured", device=f"peak {human(final_stats.get('device_peak_bytes', 0))}",
+                             host=f"RSS growth {human(peak - rss_base)}", disk=f"swap file {human(swap_allocated)}"))
+        print_table(est_rows, ["source", "device", "host", "disk"])
+        print("bytes per tier against wrap()'s plan: " + "; ".join(verdicts))
+        if leftovers:
+            print(f"WARNING: files left in the swap directory after close(): {leftovers}")
+        print(f"swap directory {swap_dir} removed")
+
+        if not args.quick:
+            append_csv("bench_scale", [dict(r, params=n_params, layers=args.layers, dim=args.dim,
+                                            host_memory=host_memory, device_memory=device_memory,
+                                            peak_rss_GB=peak / GB, rss_growth_GB=(peak - rss_base) / GB,
+                                            disk_read_GBps=disk.read / GB, disk_write_GBps=disk.write / GB,
+                                            wrap_s=wrap_seconds, model=described.split(" (")[0],
+                                            malloc_env=" ".join(malloc_env)) for r in rows])
+        return 0
+    finally:  # an error midway must not strand a 30+ GB swap file (the engine's and the probe's files live here)
+        shutil.rmtree(swap_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
