@@ -366,3 +366,25 @@ def test_load_in_the_middle_of_an_accumulation_starts_a_fresh_step(tmp_path):
         fresh.load(tmp_path / "ckpt")
         expected = two_micro_batches_then_step(fresh)
     assert all(torch.equal(resumed[k], expected[k]) for k in expected)
+
+
+def test_a_model_returning_its_own_result_object_still_counts_its_backward():
+    """A forward that returns a plain object holding the loss (pytree sees one opaque leaf): the backward's
+    start is still seen (its clock, the reads ahead), as for a tensor or a tuple."""
+
+    class Result:
+        def __init__(self, loss):
+            self.loss = loss
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Net()
+
+        def forward(self, x):
+            return Result(self.net(x).sum())
+
+    with offload.wrap(Wrapped(), tier="cpu", dtype=torch.float32, device="cpu") as engine:
+        engine(torch.ones(4, 8)).loss.backward()
+        engine.step()
+        assert engine.stats()["backward_seconds"] > 0

@@ -86,8 +86,8 @@ class HookSet:
         def hook_outputs(_module: nn.Module, _args: object, output: object) -> None:
             if not torch.is_grad_enabled():
                 return
-            for leaf in tree_flatten(output)[0]:
-                if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.grad_fn is not None:
+            for leaf in _tensors_in(output):
+                if leaf.requires_grad and leaf.grad_fn is not None:
                     leaf.register_hook(lambda _grad: begin_backward())
 
         self._handles.append(root.register_forward_hook(hook_outputs))
@@ -111,6 +111,18 @@ class HookSet:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _tensors_in(output: object, depth: int = 0) -> List[torch.Tensor]:
+    """The tensors of a module's output: in containers torch's pytree knows, and one level into the
+    attributes of a plain object (a model returning its own result class), where pytree sees one leaf."""
+    found = []
+    for leaf in tree_flatten(output)[0]:
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif depth == 0 and hasattr(leaf, "__dict__") and not isinstance(leaf, (nn.Module, type)):
+            found.extend(_tensors_in(vars(leaf), depth + 1))
+    return found
 
 
 def _eager(callback: Callable) -> Callable:
