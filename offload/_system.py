@@ -54,3 +54,28 @@ def mem_available() -> Optional[int]:
     except (OSError, ValueError):
         pass
     return available
+
+
+def _libc_trim():
+    """glibc's malloc_trim, or None elsewhere (musl, macOS): looked up once."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def return_freed_memory() -> None:
+    """Give the heap's freed chunks back to the system (glibc's malloc_trim; a no-op elsewhere).
+
+    glibc keeps freed chunks of up to 32 MiB in the process (its mmap threshold grows to the largest chunk
+    freed), so the temporaries of initializing or training a large model pile up as RSS no budget counts.
+    Called where that happens in bulk: after each block is materialized, after each step on the nvme tier."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)

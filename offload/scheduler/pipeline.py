@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from offload._interrupts import deferred_keyboard_interrupt
+from offload._system import return_freed_memory
 from offload.distributed_guard import refuse_several_ranks
 from offload.errors import OffloadError
 from offload.policy import OffloadPolicy, Tier
@@ -242,6 +243,8 @@ class StepPipeline:
             with self.tracer.span("wait for updates", "step()"):
                 self.settle_weights()
             self.counters.wait_seconds += time.perf_counter() - start
+        if self.policy.tier is Tier.NVME:
+            return_freed_memory()  # autograd's temporaries of this step: RSS stays within the budgets
 
     def schedule_step(self) -> None:
         """optimizer.step(): offload the gradients still on the device, clip, and schedule every block's update

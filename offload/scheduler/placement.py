@@ -14,6 +14,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
+from offload._system import return_freed_memory
 from offload.errors import OffloadConfigError
 from offload.planner import Plan, make_plan, ring_depth_for, ring_size_for
 from offload.policy import OffloadPolicy, Tier
@@ -119,6 +120,7 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
         block.runtime = BlockRuntime(block, groups, streamed=block.name in streamed)
         if block.runtime.streamed:
             tiers.streamer.adopt(block)  # released before the next block takes its device memory
+        return_freed_memory()  # the temporaries of filling this block: not kept as RSS into the next
     initial.finish(module, policy.device)
     for sub in module.modules():
         for key, buf in sub._buffers.items():
