@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import offload
 from offload.errors import OffloadConfigError, OffloadError
