@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import resource
 from pathlib import Path
@@ -56,26 +58,45 @@ def mem_available() -> Optional[int]:
     return available
 
 
-def _libc_trim():
-    """glibc's malloc_trim, or None elsewhere (musl, macOS): looked up once."""
-    import ctypes
-    import ctypes.util
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
 
+
+def _libc() -> Optional[ctypes.CDLL]:
+    """glibc, or None elsewhere (musl, macOS): looked up once."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
+        libc.malloc_trim  # noqa: B018 (glibc only)
     except (OSError, AttributeError):
         return None
+    if hasattr(libc, "mallinfo2"):
+        libc.mallinfo2.restype = _MallInfo2
+    return libc
 
 
-_MALLOC_TRIM = _libc_trim()
+_LIBC = _libc()
 
 
-def return_freed_memory() -> None:
-    """Give the heap's freed chunks back to the system (glibc's malloc_trim; a no-op elsewhere).
+def heap_free_bytes() -> Optional[int]:
+    """Bytes glibc's heap holds freed (mallinfo2's fordblks), or None where that cannot be read."""
+    if _LIBC is None or not hasattr(_LIBC, "mallinfo2"):
+        return None
+    return int(_LIBC.mallinfo2().fordblks)
+
+
+def return_freed_memory(if_over: int = 0) -> None:
+    """Give the heap's freed chunks back to the system (glibc's malloc_trim; a no-op elsewhere), when it
+    holds more than `if_over` bytes freed (0: always).
 
     glibc keeps freed chunks of up to 32 MiB in the process (its mmap threshold grows to the largest chunk
     freed), so the temporaries of initializing or training a large model pile up as RSS no budget counts.
-    Called where that happens in bulk: after each block is materialized, after each step on the nvme tier."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
+    Trimming costs the page faults of using that memory again, so a step trims only past a threshold."""
+    if _LIBC is None:
+        return
+    if if_over:
+        free = heap_free_bytes()
+        if free is not None and free <= if_over:
+            return
+    _LIBC.malloc_trim(0)

@@ -45,6 +45,9 @@ from offload.scheduler.update import AdamHyper, clip_scale
 from offload.scheduler.worker import StepWorker
 
 
+HEAP_SLACK_BYTES = 16 << 20  # freed heap bytes a step keeps before trimming (half the RSS constant)
+
+
 @dataclass
 class StepCounters:
     """Counters since wrap(), reported by `engine.stats()` and kept by checkpoints (`steps`, `skipped_steps`)."""
@@ -243,8 +246,9 @@ class StepPipeline:
             with self.tracer.span("wait for updates", "step()"):
                 self.settle_weights()
             self.counters.wait_seconds += time.perf_counter() - start
-        if self.policy.tier is Tier.NVME:
-            return_freed_memory()  # autograd's temporaries of this step: RSS stays within the budgets
+        if self.policy.tier is Tier.NVME and self.policy.host_memory is not None:
+            # autograd's temporaries of this step, kept freed by glibc: RSS stays near the budgets asked for
+            return_freed_memory(if_over=HEAP_SLACK_BYTES)
 
     def schedule_step(self) -> None:
         """optimizer.step(): offload the gradients still on the device, clip, and schedule every block's update
