@@ -121,10 +121,12 @@ class OffloadPolicy:
 
     @property
     def windowed_grads(self) -> bool:
-        """nvme tier, accumulation declared, no clipping: each block's gradient is consumed by its update
-        during the last backward, so host memory holds a window of gradients (docs/design.md
-        [Note: the gradient window])."""
-        return self.tier is Tier.NVME and self.grad_accumulation_steps is not None and self.max_grad_norm is None
+        """nvme tier under a host budget, accumulation declared, no clipping: each block's gradient is
+        consumed by its update during the last backward, so host memory holds a window of gradients
+        (docs/design.md [Note: the gradient window]). Without a budget the buffers stay allocated: giving
+        them back each step only costs page faults."""
+        return (self.tier is Tier.NVME and self.host_memory is not None and self.grad_accumulation_steps is not None
+                and self.max_grad_norm is None)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tier, Tier):

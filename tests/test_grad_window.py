@@ -61,9 +61,10 @@ def test_a_host_budget_of_an_eighth_of_the_state_trains_exactly_as_torch(tmp_pat
 
 
 def test_without_zero_grad_the_released_gradients_are_refused(tmp_path):
-    """torch would add the next backward to the last step's gradients; the window gave them back."""
+    """torch would add the next backward to the last step's gradients; the window gave them back. (Without a
+    host_memory budget there is no window: the gradients stay, and this works as in torch.)"""
     with offload.wrap(_gpt(), tier="nvme", nvme_path=tmp_path, dtype=torch.float32, device="cpu",
-                      grad_accumulation_steps=1) as engine:
+                      host_memory=1 << 30, grad_accumulation_steps=1) as engine:
         ((idx, tgt),) = make_batches(1, 1, vocab=128)[0]
         engine(idx, tgt).backward()
         engine.step()
@@ -89,7 +90,7 @@ def test_zero_grad_keeping_zeros_after_the_window_gave_the_buffer_back(tmp_path)
     opt.zero_grad(set_to_none=False)
     opt.step()
     with offload.wrap(model, tier="nvme", nvme_path=tmp_path, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                      dtype=torch.float32, device="cpu", grad_accumulation_steps=1) as engine:
+                      dtype=torch.float32, device="cpu", host_memory=1 << 30, grad_accumulation_steps=1) as engine:
         engine(idx, tgt).backward()
         engine.step()
         engine.zero_grad(set_to_none=False)
@@ -110,7 +111,7 @@ def test_reentrant_checkpointing_is_not_predicted_and_stays_exact(tmp_path):
                             foreach=False)
     batches = make_batches(3, 1)
     with offload.wrap(model, tier="nvme", nvme_path=tmp_path, lr=LR, weight_decay=0.0, dtype=torch.float32,
-                      device="cpu", grad_accumulation_steps=1) as engine:
+                      device="cpu", host_memory=1 << 30, grad_accumulation_steps=1) as engine:
         for ((idx, tgt),) in batches:
             reference(idx, tgt).backward()
             opt.step()
@@ -118,6 +119,28 @@ def test_reentrant_checkpointing_is_not_predicted_and_stays_exact(tmp_path):
             engine(idx, tgt).backward()
             engine.step()
             engine.zero_grad()
+        trained = engine.state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(trained[key], value, atol=1e-5, rtol=1e-5, msg=key)
+
+
+def test_without_a_host_budget_the_gradients_stay_and_accumulate_as_torch(tmp_path):
+    """No budget, no window: the buffers stay allocated (giving them back would only cost page faults), so
+    a second backward without zero_grad adds to the first, as torch does."""
+    torch.manual_seed(0)
+    model, reference = _gpt(), _gpt()
+    reference.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR, betas=BETAS, eps=EPS,
+                            weight_decay=WD, foreach=False)
+    batches = make_batches(2, 1, vocab=128)
+    with offload.wrap(model, tier="nvme", nvme_path=tmp_path, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                      dtype=torch.float32, device="cpu", grad_accumulation_steps=1) as engine:
+        assert engine.plan.grad_window_bytes is None
+        for ((idx, tgt),) in batches:
+            reference(idx, tgt).backward()
+            opt.step()
+            engine(idx, tgt).backward()
+            engine.step()
         trained = engine.state_dict()
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(trained[key], value, atol=1e-5, rtol=1e-5, msg=key)
