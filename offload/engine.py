@@ -173,7 +173,7 @@ class Engine:
 
     def checkpoint_groups(self) -> Iterator[Tuple[Block, FlatGroup, Optional[GroupState]]]:
         self.synchronize()
-        self._pipeline.adopt_all_weight_edits()  # the saved master weights are the ones the model holds
+        self._pipeline.weights.adopt_all()  # the saved master weights are the ones the model holds
         for block in self.blocks:
             assert block.runtime is not None
             for runtime in block.runtime.groups:

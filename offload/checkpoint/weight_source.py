@@ -79,9 +79,6 @@ class WeightSource:
                     raise OffloadConfigError(f"{file}: short read of tensor {name!r} (truncated file?)")
                 done += got
 
-    def close(self) -> None:
-        pass  # nothing stays open between reads
-
     def __repr__(self) -> str:
         return f"WeightSource({self.path!r}, {len(self._where)} tensors)"
 

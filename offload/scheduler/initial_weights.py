@@ -106,7 +106,6 @@ class FromSource:
             owner = module.get_submodule(owner_path) if owner_path else module
             value = self.source.read(name)
             owner._buffers[key] = value.to(device=device, dtype=buf.dtype).clone()
-        self.source.close()
 
 
 class ByInit:

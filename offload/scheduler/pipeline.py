@@ -17,8 +17,7 @@ import contextlib
 import math
 import time
 import warnings
-from dataclasses import asdict, dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -29,35 +28,25 @@ from offload.distributed_guard import refuse_several_ranks
 from offload.errors import OffloadError
 from offload.policy import OffloadPolicy, Tier
 from offload.scheduler.block import Block, Residency
+from offload.scheduler.clipping import clip_in_place, global_norm
 from offload.scheduler.forward_order import ForwardOrder
 from offload.scheduler.grad_accumulator import released_gradient
 from offload.scheduler.grads import BackwardTracker
 from offload.scheduler.held_grad import is_held
 from offload.scheduler.jobs import GroupUpdate, NormJob, UpdateJob
+from offload.scheduler.module_weights import ModuleWeights
 from offload.scheduler.nonfinite import NonFiniteSkips
 from offload.scheduler.optimizer_view import EngineOptimizer
 from offload.scheduler.phase_clock import PhaseClock
 from offload.scheduler.placement import Tiers
 from offload.scheduler.runtime import BlockRuntime, SlotRef, SlotTable
-from offload.scheduler.state_store import overwrite_master
+from offload.scheduler.step_stats import StepCounters, engine_stats
 from offload.scheduler.trace import Tracer
-from offload.scheduler.update import AdamHyper, clip_scale
+from offload.scheduler.update import AdamHyper
 from offload.scheduler.worker import StepWorker
 
 
 HEAP_SLACK_BYTES = 16 << 20  # freed heap bytes a step keeps before trimming (half the RSS constant)
-
-
-@dataclass
-class StepCounters:
-    """Counters since wrap(), reported by `engine.stats()` and kept by checkpoints (`steps`, `skipped_steps`)."""
-
-    steps: int = 0
-    skipped_steps: int = 0
-    block_updates: int = 0
-    early_block_updates: int = 0
-    update_seconds: float = 0.0
-    wait_seconds: float = 0.0
 
 
 class StepPipeline:
@@ -86,7 +75,7 @@ class StepPipeline:
             tiers.grad_pool.bind(self.worker.has_work)  # an update running or queued will give bytes back
         self._early_hyper: Optional[Tuple[AdamHyper, ...]] = None
         self._saved_tensor_hooks: List[object] = []
-        self._engine_reads = 0  # >0 while the engine itself reads module.state_dict() (engine_reads)
+        self.weights = ModuleWeights(blocks, self)  # the module's own state_dict/load_state_dict, weight writes
         self._root_grad_enabled = False  # whether the root forward in progress records a graph
 
     # ----- forward -----------------------------------------------------------------------------------
@@ -119,7 +108,7 @@ class StepPipeline:
                     f"the parameters of block {block.name!r} no longer point into the engine's buffers: the model "
                     "was moved or converted after offload.wrap() (model.to(), .double(), .half(), .cuda()), so "
                     "training would not reach them; convert the model first, then wrap it (engine.close() first)")
-            self.adopt_weight_edits(runtime)  # before the wait: a write made while the update was pending is refused
+            self.weights.adopt(runtime)  # before the wait: a write made while the update was pending is refused
             self._wait_for_update(block, counted=True)
             if runtime.needs_push:
                 self.push(runtime)  # before a fetch, which reads the updated home anyway
@@ -253,7 +242,7 @@ class StepPipeline:
     def schedule_step(self) -> None:
         """optimizer.step(): offload the gradients still on the device, clip, and schedule every block's update
         in forward order."""
-        self._refuse_unfrozen()
+        self.weights.refuse_unfrozen()
         self.tracker.end_step()
         hyper = self.read_hypers()
         self._collect_grads()
@@ -263,9 +252,7 @@ class StepPipeline:
         scale = 1.0
         if self.policy.max_grad_norm is not None:
             self.worker.wait_all()
-            per_param = [n for b in self.blocks for n in self._norms_of(_runtime(b))]
-            per_param.sort(key=lambda pn: self.slots[pn[0]].position)  # torch's order: model.parameters()
-            total_norm, scale = clip_scale([n for _p, n in per_param], self.policy.max_grad_norm)
+            total_norm, scale = global_norm(self.blocks, self.slots, self.policy.max_grad_norm)
             if not math.isfinite(total_norm):
                 self.counters.skipped_steps += 1
                 warnings.warn(f"offload: optimizer step {self.counters.steps + 1} skipped: the gradient norm is "
@@ -277,25 +264,9 @@ class StepPipeline:
                 self.submit_update(_runtime(self.blocks[index]), hyper, scale)
         self.finish_step()
 
-    def _refuse_unfrozen(self) -> None:
-        """A parameter frozen at wrap() has no optimizer state: unfrozen later, torch would train it, and here
-        it would never change while autograd piled gradients into its `.grad`."""
-        for block in self.blocks:
-            for slot in block.slots:
-                if not slot.trainable and slot.param.requires_grad:
-                    raise OffloadError(
-                        f"parameter {slot.name!r} was frozen at offload.wrap() and requires grad now: the engine "
-                        "placed no optimizer state for it; set requires_grad before wrapping (engine.close(), then "
-                        "wrap again), or freeze it again")
-
-    def _norms_of(self, runtime: BlockRuntime) -> List[Tuple[nn.Parameter, float]]:
-        if runtime.norms is not None:
-            return runtime.norms
-        return [n for state in runtime.states for n in state.grads.norms()]
-
     def submit_update(self, runtime: BlockRuntime, hypers: Tuple[AdamHyper, ...], grad_scale: float) -> None:
         """Queue the block's update on the worker (nothing when no parameter of it has a gradient)."""
-        self.adopt_weight_edits(runtime)
+        self.weights.adopt(runtime)
         parts = [GroupUpdate(g, g.state.grads.ready_indices(), g.state.hypers_of(hypers), g.home.update_target())
                  for g in runtime.groups if g.state is not None]
         if not any(part.ready for part in parts):
@@ -329,10 +300,7 @@ class StepPipeline:
                 part.runtime.home.release_source()  # the last upload of `out` has read it
                 state.update(part.ready, part.hypers, job.grad_scale, part.out, self.worker.num_threads)
                 state.grads.release()  # the gradient window (nvme, declared accumulation) gets its bytes back
-                edited = part.runtime.edited_slots()
-                if edited:  # overlap_step: written after step() returned; the update overwrote it
-                    job.block.lost_write = part.runtime.group.trainable_slots[edited[0]].name
-                    part.runtime.mark_seen()
+                self.weights.note_writes_during_update(part.runtime, job.block)
         self.counters.update_seconds += time.perf_counter() - start
 
     def run_block_norms(self, job: NormJob) -> None:
@@ -384,96 +352,21 @@ class StepPipeline:
                 "clips before any update, or leave grad_accumulation_steps unset")
         self._collect_grads()
         self.worker.wait_all()  # norm jobs, and (overlap_step) updates that still read the gradients
-        per_param = [n for b in self.blocks for state in _runtime(b).states for n in state.grads.norms()]
-        per_param.sort(key=lambda pn: self.slots[pn[0]].position)  # torch's order: model.parameters()
-        total_norm, coef = clip_scale([n for _p, n in per_param], max_norm)
-        if error_if_nonfinite and not math.isfinite(total_norm):
-            raise RuntimeError(f"The total norm of order 2.0 for gradients is non-finite ({total_norm}), so it "
-                               "cannot be clipped. To disable this error and scale the gradients by the "
-                               "non-finite norm anyway, set `error_if_nonfinite=False`")
-        for block in self.blocks:
-            _runtime(block).norms = None  # norms computed during backward are of the unclipped gradients
-            for state in _runtime(block).states:
-                state.grads.scale_(coef)
-        return total_norm
+        return clip_in_place(self.blocks, self.slots, max_norm, error_if_nonfinite)
 
-    # ----- the user's model.state_dict() and model.load_state_dict() -------------------------------------
+    # ----- the user's model.state_dict() and model.load_state_dict() (module_weights.py) ---------------
     def before_state_dict(self, blocks: Optional[List[Block]] = None) -> None:
-        """Every pending update of these blocks (None: all) lands first (with overlap_step, step() returns
-        before the updates run); streamed blocks hold placeholders, so reading them through the module is
-        refused (engine.state_dict() reads their homes)."""
-        if self.closed or self._engine_reads:
-            return
-        self._settle_for_the_module(blocks, "model.state_dict() would return placeholders for",
-                                    "use engine.state_dict() (full CPU copies) or engine.save(path)")
-
-    @contextlib.contextmanager
-    def engine_reads(self) -> Iterator[None]:
-        """The engine reads the module's state dict itself (and swaps in streamed weights): no refusal."""
-        self._engine_reads += 1
-        try:
-            yield
-        finally:
-            self._engine_reads -= 1
+        self.weights.before_state_dict(blocks)
 
     def before_load_state_dict(self, blocks: Optional[List[Block]] = None) -> None:
-        """Every pending update of these blocks (None: all) lands first (it would overwrite the loaded
-        weights); streamed blocks hold only placeholders, which the load cannot write into: refused before
-        anything changes."""
-        self.check_open()
-        self._settle_for_the_module(blocks, "model.load_state_dict() cannot write the weights of",
-                                    "load the weights before offload.wrap(), or resume with engine.load(checkpoint)")
-
-    def _settle_for_the_module(self, blocks: Optional[List[Block]], what: str, fix: str) -> None:
-        """Wait for the blocks' updates (None: every block, and the swap writes); refuse (by the first block's
-        name) when some of them stream, whose parameters are placeholders the module's own state-dict methods
-        would read or write."""
-        if blocks is None:
-            self.synchronize()
-            blocks = self.blocks
-        else:
-            for block in blocks:
-                self._wait_for_update(block, counted=False)
-                if _runtime(block).needs_push:
-                    self.push(_runtime(block))
-            self.tiers.copies.synchronize()
-        streamed = [b.name for b in blocks if _runtime(b).streamed]
-        if streamed:
-            raise OffloadError(f"{what} the blocks streamed from host or disk (first: {streamed[0]!r}): {fix}")
+        self.weights.before_load_state_dict(blocks)
 
     def after_load_state_dict(self) -> None:
-        """The loaded weights become the master weights (the Adam moments stay, as torch.optim.AdamW's do),
-        and the host mirrors follow; without this the next step would write the old weights back."""
-        self.adopt_all_weight_edits()
+        """The loaded weights become the master weights (the Adam moments stay, as torch.optim.AdamW's do)."""
+        self.weights.adopt_all()
 
-    def adopt_all_weight_edits(self) -> None:
-        for block in self.blocks:
-            self.adopt_weight_edits(_runtime(block))
-
-    def adopt_weight_edits(self, runtime: BlockRuntime) -> None:
-        """Weights written in place through the parameters since the engine last looked (nn.init, any
-        module's load_state_dict, a torch.no_grad() write) become the master weights, moments kept, as
-        torch.optim would train on from them; the host mirror follows. Run before each use of the block and
-        before its update reads the master. See docs/design.md [Note: weights written after wrap()]."""
-        if runtime.streamed:
-            return  # outside its module's forward a streamed parameter is a placeholder that cannot be written
-        if runtime.lost_write is not None:
-            name, runtime.lost_write = runtime.lost_write, None
-            raise _written_while_pending(name, "the update overwrote the write")
-        for group in runtime.groups:
-            edited = group.edited_slots()
-            if not edited:
-                continue
-            if self.worker.is_pending(runtime.block.index) or runtime.needs_push:
-                raise _written_while_pending(group.group.trainable_slots[edited[0]].name,
-                                             "the update would overwrite it")
-            assert group.state is not None and group.group.device_buffer is not None
-            weights = group.group.device_buffer.detach()
-            ranges = [(s.offset, s.offset + s.numel) for s in (group.group.trainable_slots[i] for i in edited)]
-            overwrite_master(group.state.store, weights[:group.group.trainable_numel], ranges)
-            if group.home.pushes:
-                group.home.replace(weights.to("cpu"), resident=True)
-            group.mark_seen()
+    def engine_reads(self) -> ContextManager[None]:
+        return self.weights.engine_reads()
 
     # ----- synchronization ---------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -487,6 +380,17 @@ class StepPipeline:
                 self.worker.fail(exc)
                 raise
         self.settle_weights()
+
+    def settle_blocks(self, blocks: List[Block]) -> None:
+        """These blocks' pending updates done and their weights in the parameters."""
+        for block in blocks:
+            self._wait_for_update(block, counted=False)
+            if _runtime(block).needs_push:
+                self.push(_runtime(block))
+        self.tiers.copies.synchronize()
+
+    def is_pending(self, block: Block) -> bool:
+        return self.worker.is_pending(block.index)
 
     def settle_weights(self) -> None:
         """Every pending update done and its weights in the parameters (swap writes may still be in flight)."""
@@ -573,36 +477,7 @@ class StepPipeline:
         self.tiers.ring.announce(_disk_groups([self.blocks[i] for i in block_indices]), replace=True)
 
     def stats(self) -> Dict[str, float]:
-        out: Dict[str, float] = asdict(self.counters)
-        out["skipped_steps"] += self.nonfinite.steps  # steps where some block had non-finite gradients
-        out["skipped_block_updates"] = self.nonfinite.block_skips
-        out.update(forward_seconds=self.clock.forward_seconds, backward_seconds=self.clock.backward_seconds)
-        copies, device, swap, streamer = self.tiers.copies, self.tiers.device, self.tiers.swap, self.streamer
-        out.update(bytes_device_to_host=copies.bytes_to_host, bytes_host_to_device=copies.bytes_to_device,
-                   copies_on_side_streams=copies.async_copies,
-                   device_bytes=device.in_use, device_peak_bytes=device.peak,
-                   device_over_budget_events=device.over_budget_events,
-                   block_fetches=streamer.fetches, block_evictions=streamer.evictions,
-                   block_prefetches=streamer.prefetches,
-                   host_grad_bytes_peak=0 if self.tiers.grad_pool is None else self.tiers.grad_pool.peak,
-                   host_grad_over_budget_events=0 if self.tiers.grad_pool is None else
-                   self.tiers.grad_pool.over_budget_events,
-                   bytes_disk_read=0 if swap is None else swap.bytes_read,
-                   bytes_disk_written=0 if swap is None else swap.bytes_written,
-                   host_state_bytes=sum(s.host_bytes for b in self.blocks if b.runtime is not None
-                                        for s in b.runtime.states))  # 0 once closed: the state is freed
-        if self.tiers.ring is not None:
-            out.update(self.tiers.ring.stats())
-        if self.tiers.staging is not None:
-            out["nvme_staging_bytes"] = self.tiers.staging.budget_bytes
-        return out
-
-
-def _written_while_pending(name: str, consequence: str) -> OffloadError:
-    return OffloadError(
-        f"parameter {name!r} was written while its block's update was still pending (overlap_step=True: step() "
-        f"returns before the updates run), and {consequence}; call engine.synchronize() after step() before "
-        "writing weights, or leave overlap_step off")
+        return engine_stats(self.counters, self.nonfinite, self.clock, self.tiers, self.blocks)
 
 
 def _runtime(block: Block) -> BlockRuntime:
