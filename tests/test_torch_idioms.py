@@ -24,6 +24,19 @@ def _train(model, step, batches) -> None:
         step()
 
 
+def _wrap_as_reference(model, tier: str, tmp_path):
+    """`model` wrapped with the AdamW options the torch reference runs with, fp32 on the CPU."""
+    return offload.wrap(model, tier=tier, nvme_path=tmp_path if tier == "nvme" else None, lr=LR, betas=BETAS,
+                        eps=EPS, weight_decay=WD, dtype=torch.float32, device="cpu")
+
+
+def _stepper(engine):
+    def step_and_zero() -> None:
+        engine.step()
+        engine.zero_grad()
+    return step_and_zero
+
+
 def _pretrained() -> dict:
     torch.manual_seed(1)
     return TinyGPT().state_dict()
@@ -47,12 +60,8 @@ def test_load_state_dict_after_wrap_becomes_the_weights_that_train(tmp_path, tie
     _train(reference, torch_step, batches[:2])
     reference.load_state_dict(_pretrained())
     _train(reference, torch_step, batches[2:])
-    with offload.wrap(model, tier=tier, nvme_path=tmp_path if tier == "nvme" else None, lr=LR, betas=BETAS,
-                      eps=EPS, weight_decay=WD, dtype=torch.float32, device="cpu") as engine:
-
-        def engine_step():
-            engine.step()
-            engine.zero_grad()
+    with _wrap_as_reference(model, tier, tmp_path) as engine:
+        engine_step = _stepper(engine)
 
         _train(engine, engine_step, batches[:2])  # updates still pending when the load comes
         model.load_state_dict(_pretrained())
@@ -229,12 +238,8 @@ def test_weights_written_after_wrap_train_on_as_with_torch(tmp_path, tier):
     _train(reference, torch_step, batches[:2])
     _edits(reference)  # between steps: the moments stay
     _train(reference, torch_step, batches[2:])
-    with offload.wrap(model, tier=tier, nvme_path=tmp_path if tier == "nvme" else None, lr=LR, betas=BETAS,
-                      eps=EPS, weight_decay=WD, dtype=torch.float32, device="cpu") as engine:
-
-        def engine_step():
-            engine.step()
-            engine.zero_grad()
+    with _wrap_as_reference(model, tier, tmp_path) as engine:
+        engine_step = _stepper(engine)
 
         _edits(model)
         _train(engine, engine_step, batches[:2])
