@@ -282,7 +282,7 @@ def deepspeed_line() -> str:
             "(the GPU issue compares with it)")
 
 
-def estimate_plan(blocks: List[Tuple[str, int]], device_memory: int, host_memory: int):
+def estimate_plan(blocks: List[tuple], device_memory: int, host_memory: int):
     """What `python -m offload estimate` predicts for these blocks and budgets, with the gradient window when the
     estimate knows about it (grad_accumulation_steps declared, no clipping, as this run wraps)."""
     shape = ModelShape(tuple(blocks))
@@ -427,7 +427,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         final_stats = engine.stats()
 
         # ----- what the estimate says, against the plan wrap() made and the file it allocated ----------------------
-        blocks = [(b.name, sum(g.trainable_numel for g in b.groups)) for b in engine.blocks]
+        blocks = [(b.name, sum(g.trainable_numel for g in b.groups),
+                   max((s.numel for g in b.groups for s in g.trainable_slots), default=0)) for b in engine.blocks]
         est, windowed, refused = estimate_plan(blocks, device_memory, host_memory)
         uniform_est, _, uniform_refused = estimate_plan(list(ModelShape.uniform(n_params, len(blocks)).blocks),
                                                         device_memory, host_memory)

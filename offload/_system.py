@@ -100,3 +100,21 @@ def return_freed_memory(if_over: int = 0) -> None:
         if free is not None and free <= if_over:
             return
     _LIBC.malloc_trim(0)
+
+
+LARGE_ALLOCATION_BYTES = 1048576
+
+
+def unmap_large_allocations() -> None:
+    """Have glibc serve allocations of LARGE_ALLOCATION_BYTES and more by mmap and return them at free (a
+    no-op elsewhere). Process-wide, set once under a host-memory bound, as MALLOC_MMAP_THRESHOLD_ would.
+
+    By default glibc raises its mmap threshold to the largest chunk freed (up to 32 MiB), after which autograd's
+    gradients and activations of a few MiB are carved from the heap and their freed chunks stay resident until a
+    trim; a fixed threshold keeps them out of the heap (measured on a 112 MiB Llama in backward: 101-114 MiB peak
+    RSS growth in some runs, 78-80 MiB in every run with it, set before the model is built). The price is a page fault per page of each such allocation."""
+    if _LIBC is not None and hasattr(_LIBC, "mallopt"):
+        _LIBC.mallopt(_M_MMAP_THRESHOLD, LARGE_ALLOCATION_BYTES)
+
+
+_M_MMAP_THRESHOLD = -3  # glibc malloc.h

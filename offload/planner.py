@@ -32,6 +32,7 @@ class BlockSpec:
     weight_bytes: int
     state_bytes: int
     grad_bytes: int = 0  # nvme tier: the gradient accumulator, which stays in host memory (not in state_bytes)
+    largest_grad_bytes: int = 0  # the largest gradient autograd makes on the device for one of its parameters
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class Plan:
     host_budget: Optional[int]
     ring_bytes: int = 0  # nvme tier: host staging ring through which disk-resident state and weights flow
     grad_window_bytes: Optional[int] = None  # nvme tier, gradients windowed: host bytes for gradients at once
+    device_grad_bytes: int = 0  # streamed weights under a device budget: room for autograd's largest gradient
 
     @property
     def host_grad_bytes(self) -> int:
@@ -101,8 +103,14 @@ class Plan:
             return self.grad_window_bytes
         return sum(b.grad_bytes for b in self.blocks)
 
+    @property
+    def device_weight_budget(self) -> Optional[int]:
+        """What the device budget leaves for weights: `device_grad_bytes` is kept for autograd's gradient."""
+        return None if self.device_budget is None else self.device_budget - self.device_grad_bytes
+
     def bytes_on(self, location: Location) -> int:
         total = self.ring_bytes + self.host_grad_bytes if location is Location.HOST else 0
+        total += self.device_grad_bytes if location is Location.DEVICE else 0
         for block in self.blocks:
             total += block.weight_bytes if block.weights is location else 0
             total += block.state_bytes if block.state is location else 0
@@ -138,6 +146,9 @@ class Plan:
                 grads = f"a window of {grads} (of {_human(sum(b.grad_bytes for b in self.blocks))}: each block's " \
                         "gradient lives from its first part to its update during the last backward)"
             lines.append(f"  host holds: gradients {grads}, staging ring {_human(self.ring_bytes)}")
+        if self.device_grad_bytes:
+            lines.append(f"  device keeps {_human(self.device_grad_bytes)} for the largest gradient autograd makes "
+                         "before the engine takes it")
         return "\n".join(lines)
 
 
@@ -162,11 +173,18 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
         return Plan(tier, tuple(placements), device_budget, host_budget)
 
     largest = max(blocks, key=lambda b: b.weight_bytes)
-    if device_budget is not None and largest.weight_bytes > device_budget:
+    total_weights = sum(b.weight_bytes for b in blocks)
+    # Weights that stream: each parameter's gradient is made by autograd on the device before the engine moves
+    # it to its accumulator, so the device budget keeps room for the largest ([Note: the nvme memory bound]).
+    workspace = 0
+    if device_budget is not None and total_weights > device_budget:
+        workspace = max(b.largest_grad_bytes for b in blocks)
+    if device_budget is not None and largest.weight_bytes + workspace > device_budget:
+        also = f" and {_human(workspace)} for the largest gradient autograd makes" if workspace else ""
         raise OffloadConfigError(
             f"device_memory ({_human(device_budget)}) is smaller than block {largest.name!r} "
-            f"({_human(largest.weight_bytes)} of weights), which must fit on the device to compute; "
-            f"raise device_memory to at least {largest.weight_bytes} bytes")
+            f"({_human(largest.weight_bytes)} of weights){also}, which must fit on the device to compute; "
+            f"raise device_memory to at least {largest.weight_bytes + workspace} bytes")
     state_home = Location.HOST if tier is Tier.CPU else Location.DISK
     host_left = None if host_budget is None else host_budget
     if state_home is Location.HOST:
@@ -182,9 +200,8 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
         ring = ring or RingSize(0, 0)
         window = grad_window_bytes(blocks) if grad_window else None
         host_left, ring_bytes = _reserve_nvme_host(blocks, host_left, ring, window)
-    device_left = device_budget
-    total_weights = sum(b.weight_bytes for b in blocks)
-    if device_left is not None and total_weights > device_left:
+    device_left = None if device_budget is None else device_budget - workspace
+    if device_left is not None and total_weights > device_budget:
         # Streaming: keep room for the blocks in flight, two of the largest when the budget allows.
         # See docs/design.md [Note: weight streaming].
         in_flight = 2 * largest.weight_bytes if device_left >= 2 * largest.weight_bytes else largest.weight_bytes
@@ -205,7 +222,7 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
                 "the host budget left after the optimizer state; use tier='nvme' or raise a budget")
         placements.append(BlockPlacement(block.name, weights, state_home, block.weight_bytes, block.state_bytes,
                                          block.grad_bytes))
-    return Plan(tier, tuple(placements), device_budget, host_budget, ring_bytes, window)
+    return Plan(tier, tuple(placements), device_budget, host_budget, ring_bytes, window, workspace)
 
 
 GRAD_WINDOW_BLOCKS = 3  # gradients in host memory at once: one filling, one updating, one tied or reused
@@ -251,7 +268,8 @@ def group_bytes(trainable_numel: int, dtype: torch.dtype, tier: Tier) -> Tuple[i
     return master + 8 * trainable_numel, grad
 
 
-def spec_of(name: str, weight_bytes: int, groups: Sequence[Tuple[int, torch.dtype]], tier: Tier) -> BlockSpec:
+def spec_of(name: str, weight_bytes: int, groups: Sequence[Tuple[int, torch.dtype]], tier: Tier,
+            largest_grad_bytes: int = 0) -> BlockSpec:
     """The BlockSpec of a block from its (trainable numel, dtype) groups; the nvme tier keeps gradients on
     the host apart from the state on disk, the other tiers count them with the state."""
     state = grads = 0
@@ -259,8 +277,8 @@ def spec_of(name: str, weight_bytes: int, groups: Sequence[Tuple[int, torch.dtyp
         s, g = group_bytes(numel, dtype, tier)
         state, grads = state + s, grads + g
     if tier is Tier.NVME:
-        return BlockSpec(name, weight_bytes, state, grads)
-    return BlockSpec(name, weight_bytes, state + grads)
+        return BlockSpec(name, weight_bytes, state, grads, largest_grad_bytes)
+    return BlockSpec(name, weight_bytes, state + grads, 0, largest_grad_bytes)
 
 
 def _human(nbytes: Optional[int]) -> str:

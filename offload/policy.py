@@ -78,6 +78,12 @@ def parse_bytes(value: Union[int, float, str, None], what: str) -> Optional[int]
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def bounds_host_memory(tier: Tier, host_memory: Optional[object]) -> bool:
+    """nvme tier under a host budget: where RSS is promised to stay within the budgets + a constant (docs/design.md
+    [Note: the nvme memory bound]), so the engine gives freed memory back to the system."""
+    return tier is Tier.NVME and host_memory is not None
+
+
 @dataclass(frozen=True)
 class OffloadPolicy:
     """Every option of `offload.wrap`, validated once; the engine and planner read only this.
@@ -120,13 +126,17 @@ class OffloadPolicy:
     overlap_step: bool = False
 
     @property
+    def bounds_host_memory(self) -> bool:
+        """See `bounds_host_memory`."""
+        return bounds_host_memory(self.tier, self.host_memory)
+
+    @property
     def windowed_grads(self) -> bool:
         """nvme tier under a host budget, accumulation declared, no clipping: each block's gradient is
         consumed by its update during the last backward, so host memory holds a window of gradients
         (docs/design.md [Note: the gradient window]). Without a budget the buffers stay allocated: giving
         them back each step only costs page faults."""
-        return (self.tier is Tier.NVME and self.host_memory is not None and self.grad_accumulation_steps is not None
-                and self.max_grad_norm is None)
+        return self.bounds_host_memory and self.grad_accumulation_steps is not None and self.max_grad_norm is None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tier, Tier):

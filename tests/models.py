@@ -68,6 +68,15 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
 
 
+def largest_param_bytes(model: nn.Module) -> int:
+    """The room `wrap()` keeps in a device budget for autograd's largest gradient (planner: device_grad_bytes),
+    for tests that size device_memory to a plan."""
+    return max(p.numel() * p.element_size() for p in model.parameters())
+
+
+GRAD_ROOM = largest_param_bytes(TinyGPT())  # TinyGPT's largest: a 32x128 MLP matrix in fp32 (16 KiB)
+
+
 def make_batches(steps: int, micro: int, batch: int = 4, context: int = 16, vocab: int = 64, seed: int = 0):
     """Synthetic token batches: [steps][micro] of (idx, targets)."""
     gen = torch.Generator().manual_seed(seed)

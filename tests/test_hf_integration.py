@@ -20,6 +20,7 @@ from tests.models import one_intraop_thread
 LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
 TOL = 1e-5
 LAYER_FP32 = 147968  # bytes of one decoder layer of the tiny model below in fp32
+GRAD_ROOM = 256 * 64 * 4  # its largest parameter (the embedding): the device keeps room for its gradient
 RSS_SLACK = 32 << 20  # as tests/test_engine_memory.py: docs/design.md [Note: the nvme memory bound]
 _threads = pytest.fixture(autouse=True, scope="module")(one_intraop_thread)
 
@@ -86,7 +87,7 @@ def test_a_model_larger_than_both_budgets_trains_as_torch_from_pretrained(tmp_pa
     from offload.integrations.transformers import from_pretrained
 
     weights = _tiny_llama(tmp_path / "hf", tie=tie)
-    host_memory, device_memory = 600_000, LAYER_FP32
+    host_memory, device_memory = 600_000, LAYER_FP32 + GRAD_ROOM
     assert host_memory + device_memory < weights  # the model does not fit the budgets together
     batches = _batches()
     want_losses, want_state = _torch_run(tmp_path / "hf", batches)
@@ -268,12 +269,10 @@ _CHILD = textwrap.dedent('''
 ''')
 
 
-def test_loading_a_model_larger_than_both_budgets_stays_within_them(tmp_path):
-    """Filling a meta model from shards holds about one block beyond the budgets: peak RSS growth while
-    wrap() loads stays within host_memory + device_memory + RSS_SLACK, with the model's fp32 weights larger
-    than that bound. The training steps' own peak is not asserted here: on a CPU device it measured 87-111 MiB
-    against the same 94 MiB bound (autograd's gradients and activations, glibc's heap inside a backward), an
-    open item of the larger-than-RAM issue (docs/design.md [Note: the nvme memory bound])."""
+def test_loading_and_training_a_model_larger_than_both_budgets_stays_within_them(tmp_path):
+    """A meta model filled from shards, then trained three steps: peak RSS growth, while wrap() loads and over
+    the steps, stays within host_memory + device_memory + RSS_SLACK, with the model's fp32 weights larger than
+    that bound (docs/design.md [Note: the nvme memory bound]: 78-80 MiB measured against 94 MiB)."""
     transformers = _transformers()
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux /proc/self/clear_refs to reset the peak RSS")
@@ -300,3 +299,4 @@ def test_loading_a_model_larger_than_both_budgets_stays_within_them(tmp_path):
     assert result["disk_weights"] > 0, result
     assert all(l == l for l in result["losses"]) and result["losses"][-1] < result["losses"][0], result
     assert result["growth_during_wrap"] <= bound, result
+    assert result["growth"] <= bound, result

@@ -14,7 +14,7 @@ from torch import nn
 
 import offload
 from offload.errors import OffloadConfigError
-from tests.models import TinyGPT, make_batches, one_intraop_thread
+from tests.models import GRAD_ROOM, TinyGPT, make_batches, one_intraop_thread
 
 LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
 TOL = 1e-5
@@ -91,7 +91,7 @@ def test_a_meta_model_filled_from_a_checkpoint_trains_as_torch(tmp_path, layout,
         (tmp_path / "swap").mkdir()
         options.update(tier="nvme", nvme_path=tmp_path / "swap")
     if placement == "nvme-weights-on-disk":
-        options.update(device_memory=60_000, host_memory=250_000)
+        options.update(device_memory=60_000 + GRAD_ROOM, host_memory=250_000)
     batches = make_batches(3, 1)
     want = _torch_losses(reference, batches)
     model = _meta_gpt()

@@ -10,7 +10,7 @@ import torch
 
 import offload
 from offload.errors import OffloadError
-from tests.models import TinyGPT, make_batches, one_intraop_thread
+from tests.models import GRAD_ROOM, TinyGPT, make_batches, one_intraop_thread
 
 LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
 TOL = 1e-5
@@ -73,7 +73,7 @@ def test_load_state_dict_after_wrap_becomes_the_weights_that_train(tmp_path, tie
 
 def test_load_state_dict_into_streamed_blocks_is_refused_before_anything_changes():
     model = TinyGPT()
-    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", device_memory=60_000) as engine:
+    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", device_memory=60_000 + GRAD_ROOM) as engine:
         assert any(b.runtime.streamed for b in engine.blocks)
         before = engine.state_dict()
         with pytest.raises(OffloadError, match="streamed from host or disk.*engine.load"):
@@ -119,7 +119,7 @@ def test_model_state_dict_right_after_step_holds_the_updated_weights(tmp_path, m
 
 def test_model_state_dict_with_streamed_blocks_is_refused_with_the_fix():
     model = TinyGPT()
-    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", device_memory=60_000) as engine:
+    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", device_memory=60_000 + GRAD_ROOM) as engine:
         with pytest.raises(OffloadError, match="placeholders.*engine.state_dict()"):
             model.state_dict()
         assert all(torch.isfinite(v).all() for v in engine.state_dict().values())  # the engine's own works
@@ -340,7 +340,7 @@ def test_a_sub_module_state_dict_after_an_overlapped_step_holds_the_updated_weig
 def test_a_streamed_sub_module_state_dict_or_load_is_refused():
     """Before: `model.h[0].state_dict()` of a streamed block returned its NaN placeholders, no error."""
     model = TinyGPT()
-    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", device_memory=60_000) as engine:
+    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", device_memory=60_000 + GRAD_ROOM) as engine:
         streamed = [b.name for b in engine.blocks if b.runtime.streamed]
         layer = model.get_submodule(streamed[0])
         with pytest.raises(OffloadError, match="placeholders.*engine.state_dict()"):

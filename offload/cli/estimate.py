@@ -33,20 +33,25 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Parameter counts per block of a model to estimate: (block name, parameters) in forward order."""
+    """Parameter counts per block of a model to estimate, in forward order: (block name, parameters) or (block
+    name, parameters, parameters of its largest tensor); without the third, a third of the block (a transformer
+    layer's MLP matrix, 4 d^2 of 12 d^2), for the device's room for autograd's largest gradient."""
 
     blocks: Sequence[tuple]
 
     @property
     def params(self) -> int:
-        return sum(n for _name, n in self.blocks)
+        return sum(block[1] for block in self.blocks)
+
+    def largest_tensors(self) -> List[int]:
+        return [block[2] if len(block) > 2 else -(-block[1] // 3) for block in self.blocks]
 
     @staticmethod
     def gpt(layers: int, dim: int, vocab: int, context: int) -> "ModelShape":
         """A GPT with tied embedding/output: wte, wpe, `layers` transformer layers, final LayerNorm."""
         layer = 12 * dim * dim + 13 * dim  # qkv, proj, fc, out with biases, two LayerNorms
-        blocks = [("wte", vocab * dim), ("wpe", context * dim)]
-        blocks += [(f"h.{i}", layer) for i in range(layers)] + [("ln_f", 2 * dim)]
+        blocks = [("wte", vocab * dim, vocab * dim), ("wpe", context * dim, context * dim)]
+        blocks += [(f"h.{i}", layer, 4 * dim * dim) for i in range(layers)] + [("ln_f", 2 * dim, dim)]
         return ModelShape(tuple(blocks))
 
     @staticmethod
@@ -60,8 +65,9 @@ def estimate(shape: ModelShape, tier: Tier, dtype: torch.dtype, device_memory: O
     """The plan `offload.wrap` would make for a model of this shape (all parameters trainable); `grad_window`:
     accumulation declared without clipping, so the nvme tier windows the gradients."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    specs: List[BlockSpec] = [spec_of(name, n * itemsize, [(n, dtype)], tier) for name, n in shape.blocks]
-    ring = ring_size_for(max(n for _name, n in shape.blocks)) if tier is Tier.NVME else None
+    specs: List[BlockSpec] = [spec_of(block[0], block[1] * itemsize, [(block[1], dtype)], tier, largest * itemsize)
+                              for block, largest in zip(shape.blocks, shape.largest_tensors())]
+    ring = ring_size_for(max(block[1] for block in shape.blocks)) if tier is Tier.NVME else None
     return make_plan(specs, tier, device_memory, host_memory, ring, grad_window=grad_window)
 
 

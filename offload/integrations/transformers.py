@@ -19,9 +19,11 @@ from typing import Any, Callable, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from offload._system import unmap_large_allocations
 from offload.api import wrap
 from offload.engine import Engine
 from offload.errors import OffloadConfigError
+from offload.policy import Tier, bounds_host_memory
 
 INSTALL = 'pip install transformers accelerate  (or pip install "offload[hf]")'
 
@@ -72,6 +74,8 @@ def from_pretrained(
         config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
     else:
         config = copy.deepcopy(config)  # _from_config sets its dtype
+    if bounds_host_memory(Tier.parse(wrap_options.get("tier", "cpu")), wrap_options.get("host_memory")):
+        unmap_large_allocations()  # building the model frees chunks of MiBs, which would stay resident in the heap
     model = build_empty(config, model_class)
     if init is not None:
         return wrap(model, init=_hf_init(model) if init == "hf" else _checked_init(init), **wrap_options)

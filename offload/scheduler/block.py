@@ -123,7 +123,9 @@ class Block:
 
     def spec(self, tier: Tier) -> BlockSpec:
         """Bytes of the block's weights and optimizer state (fp32 master unless aliased, m, v, gradient)."""
-        return spec_of(self.name, self.weight_bytes, [(g.trainable_numel, g.dtype) for g in self.groups], tier)
+        largest_grad = max((slot.numel * g.dtype.itemsize for g in self.groups for slot in g.trainable_slots), default=0)
+        return spec_of(self.name, self.weight_bytes, [(g.trainable_numel, g.dtype) for g in self.groups], tier,
+                       largest_grad)
 
     def move_to(self, new: Residency) -> None:
         """Change residency; a move the state machine does not allow is a bug, reported loudly."""

@@ -235,7 +235,7 @@ class StepPipeline:
             with self.tracer.span("wait for updates", "step()"):
                 self.settle_weights()
             self.counters.wait_seconds += time.perf_counter() - start
-        if self.policy.tier is Tier.NVME and self.policy.host_memory is not None:
+        if self.policy.bounds_host_memory:
             # autograd's temporaries of this step, kept freed by glibc: RSS stays near the budgets asked for
             return_freed_memory(if_over=HEAP_SLACK_BYTES)
 

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from offload._system import return_freed_memory
+from offload._system import return_freed_memory, unmap_large_allocations
 from offload.errors import OffloadConfigError
 from offload.planner import Plan, make_plan, ring_depth_for, ring_size_for
 from offload.policy import OffloadPolicy, Tier
@@ -64,7 +64,9 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer) ->
     ring = ring_size_for(largest_record) if records else None
     plan = make_plan([b.spec(policy.tier) for b in blocks], policy.tier, policy.device_memory,
                      policy.host_memory, ring, grad_window=policy.windowed_grads)
-    device, copies = DeviceTier(policy.device, policy.device_memory), CopyContext(policy.device)
+    if policy.bounds_host_memory:
+        unmap_large_allocations()  # before materializing: its temporaries too
+    device, copies = DeviceTier(policy.device, plan.device_weight_budget), CopyContext(policy.device)
     tiers = Tiers(device, copies, WeightStreamer(device, copies))
     if plan.grad_window_bytes is not None:
         tiers.grad_pool = GradPool(plan.grad_window_bytes)
