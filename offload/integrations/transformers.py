@@ -32,6 +32,15 @@ class MissingDependencyError(OffloadConfigError, ImportError):
     """transformers or accelerate is not installed: an OffloadConfigError that is also an ImportError."""
 
 
+def __getattr__(name: str) -> Any:
+    """`OffloadTrainer`, imported on first use: it subclasses transformers.Trainer, and this module must import
+    without transformers."""
+    if name == "OffloadTrainer":
+        from offload.integrations.hf_trainer import OffloadTrainer
+        return OffloadTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def from_pretrained(
     path: Union[str, "os.PathLike[str]"],
     *,

@@ -1,0 +1,181 @@
+"""`OffloadTrainer` (issue "HF Trainer"): transformers.Trainer training through an offload engine logs the same
+losses and gradient norms and ends at the same weights as the plain Trainer with its AdamW; resuming from its
+`checkpoint-N` continues the run exactly; what would train otherwise raises, naming the fix."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+
+from offload.errors import OffloadConfigError, OffloadError
+from tests.models import one_intraop_thread
+
+TOL = 1e-5
+_threads = pytest.fixture(autouse=True, scope="module")(one_intraop_thread)
+pytest.importorskip("accelerate", reason="needs accelerate: pip install -e '.[hf]'")
+transformers = pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[hf]'")
+
+from offload.integrations.transformers import OffloadTrainer  # noqa: E402  (after the skips)
+
+
+def _model() -> Any:
+    """A tiny Llama, the same weights at every call; biases none, norms present (no weight decay on them)."""
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _dataset() -> List[Dict[str, torch.Tensor]]:
+    ids = torch.randint(0, 256, (16, 16), generator=torch.Generator().manual_seed(0))
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def _args(output_dir: Path, **overrides: Any) -> Any:
+    # 16 samples, batch 2, 2 micro-batches a step: 4 steps an epoch; weight decay and a 3e-3 peak LR so that a
+    # wrong group, hyperparameter or clip shows in the weights far above TOL.
+    options = dict(output_dir=str(output_dir), max_grad_norm=1.0, gradient_accumulation_steps=2, warmup_steps=2,
+                   lr_scheduler_type="linear", optim="adamw_torch", learning_rate=3e-3, weight_decay=0.1,
+                   per_device_train_batch_size=2, num_train_epochs=2, logging_steps=1, report_to=[], seed=0,
+                   data_seed=0, use_cpu=True, save_strategy="no", disable_tqdm=True)
+    options.update(overrides)
+    return transformers.TrainingArguments(**options)
+
+
+def _logged(trainer: Any, after_step: int = 0) -> List[Tuple[int, float, float]]:
+    return [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history
+            if "loss" in h and h["step"] > after_step]
+
+
+def _assert_same_logs(got: List[Tuple[int, float, float]], want: List[Tuple[int, float, float]]) -> None:
+    assert [s for s, _l, _n in got] == [s for s, _l, _n in want] and want
+    for (step, loss, norm), (_s, ref_loss, ref_norm) in zip(got, want):
+        assert abs(loss - ref_loss) <= TOL and abs(norm - ref_norm) <= TOL, (step, loss, ref_loss, norm, ref_norm)
+
+
+def _max_weight_diff(reference: Dict[str, torch.Tensor], engine: Any) -> float:
+    trained = engine.state_dict()
+    assert reference.keys() == trained.keys()
+    return max((reference[k].float() - trained[k].float()).abs().max().item() for k in reference)
+
+
+def _offload(tier: str, tmp_path: Path) -> Dict[str, Any]:
+    if tier == "cpu":
+        return dict(tier="cpu")
+    swap = tmp_path / "swap"
+    swap.mkdir(exist_ok=True)
+    return dict(tier="nvme", nvme_path=swap)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Tuple[List[Tuple[int, float, float]], Dict[str, Any]]:
+    """The plain Trainer with its torch AdamW: logged (step, loss, grad_norm) and final weights."""
+    trainer = transformers.Trainer(model=_model(), args=_args(tmp_path_factory.mktemp("plain")),
+                                   train_dataset=_dataset())
+    trainer.train()
+    return _logged(trainer), {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.mark.filterwarnings("error:offload. saving between backward:RuntimeWarning")  # engine.zero_grad after a step
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_trains_as_the_plain_trainer_and_resumes_exactly(tier: str, tmp_path: Path, reference: Any) -> None:
+    want_logs, want_weights = reference
+    first = OffloadTrainer(model=_model(), args=_args(tmp_path / "run", save_strategy="steps", save_steps=3),
+                           train_dataset=_dataset(), offload=_offload(tier, tmp_path))
+    first.train()
+    _assert_same_logs(_logged(first), want_logs)
+    assert _max_weight_diff(want_weights, first.engine) <= TOL
+    checkpoint = tmp_path / "run" / "checkpoint-3"
+    assert (checkpoint / "offload" / "optimizer.safetensors").is_file()  # the engine's state, beside the Trainer's
+    assert (checkpoint / "model.safetensors").is_file() and (checkpoint / "trainer_state.json").is_file()
+    first.engine.close()
+
+    resumed = OffloadTrainer(model=_model(), args=_args(tmp_path / "run"), train_dataset=_dataset(),
+                             offload=_offload(tier, tmp_path))
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    _assert_same_logs(_logged(resumed, after_step=3), [entry for entry in want_logs if entry[0] > 3])
+    assert _max_weight_diff(want_weights, resumed.engine) <= TOL
+
+
+def test_bf16_mixed_precision_matches_the_plain_trainer(tmp_path: Path) -> None:
+    """bf16=True: fp32 weights, the forward under accelerate's autocast, as the plain Trainer runs it."""
+    plain = transformers.Trainer(model=_model(), args=_args(tmp_path / "plain", bf16=True, num_train_epochs=1),
+                                 train_dataset=_dataset())
+    plain.train()
+    ours = OffloadTrainer(model=_model(), args=_args(tmp_path / "ours", bf16=True, num_train_epochs=1),
+                          train_dataset=_dataset(), offload=dict(tier="cpu"))
+    ours.train()
+    _assert_same_logs(_logged(ours), _logged(plain))
+    assert _max_weight_diff(plain.model.state_dict(), ours.engine) <= TOL
+
+
+def test_no_clipping_still_logs_the_norm(tmp_path: Path) -> None:
+    """max_grad_norm=0: nothing is clipped, and grad_norm is logged as the plain Trainer logs it."""
+    plain = transformers.Trainer(model=_model(), args=_args(tmp_path / "plain", max_grad_norm=0.0,
+                                                            num_train_epochs=1), train_dataset=_dataset())
+    plain.train()
+    ours = OffloadTrainer(model=_model(), args=_args(tmp_path / "ours", max_grad_norm=0.0, num_train_epochs=1),
+                          train_dataset=_dataset(), offload=dict(tier="cpu"))
+    ours.train()
+    _assert_same_logs(_logged(ours), _logged(plain))
+    assert _max_weight_diff(plain.model.state_dict(), ours.engine) <= TOL
+
+
+def test_the_naive_trainer_over_an_engine_raises_before_any_step(tmp_path: Path) -> None:
+    import offload
+
+    engine = offload.wrap(_model(), tier="cpu", dtype=torch.float32, device="cpu")
+    before = engine.state_dict()
+    trainer = transformers.Trainer(model=engine.module, args=_args(tmp_path), train_dataset=_dataset(),
+                                   optimizers=(engine.optimizer, None))
+    with pytest.raises(OffloadError, match="state_dict"):
+        trainer.train()
+    after = engine.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _misuse_cases() -> List[Any]:
+    def torch_optimizer() -> Dict[str, Any]:
+        model = _model()
+        return dict(model=model, optimizers=(torch.optim.AdamW(model.parameters()), None))
+
+    return [
+        pytest.param(torch_optimizer, {}, {}, "optimizers=", id="optimizers"),
+        pytest.param(lambda: dict(model=_model()), dict(optim="sgd"), {}, "optim='sgd'", id="sgd"),
+        pytest.param(lambda: dict(model=_model()), {}, dict(lr=1e-3), "learning_rate", id="lr-in-offload"),
+        pytest.param(lambda: dict(model=_model()), {}, dict(dtype=torch.bfloat16), "bf16=True", id="bf16-weights"),
+        pytest.param(lambda: dict(model_init=_model), {}, {}, "model_init", id="model_init"),
+        pytest.param(lambda: dict(model=_model()), dict(auto_find_batch_size=True), {}, "auto_find_batch_size",
+                     id="auto-batch"),
+    ]
+
+
+@pytest.mark.parametrize("make, args, offload, match", _misuse_cases())
+def test_misuse_raises_naming_the_fix(make: Any, args: Dict[str, Any], offload: Dict[str, Any], match: str,
+                                      tmp_path: Path) -> None:
+    with pytest.raises(OffloadConfigError, match=match):
+        OffloadTrainer(args=_args(tmp_path, **args), train_dataset=_dataset(), offload=dict(tier="cpu", **offload),
+                       **make())
+
+
+def test_an_engine_as_the_model_is_refused(tmp_path: Path) -> None:
+    import offload
+
+    engine = offload.wrap(_model(), tier="cpu", dtype=torch.float32, device="cpu")
+    with pytest.raises(OffloadConfigError, match="not an engine"):
+        OffloadTrainer(model=engine, args=_args(tmp_path), train_dataset=_dataset())
+
+
+def test_resuming_from_a_plain_trainer_checkpoint_is_refused(tmp_path: Path) -> None:
+    plain = transformers.Trainer(model=_model(), args=_args(tmp_path, max_steps=1, save_strategy="steps",
+                                                            save_steps=1), train_dataset=_dataset())
+    plain.train()
+    checkpoint = tmp_path / "checkpoint-1"
+    assert os.path.isdir(checkpoint)
+    ours = OffloadTrainer(model=_model(), args=_args(tmp_path), train_dataset=_dataset(), offload=dict(tier="cpu"))
+    with pytest.raises(OffloadConfigError, match="no offload/ engine checkpoint"):
+        ours.train(resume_from_checkpoint=str(checkpoint))
