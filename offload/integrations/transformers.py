@@ -6,6 +6,9 @@ transformers ties it, and handed to `offload.wrap(model, weights=dir, ...)`, whi
 shards as it is placed. So the model never exists whole in memory: the buffers hold what the plan puts
 there (but see the note on the shards' mapped file pages). See docs/design.md [Note: Hugging Face models].
 
+Also `OffloadTrainer` (offload/integrations/hf_trainer.py, imported on first access): transformers.Trainer
+training through an offload engine (docs/design.md [Note: the Hugging Face Trainer]).
+
 Needs `pip install transformers accelerate` (or `pip install "offload[hf]"`); `import offload` never imports
 this module.
 """
