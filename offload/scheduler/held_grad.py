@@ -85,7 +85,7 @@ def _read_error(name: str, what: str) -> str:
                 "model.zero_grad() (set_to_none=True); engine.zero_grad(set_to_none=False) keeps zeros")
     return (f"the gradient of {name!r} is held by the offload engine, off the device ({what} read it): clip with "
             "engine.clip_grad_norm_(max_norm) (it returns the total norm, as torch's does) or max_grad_norm= in "
-            "offload.wrap (HF Trainer: TrainingArguments(max_grad_norm=0) and max_grad_norm= in offload.wrap); "
+            "offload.wrap (HF Trainer: offload.integrations.transformers.OffloadTrainer clips through the engine); "
             "torch.amp.GradScaler is not supported (train in bfloat16); the gradient is not readable from the model")
 
 

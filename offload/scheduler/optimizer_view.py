@@ -46,8 +46,9 @@ class EngineOptimizer(torch.optim.Optimizer):
             "engine.optimizer.state_dict() has no per-parameter state in torch's format: the Adam moments and "
             "fp32 master weights live in the engine's flat buffers (host memory or the swap file), so a torch-"
             "style checkpoint would resume wrong; save and resume with engine.save(path) / engine.load(path). "
-            "(The HF Trainer and accelerate.prepare() call this too: offload does not plug into them yet; train "
-            "with your own loop: loss = engine(batch); loss.backward(); engine.step(); engine.zero_grad())")
+            "(The HF Trainer and accelerate.prepare() call this too: train with "
+            "offload.integrations.transformers.OffloadTrainer(model=model, args=args, ..., offload=dict(tier=...)), "
+            "or your own loop: loss = engine(batch); loss.backward(); engine.step(); engine.zero_grad())")
 
     def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
         raise OffloadError(
