@@ -17,6 +17,7 @@ import torch
 
 import offload
 from tests.models import TinyGPT, make_batches
+from tests.proc_status import reset_peak, status
 
 LR, ACCUM = 3e-3, 2
 BATCHES = make_batches(6, ACCUM, seed=3)
@@ -82,11 +83,6 @@ def kill(directory: str, pause_at: int) -> None:
     print("DONE", calls[0], flush=True)
 
 
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
 RING_BYTES = 4 * 128 * 1024 * 16  # 4 slots of 128 Ki elements: the embedding's record is 32 chunks
 
 
@@ -114,14 +110,13 @@ def memory(directory: str) -> None:
     weight_bytes = max(g.nbytes for g, _s in groups)
     growth = {}
     for phase in ("save", "load"):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets the peak (VmHWM) to the current RSS
-        before = _rss("VmRSS")
+        reset_peak()
+        before = status("VmRSS")
         if phase == "save":
             engine.save(os.path.join(directory, "ckpt"))
         else:
             engine.load(os.path.join(directory, "ckpt"))
-        growth[phase] = _rss("VmHWM") - before
+        growth[phase] = status("VmHWM") - before
     print("MEMORY", state_bytes, record_bytes, chunk_bytes, weight_bytes, growth["save"], growth["load"], flush=True)
     engine.close()
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.proc_status import CAN_RESET_PEAK, SKIP_REASON
+
 RSS_SLACK = 32 << 20
 
 _CHILD = textwrap.dedent('''
@@ -25,12 +27,7 @@ _CHILD = textwrap.dedent('''
     torch.set_num_threads(1)
     import offload
     from tests.models import TinyGPT, make_batches
-
-    def status(key):
-        for line in open("/proc/self/status"):
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-        raise KeyError(key)
+    from tests.proc_status import reset_peak, status
 
     nvme_path, streamed = sys.argv[1], sys.argv[2] == "1"
     torch.manual_seed(0)
@@ -49,8 +46,7 @@ _CHILD = textwrap.dedent('''
     torch.optim.SGD(warm.parameters(), lr=0.1)
     warm(torch.zeros(1, 4)).sum().backward()
     baseline = status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
+    reset_peak()
     engine = offload.wrap(model, tier="nvme", nvme_path=nvme_path, dtype=torch.bfloat16, device="cpu",
                           host_memory=host_memory, device_memory=device_memory, grad_accumulation_steps=1)
     losses = []
@@ -73,8 +69,8 @@ _CHILD = textwrap.dedent('''
 
 
 def _run(tmp_path: Path, streamed: bool) -> dict:
-    if not Path("/proc/self/clear_refs").exists():
-        pytest.skip("needs Linux /proc/self/clear_refs to reset the peak RSS")
+    if not CAN_RESET_PEAK:
+        pytest.skip(SKIP_REASON)
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), "1" if streamed else "0"], cwd=root,
                           capture_output=True, text=True, timeout=300)

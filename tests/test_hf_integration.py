@@ -16,6 +16,7 @@ import torch
 
 from offload.errors import OffloadConfigError
 from tests.models import one_intraop_thread
+from tests.proc_status import CAN_RESET_PEAK, SKIP_REASON
 
 LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
 TOL = 1e-5
@@ -52,23 +53,21 @@ def _torch_run(directory: Path, batches):
     transformers = _transformers()
     reference = transformers.LlamaForCausalLM.from_pretrained(directory).train()  # fp32, as saved
     opt = torch.optim.AdamW(reference.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
-    losses = []
-    for ids in batches:
-        loss = reference(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, reference.state_dict()
+    return _train(reference, opt, batches), reference.state_dict()
 
 
 def _engine_run(engine, batches):
+    return _train(engine, engine, batches)
+
+
+def _train(model, optimizer, batches):
+    """The losses of one step per batch: `optimizer` is a torch optimizer, or the engine itself."""
     losses = []
     for ids in batches:
-        loss = engine(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        engine.step()
-        engine.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
         losses.append(loss.item())
     return losses
 
@@ -223,12 +222,7 @@ _CHILD = textwrap.dedent('''
     torch.set_num_threads(1)
     import offload, transformers
     from offload.integrations.transformers import from_pretrained
-
-    def status(key):
-        for line in open("/proc/self/status"):
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-        raise KeyError(key)
+    from tests.proc_status import reset_peak, status
 
     directory, nvme_path, host_memory, device_memory = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     ids = torch.randint(0, 4096, (1, 32), generator=torch.Generator().manual_seed(0))
@@ -241,8 +235,7 @@ _CHILD = textwrap.dedent('''
     warm(input_ids=ids % 64, labels=ids % 64).loss.backward()
     del warm
     baseline, baseline_anon = status("VmRSS"), status("RssAnon")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
+    reset_peak()
     engine = from_pretrained(directory, tier="nvme", nvme_path=nvme_path, dtype=torch.float32, device="cpu",
                              host_memory=host_memory, device_memory=device_memory, grad_accumulation_steps=1, lr=1e-3)
     after_wrap = status("VmHWM")
@@ -274,8 +267,8 @@ def test_loading_and_training_a_model_larger_than_both_budgets_stays_within_them
     the steps, stays within host_memory + device_memory + RSS_SLACK, with the model's fp32 weights larger than
     that bound (docs/design.md [Note: the nvme memory bound]: 78-80 MiB measured against 94 MiB)."""
     transformers = _transformers()
-    if not Path("/proc/self/clear_refs").exists():
-        pytest.skip("needs Linux /proc/self/clear_refs to reset the peak RSS")
+    if not CAN_RESET_PEAK:
+        pytest.skip(SKIP_REASON)
     config = transformers.LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
     torch.manual_seed(0)
