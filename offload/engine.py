@@ -18,7 +18,8 @@ from torch import nn
 
 from offload._system import usable_cores
 from offload.checkpoint import load_checkpoint, save_checkpoint
-from offload.distributed_guard import refuse_data_parallel_wrapper, refuse_several_ranks
+from offload.data_parallel import DataParallel
+from offload.distributed_guard import refuse_data_parallel_wrapper
 from offload.engine_release import EngineRelease
 from offload.scheduler.wrapped_mark import MARKER
 from offload.errors import OffloadConfigError, OffloadError
@@ -46,8 +47,10 @@ class Engine:
         if not isinstance(module, nn.Module):
             raise OffloadConfigError(f"offload.wrap needs a torch.nn.Module, got {type(module).__name__}")
         refuse_data_parallel_wrapper(module)
-        refuse_several_ranks()
         _refuse_wrapped(module)
+        # several processes under torch.distributed: train data-parallel (data_parallel.py)
+        self.data_parallel: Optional[DataParallel] = DataParallel.from_environment()
+        dp = self.data_parallel
         self.module = module
         self.policy = policy
         self.blocks: List[Block] = build_blocks(module, policy.dtype, allow_meta=True)
@@ -58,18 +61,18 @@ class Engine:
         groups = optimizer_groups(policy.param_groups, trainable, names)
         tracer = Tracer()
         self.plan: Plan
-        self.plan, tiers = plan_and_open(self.blocks, policy, tracer)
+        self.plan, tiers = plan_and_open(self.blocks, policy, tracer, dp)
         try:
             materialize(self.blocks, module, self.plan, policy, tiers,
-                        {p: i for i, g in enumerate(groups) for p in g["params"]}, initial)
+                        {p: i for i, g in enumerate(groups) for p in g["params"]}, initial, dp)
             if tiers.ring is not None:
                 tiers.ring.drain()
         except BaseException:
             tiers.close()  # nothing of a failed wrap() stays on disk
             raise
-        cores = usable_cores()
+        cores = usable_cores() // (1 if dp is None else dp.local_world)  # the ranks of one machine share its cores
         self._pipeline = StepPipeline(self.blocks, module, policy, tiers, tracer,
-                                      max(1, cores // 2) if policy.device.type == "cpu" else cores, groups)
+                                      max(1, cores // 2) if policy.device.type == "cpu" else max(1, cores), groups, dp)
         self.optimizer = self._pipeline.optimizer
         self._hooks = HookSet()
         self._hooks.attach(module, self.blocks, param_owners(module), self._pipeline)

@@ -5,8 +5,9 @@ at `step()` with `max_grad_norm` (the scale goes into the update), and for `engi
 from __future__ import annotations
 
 import math
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
+import torch
 from torch import nn
 
 from offload.scheduler.block import Block
@@ -22,15 +23,25 @@ def global_norm(blocks: List[Block], slots: SlotTable, max_norm: float) -> Tuple
     return clip_scale([n for _p, n in per_param], max_norm)
 
 
-def clip_in_place(blocks: List[Block], slots: SlotTable, max_norm: float, error_if_nonfinite: bool) -> float:
-    """torch.nn.utils.clip_grad_norm_ over the held gradients; returns the total norm before clipping."""
-    total_norm, coef = global_norm(blocks, slots, max_norm)
+def clip_scale_of(total: float, max_norm: float) -> Tuple[float, float]:
+    """(total, gradient scale) for a total norm computed elsewhere (data-parallel: across the ranks), with
+    torch's fp32 arithmetic."""
+    coef = torch.clamp(max_norm / (torch.tensor(total, dtype=torch.float32) + 1e-6), max=1.0)
+    return total, float(coef)
+
+
+def clip_in_place(blocks: List[Block], slots: SlotTable, max_norm: float, error_if_nonfinite: bool,
+                  norm: Optional[Tuple[float, float]] = None) -> float:
+    """torch.nn.utils.clip_grad_norm_ over the held gradients; returns the total norm before clipping.
+    `norm`: (total, scale) when already known (data-parallel mode: the norm across the ranks)."""
+    total_norm, coef = global_norm(blocks, slots, max_norm) if norm is None else norm
     if error_if_nonfinite and not math.isfinite(total_norm):
         raise RuntimeError(f"The total norm of order 2.0 for gradients is non-finite ({total_norm}), so it "
                            "cannot be clipped. To disable this error and scale the gradients by the "
                            "non-finite norm anyway, set `error_if_nonfinite=False`")
     for block in blocks:
         _runtime(block).norms = None  # norms computed during backward are of the unclipped gradients
+        _runtime(block).shard_sumsq = None
         for state in _runtime(block).states:
             state.grads.scale_(coef)
     return total_norm

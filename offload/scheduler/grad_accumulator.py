@@ -32,8 +32,9 @@ class GradAccumulator:
     still have them, so adding to one, or stepping on one again, without a zero_grad in between raises."""
 
     def __init__(self, group: FlatGroup, device: torch.device, copies: Optional[CopyContext],
-                 pool: Optional[GradPool] = None) -> None:
-        n = group.trainable_numel
+                 pool: Optional[GradPool] = None, padded_numel: Optional[int] = None) -> None:
+        n = padded_numel if padded_numel is not None else group.trainable_numel
+        self.numel = n  # the trainable range, padded to whole shards in data-parallel mode (zeros beyond it)
         self.group = group
         self.device = device
         on_host = device.type == "cpu"
@@ -59,8 +60,8 @@ class GradAccumulator:
         if self.downloads is not None:
             return self.downloads.new_accumulator()
         if self.pool is not None and self.device.type == "cpu":
-            return mapped_zeros(self.group.trainable_numel, self.group.dtype)  # its pages go back at release
-        return torch.zeros(self.group.trainable_numel, dtype=self.group.dtype, device=self.device)
+            return mapped_zeros(self.numel, self.group.dtype)  # its pages go back at release
+        return torch.zeros(self.numel, dtype=self.group.dtype, device=self.device)
 
     def buffer(self, wait: bool = True) -> Tensor:
         """The flat gradient, taken from the window first if it was given back (zeros: a parameter with a
@@ -69,7 +70,7 @@ class GradAccumulator:
         with self._lock:
             if self.grad is None:
                 assert self.pool is not None
-                nbytes = self.group.trainable_numel * self.group.dtype.itemsize
+                nbytes = self.numel * self.group.dtype.itemsize
                 self.pool.acquire(nbytes, wait)
                 self.grad = self._new_buffer()
             return self.grad

@@ -24,13 +24,15 @@ from torch import nn
 
 from offload._interrupts import deferred_keyboard_interrupt
 from offload._system import return_freed_memory
-from offload.distributed_guard import refuse_several_ranks
+from offload.data_parallel import DataParallel
+from offload.distributed_guard import refuse_outer_data_parallel, refuse_ranks_unknown_at_wrap
 from offload.errors import OffloadError
 from offload.policy import OffloadPolicy, Tier
 from offload.scheduler.block import Block, Residency
-from offload.scheduler.clipping import clip_in_place, global_norm
+from offload.scheduler.clipping import clip_in_place, clip_scale_of, global_norm
 from offload.scheduler.forward_order import ForwardOrder
 from offload.scheduler.grad_accumulator import released_gradient
+from offload.scheduler.grad_sync import GradSync
 from offload.scheduler.grads import BackwardTracker
 from offload.scheduler.held_grad import is_held
 from offload.scheduler.jobs import GroupUpdate, NormJob, UpdateJob
@@ -53,8 +55,11 @@ class StepPipeline:
     """The phases of a training step over one model's blocks (each with its runtime record, `block.runtime`)."""
 
     def __init__(self, blocks: List[Block], module: nn.Module, policy: OffloadPolicy, tiers: Tiers,
-                 tracer: Tracer, num_threads: int, optimizer_groups: List[dict]) -> None:
+                 tracer: Tracer, num_threads: int, optimizer_groups: List[dict],
+                 dp: Optional[DataParallel] = None) -> None:
         self.blocks = blocks
+        self.dp = dp  # data-parallel mode: each block's update averages, steps a part, gathers (grad_sync.py)
+        self.sync = GradSync(dp, num_threads) if dp is not None else None
         self.slots = SlotTable(blocks, module)
         self.tiers = tiers
         self.tracer = tracer
@@ -82,7 +87,8 @@ class StepPipeline:
     def begin_root_forward(self) -> None:
         """Time the forward; when streaming, autograd saves streamed weights as handles (fetched again in
         backward)."""
-        refuse_several_ranks()  # under DDP the ranks' gradients would never be averaged
+        refuse_ranks_unknown_at_wrap(self.dp)  # a process group started after wrap()
+        refuse_outer_data_parallel(self.module)  # DDP / FSDP around the engine's module
         self._root_grad_enabled = torch.is_grad_enabled()
         self.clock.forward_begins()
         if self.streamer.active:
@@ -179,6 +185,11 @@ class StepPipeline:
         after backward]): a plain tensor means `.grad` was None before autograd wrote it (cleared since the
         engine took the last one), a HeldGrad with `pending` that autograd accumulated into it."""
         self._wait_for_update(ref.block.block, counted=False)  # the last update may still read the gradients
+        if ref.block.reduced:
+            raise OffloadError(
+                f"a gradient of block {ref.block.block.name!r} arrived after this step's gradients of it were "
+                "averaged across the data-parallel ranks (by clip_grad_norm_, or an update during the last "
+                "declared backward): call backward before clipping, and step() before the next backward")
         grad, grads = param.grad, ref.state.grads
         if is_held(grad):
             pending = grad.pop_pending()
@@ -227,7 +238,7 @@ class StepPipeline:
         that, it reaches the user and the updates run on ([Note: step returns early])."""
         self.check_open()
         self.worker.raise_if_failed()
-        refuse_several_ranks()  # a process group started after wrap(), e.g. for DDP
+        refuse_ranks_unknown_at_wrap(self.dp)  # a process group started after wrap(), e.g. for DDP
         with self.tracer.span("step()"), deferred_keyboard_interrupt():
             self.schedule_step()
         if not self.policy.overlap_step:
@@ -252,7 +263,7 @@ class StepPipeline:
         scale = 1.0
         if self.policy.max_grad_norm is not None:
             self.worker.wait_all()
-            total_norm, scale = global_norm(self.blocks, self.slots, self.policy.max_grad_norm)
+            total_norm, scale = self._global_norm(self.policy.max_grad_norm)
             if not math.isfinite(total_norm):
                 self.counters.skipped_steps += 1
                 warnings.warn(f"offload: optimizer step {self.counters.steps + 1} skipped: the gradient norm is "
@@ -269,8 +280,8 @@ class StepPipeline:
         self.weights.adopt(runtime)
         parts = [GroupUpdate(g, g.state.grads.ready_indices(), g.state.hypers_of(hypers), g.home.update_target())
                  for g in runtime.groups if g.state is not None]
-        if not any(part.ready for part in parts):
-            return
+        if not any(part.ready for part in parts) and (self.dp is None or not parts):
+            return  # data-parallel: another rank may have gradients for the block; every rank runs its job
         for part in parts:
             if part.ready:
                 part.runtime.state.store.announce()  # its reads (disk) start now, ahead of the worker reaching it
@@ -288,6 +299,11 @@ class StepPipeline:
         """On the worker: AdamW over each group of the block; a group with non-finite gradients (no
         clipping: the global norm does not decide) keeps its state, counted and warned once per step."""
         start = time.perf_counter()
+        if self.sync is not None:
+            with self.tracer.span("update", job.block.block.name):
+                self._run_data_parallel_update(job, self.sync)
+            self.counters.update_seconds += time.perf_counter() - start
+            return
         with self.tracer.span("update", job.block.block.name):
             for part in job.parts:
                 state = part.runtime.state
@@ -303,8 +319,47 @@ class StepPipeline:
                 self.weights.note_writes_during_update(part.runtime, job.block)
         self.counters.update_seconds += time.perf_counter() - start
 
+    def _run_data_parallel_update(self, job: UpdateJob, sync: GradSync) -> None:
+        """Average the block's gradients into this rank's part, step that part, gather every rank's part.
+        Every rank takes the same decisions (which parameters step, whether to skip), so their weights stay
+        bit-identical. See data_parallel.py."""
+        readies = sync.reduce(job.block, job.step, [part.ready for part in job.parts])
+        skip = job.check_finite and sync.nonfinite(job.block)
+        if skip:
+            self.nonfinite.record(job.step, job.block.block.name)
+        for part, ready in zip(job.parts, readies):
+            state = part.runtime.state
+            assert state is not None and part.out is not None
+            if ready and not skip:
+                part.runtime.home.release_source()
+                state.update(ready, part.hypers, job.grad_scale, part.out, self.worker.num_threads)
+                sync.gather(state, part.out)
+                self.weights.note_writes_during_update(part.runtime, job.block)
+            else:
+                state.store.discard()
+            state.grads.release()
+        job.block.forget_averages()
+
     def run_block_norms(self, job: NormJob) -> None:
+        if self.sync is not None:  # this rank's share of the squared norm of the averaged gradients
+            self.sync.reduce(job.block, self.counters.steps)
+            job.block.shard_sumsq = self.sync.shard_sumsq(job.block)
+            return
         job.block.norms = [n for state in job.block.states for n in state.grads.norms()]
+
+    def _global_norm(self, max_norm: float) -> Tuple[float, float]:
+        """(total norm, gradient scale) over every rank's gradients (the worker is idle). Data-parallel:
+        each block's averaged gradient, reduced on the worker first, then the parts' squares summed across
+        the ranks (the same total on every rank)."""
+        if self.sync is None or self.dp is None:
+            return global_norm(self.blocks, self.slots, max_norm)
+        for index in self.order.update_order():
+            runtime = _runtime(self.blocks[index])
+            if runtime.states and runtime.shard_sumsq is None:
+                self.worker.submit(index, NormJob(runtime, self.run_block_norms), self._priority(runtime))
+        self.worker.wait_all()
+        local = sum(_runtime(b).shard_sumsq or 0.0 for b in self.blocks)
+        return clip_scale_of(math.sqrt(self.dp.sum_all(local)), max_norm)
 
     def finish_step(self) -> None:
         self.reset_step()
@@ -324,10 +379,12 @@ class StepPipeline:
             raise self._zeroed_after_early_update(early[0])
         for block in self.blocks:
             states = _runtime(block).states
-            if not set_to_none or any(s.grads.windowed for s in states):
+            if not set_to_none or any(s.grads.windowed for s in states) or self.dp is not None:
                 self.worker.wait(block.index)  # the update may still read (or give back) the buffer
+            _runtime(block).forget_averages()
             for state in states:
                 state.grads.zero(set_to_none)
+            _runtime(block).end_step()  # norms and (data-parallel) averages of the gradients just dropped
         self.tracker.end_step()  # the backward passes counted toward the next step held those gradients
 
     @staticmethod
@@ -352,6 +409,9 @@ class StepPipeline:
                 "clips before any update, or leave grad_accumulation_steps unset")
         self._collect_grads()
         self.worker.wait_all()  # norm jobs, and (overlap_step) updates that still read the gradients
+        if self.dp is not None:
+            total_norm, coef = self._global_norm(max_norm)
+            return clip_in_place(self.blocks, self.slots, max_norm, error_if_nonfinite, (total_norm, coef))
         return clip_in_place(self.blocks, self.slots, max_norm, error_if_nonfinite)
 
     # ----- the user's model.state_dict() and model.load_state_dict() (module_weights.py) ---------------
@@ -464,8 +524,10 @@ class StepPipeline:
             self.counters.wait_seconds += time.perf_counter() - start
 
     def _priority(self, runtime: BlockRuntime) -> int:
-        """Updates run in the order the next forward needs the blocks (see scheduler/worker.py)."""
-        return self.order.priority(runtime.block.index)
+        """Updates run in the order the next forward needs the blocks (see scheduler/worker.py); in
+        data-parallel mode in the order they were submitted, which is the same on every rank (each job runs
+        collectives, and every rank must run them in the same order)."""
+        return 0 if self.dp is not None else self.order.priority(runtime.block.index)
 
     def _next_in_forward_order(self, block: Block) -> Optional[Block]:
         following = self.order.after(block.index)
@@ -486,5 +548,6 @@ def _runtime(block: Block) -> BlockRuntime:
 
 
 def _disk_groups(blocks: List[Block]) -> list:
-    """The flat groups of these blocks whose state the ring reads ahead, in block order."""
-    return [s.group for b in blocks for s in _runtime(b).states if s.store.reads_ahead]
+    """The flat groups of these blocks whose state the ring reads ahead, in block order (as their stores
+    see them: a rank's part in data-parallel mode)."""
+    return [s.store.group for b in blocks for s in _runtime(b).states if s.store.reads_ahead]

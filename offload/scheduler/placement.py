@@ -8,6 +8,7 @@ that train, its state store (memory or disk) and gradient accumulator (runtime.p
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from offload._system import return_freed_memory, unmap_large_allocations
+from offload.data_parallel import DataParallel
 from offload.errors import OffloadConfigError
 from offload.planner import Plan, make_plan, ring_depth_for, ring_size_for
 from offload.policy import OffloadPolicy, Tier
@@ -25,6 +27,7 @@ from offload.scheduler.grad_accumulator import GradAccumulator
 from offload.scheduler.grad_pool import GradPool
 from offload.scheduler.initial_weights import InitialWeights
 from offload.scheduler.runtime import BlockRuntime, GroupRuntime, GroupState
+from offload.scheduler.sharded_store import ShardedStore, ShardGroup
 from offload.scheduler.state_store import MemoryStore, StateStore
 from offload.scheduler.streaming import WeightStreamer
 from offload.scheduler.streams import CopyContext
@@ -57,13 +60,21 @@ class Tiers:
             self.staging.close()
 
 
-def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer) -> "tuple[Plan, Tiers]":
-    """The placement plan of `blocks` under the policy's budgets, and the tiers it needs, opened."""
-    records, swap_size = plan_swap_layout(blocks) if policy.tier is Tier.NVME else ({}, 0)
+def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
+                  dp: Optional[DataParallel] = None) -> "tuple[Plan, Tiers]":
+    """The placement plan of `blocks` under the policy's budgets, and the tiers it needs, opened. In
+    data-parallel mode the swap file holds this rank's parts only, in its own directory under nvme_path."""
+    numel_of = None if dp is None else (lambda group: dp.shard_of(group.trainable_numel).numel)
+    records, swap_size = plan_swap_layout(blocks, numel_of) if policy.tier is Tier.NVME else ({}, 0)
     largest_record = max((r.numel for r in records.values()), default=0)
     ring = ring_size_for(largest_record) if records else None
     plan = make_plan([b.spec(policy.tier) for b in blocks], policy.tier, policy.device_memory,
                      policy.host_memory, ring, grad_window=policy.windowed_grads)
+    if dp is not None and plan.disk_weight_blocks:
+        raise OffloadConfigError(
+            f"data-parallel training keeps every block's weights in host memory, but host_memory="
+            f"{policy.host_memory} leaves {len(plan.disk_weight_blocks)} blocks' weights on disk: raise host_memory "
+            "(per rank), or train in one process")
     if policy.bounds_host_memory:
         unmap_large_allocations()  # before materializing: its temporaries too
     device, copies = DeviceTier(policy.device, plan.device_weight_budget), CopyContext(policy.device)
@@ -78,7 +89,11 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer) ->
                 "is no state to keep; use tier='cpu' (weights still stream under device_memory), or unfreeze the "
                 "parameters to train before offload.wrap()")
         weights, swap_size = plan_weight_layout(blocks, plan.disk_weight_blocks, swap_size)
-        tiers.swap = SwapStore(policy.nvme_path, records, swap_size, weights)
+        directory = policy.nvme_path
+        if dp is not None:
+            directory = os.path.join(directory, f"rank-{dp.rank}")
+            os.makedirs(directory, exist_ok=True)
+        tiers.swap = SwapStore(directory, records, swap_size, weights)
         try:
             tiers.staging = StagingPool(max(_round_up(plan.ring_bytes, 4096), 4096))
             tiers.ring = DiskRing(tiers.swap, tiers.staging, plan.ring_bytes,
@@ -90,11 +105,13 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer) ->
 
 
 def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: OffloadPolicy, tiers: Tiers,
-                optimizer_group_of: Dict[nn.Parameter, int], initial: InitialWeights) -> None:
+                optimizer_group_of: Dict[nn.Parameter, int], initial: InitialWeights,
+                dp: Optional[DataParallel] = None) -> None:
     """Give every block its flat device buffers, filled from `initial` (the parameters, a checkpoint, or an
     initializer: one block at a time, so a model built on the meta device is never whole in memory), and its
     runtime record (`block.runtime`); move the module's buffers to the device. `optimizer_group_of`: each
-    trainable parameter's optimizer group."""
+    trainable parameter's optimizer group. `dp`: every rank starts from rank 0's weights, and keeps the
+    optimizer state of its own part of each group."""
     streamed, on_disk = set(plan.streamed_blocks), set(plan.disk_weight_blocks)
     for block in blocks:
         for group in block.groups:
@@ -110,12 +127,18 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
         initial.fill(block)
         groups = []
         for group in block.groups:
+            if dp is not None:
+                assert group.device_buffer is not None
+                dp.broadcast_from_first(group.device_buffer)
             state = None
             if group.trainable_numel:
-                store = _state_store(group, policy, tiers)
+                shard = None if dp is None else dp.shard_of(group.trainable_numel)
+                store = _state_store(group, policy, tiers) if shard is None else \
+                    ShardedStore(_state_store(ShardGroup(group, shard), policy, tiers), shard)
                 grads = GradAccumulator(group, torch.device("cpu") if store.on_host else policy.device,
-                                        tiers.copies, tiers.grad_pool)
-                state = GroupState(group, store, grads, [optimizer_group_of[s.param] for s in group.trainable_slots])
+                                        tiers.copies, tiers.grad_pool, None if shard is None else shard.padded)
+                state = GroupState(group, store, grads, [optimizer_group_of[s.param] for s in group.trainable_slots],
+                                   shard)
             group.runtime = GroupRuntime(block, group, _weight_home(block, group, policy, tiers, streamed, on_disk,
                                                                     state is not None), state)
             groups.append(group.runtime)
@@ -128,6 +151,8 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
         for key, buf in sub._buffers.items():
             if buf is not None and buf.device != policy.device:
                 sub._buffers[key] = buf.to(policy.device)
+            if buf is not None and dp is not None:
+                dp.broadcast_from_first(sub._buffers[key])
 
 
 def _state_store(group, policy: OffloadPolicy, tiers: Tiers) -> StateStore:

@@ -15,6 +15,7 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from torch import Tensor, nn
 
+from offload.data_parallel import Shard
 from offload.scheduler.block import Block, FlatGroup, Residency
 from offload.scheduler.grad_accumulator import GradAccumulator
 from offload.scheduler.state_store import StateStore
@@ -27,12 +28,21 @@ class GroupState:
     gradient accumulator, each trainable slot's Adam step count and optimizer group."""
 
     def __init__(self, group: FlatGroup, store: StateStore, grads: GradAccumulator,
-                 optimizer_groups: Sequence[int]) -> None:
+                 optimizer_groups: Sequence[int], shard: Optional[Shard] = None) -> None:
         self.group = group
         self.store = store
         self.grads = grads
+        self.shard = shard if shard is not None else Shard.whole(group.trainable_numel)  # this rank's part
+        # data-parallel: the parameters any rank had a gradient for, once this step's gradient is averaged
+        # into this rank's part (None before); see data_parallel.py
+        self.reduced_ready: Optional[List[int]] = None
         self.steps: List[int] = [0] * len(group.trainable_slots)
         self.optimizer_groups = list(optimizer_groups)  # per trainable slot: its index in optimizer.param_groups
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of fp32 master weights and Adam moments this rank keeps (its shard), on any tier."""
+        return 12 * self.shard.numel
 
     @property
     def host_bytes(self) -> int:
@@ -115,6 +125,7 @@ class BlockRuntime:
         self.needs_push = False  # updated weights not yet sent to the device
         self.updated_early = False  # updated during the last backward, before step()
         self.norms: Optional[List[Tuple[nn.Parameter, float]]] = None  # gradient norms computed for clipping
+        self.shard_sumsq: Optional[float] = None  # data-parallel: sum of squares of this rank's averaged part
         self.lost_write: Optional[str] = None  # a parameter written while its update ran (overlap_step)
 
     @property
@@ -131,6 +142,17 @@ class BlockRuntime:
         """Forget the step in progress (after `step()`, or when a checkpoint replaces the state)."""
         self.updated_early = False
         self.norms = None
+        self.shard_sumsq = None
+
+    def forget_averages(self) -> None:
+        """Data-parallel: the averaged gradients were consumed by the update, or dropped by zero_grad."""
+        for state in self.states:
+            state.reduced_ready = None
+
+    @property
+    def reduced(self) -> bool:
+        """Data-parallel: this step's gradients of the block were averaged across the ranks already."""
+        return any(state.reduced_ready is not None for state in self.states)
 
 
 class SlotRef(NamedTuple):

@@ -42,7 +42,10 @@ def engine_stats(counters: StepCounters, nonfinite: NonFiniteSkips, clock: Phase
                bytes_disk_read=0 if swap is None else swap.bytes_read,
                bytes_disk_written=0 if swap is None else swap.bytes_written,
                host_state_bytes=sum(s.host_bytes for b in blocks if b.runtime is not None
-                                    for s in b.runtime.states))  # 0 once closed: the state is freed
+                                    for s in b.runtime.states),  # 0 once closed: the state is freed
+               # this rank's fp32 master weights and moments, on any tier (data-parallel: its parts only)
+               optimizer_state_bytes=sum(s.optimizer_state_bytes for b in blocks if b.runtime is not None
+                                         for s in b.runtime.states))
     if tiers.ring is not None:
         out.update(tiers.ring.stats())
     if tiers.staging is not None:

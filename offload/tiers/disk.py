@@ -18,7 +18,7 @@ import uuid
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -98,9 +98,10 @@ def plan_weight_layout(blocks: List["Block"], names: Tuple[str, ...], start: int
     return records, offset
 
 
-def plan_swap_layout(blocks: List["Block"]) -> Tuple[Dict[str, SwapRecord], int]:
+def plan_swap_layout(blocks: List["Block"], numel_of: Optional[Callable[[Any], int]] = None,
+                     ) -> Tuple[Dict[str, SwapRecord], int]:
     """Records for every group with trainable parameters (keyed by the group's layout key, `FlatGroup.key`)
-    and the file size."""
+    and the file size. `numel_of`: a record's elements when it holds a part of the group (data-parallel)."""
     records: Dict[str, SwapRecord] = {}
     offset = 0
     for block in blocks:
@@ -108,8 +109,8 @@ def plan_swap_layout(blocks: List["Block"]) -> Tuple[Dict[str, SwapRecord], int]
             if not group.trainable_numel:
                 continue
             params = tuple((s.name, tuple(s.shape), s.offset) for s in group.trainable_slots)
-            record = SwapRecord(block.name, str(group.dtype).replace("torch.", ""), offset, group.trainable_numel,
-                                params)
+            numel = group.trainable_numel if numel_of is None else numel_of(group)
+            record = SwapRecord(block.name, str(group.dtype).replace("torch.", ""), offset, numel, params)
             records[group.key] = record
             offset += _round_up(record.nbytes, ALIGNMENT)
     return records, offset

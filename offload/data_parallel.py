@@ -1,0 +1,147 @@
+"""Data-parallel training over torch.distributed: which rank owns which part of each flat group, and the
+collectives a block's update runs (torch's own: gloo on the CPU, NCCL on a GPU; no transport of ours).
+
+Every rank keeps the whole compute weights. A group's trainable range `[0, n)` is cut into `world` equal
+shards (the last padded); rank r owns `[r * shard, (r + 1) * shard) ∩ [0, n)`: its fp32 master weights and
+Adam moments, and the averaged gradient of that range. A block's update, on the step worker:
+`agree` (the ranks compare which block and step they are at: a mismatch raises instead of pairing the
+wrong tensors), `union_of` (a parameter any rank has a gradient for is stepped on every rank),
+`reduce_scatter_mean` (the gradient, averaged, lands on its owner), the AdamW step of the shard, then
+`all_gather` (every rank gets every shard's new weights). All collectives of the worker run on their own
+process group in the worker's submission order, which is the same on every rank (pipeline.py); the
+training thread's few (the clipping norm) run while the worker is idle. See [Note: data-parallel mode].
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from offload.errors import OffloadError
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's part `[lo, hi)` of a flat group's `n` trainable elements: `size` elements per rank of
+    `world` (the last ranks' parts may be short, or empty for a group smaller than the world)."""
+
+    n: int
+    size: int
+    rank: int
+    world: int
+
+    @property
+    def lo(self) -> int:
+        return min(self.rank * self.size, self.n)
+
+    @property
+    def hi(self) -> int:
+        return min((self.rank + 1) * self.size, self.n)
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def padded(self) -> int:
+        """Elements of a buffer every rank's part fits in: `world * size` (>= n)."""
+        return self.size * self.world
+
+    @staticmethod
+    def whole(n: int) -> "Shard":
+        """One process: the whole range."""
+        return Shard(n, n, 0, 1)
+
+
+class DataParallel:
+    """The process group this engine trains over, and this rank's place in it."""
+
+    def __init__(self, world: int, rank: int, local_world: int) -> None:
+        self.world = world
+        self.rank = rank
+        self.local_world = local_world
+        # the worker's collectives get a group of their own: the training thread may use the default one
+        self.group = dist.new_group(list(range(world)))
+        self.backend = dist.get_backend(self.group)
+
+    @staticmethod
+    def from_environment() -> Optional["DataParallel"]:
+        """A DataParallel when torch.distributed is initialized with more than one process, else None."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+            return None
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        return DataParallel(dist.get_world_size(), dist.get_rank(), max(1, local))
+
+    def shard_of(self, n: int) -> Shard:
+        return Shard(n, -(-n // self.world) if n else 0, self.rank, self.world)
+
+    # ----- collectives of the step worker (self.group) -----------------------------------------------
+    def agree(self, what: str, block_index: int, step: int) -> None:
+        """Raise unless every rank is at the same block of the same step (the worker's queues diverged:
+        pairing their tensors would average one block's gradient into another's)."""
+        mine = torch.tensor([block_index, step], dtype=torch.int64)
+        every = torch.empty(2 * self.world, dtype=torch.int64)
+        dist.all_gather_into_tensor(every, mine, group=self.group)
+        rows = every.view(self.world, 2).tolist()
+        if any(row != rows[0] for row in rows):
+            raise OffloadError(
+                f"data-parallel ranks disagree on the {what} they run: (block, step) per rank {rows}; every rank "
+                "must run the same forward and backward structure (the same modules, the same number of "
+                "backward calls per step, the same grad_accumulation_steps)")
+
+    def union_of(self, flags: Sequence[bool]) -> List[bool]:
+        """For each flag, whether any rank has it set."""
+        if not flags:
+            return []
+        mine = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.group)
+        return [bool(v) for v in mine.tolist()]
+
+    def any_rank(self, flag: bool) -> bool:
+        return self.union_of([flag])[0]
+
+    def reduce_scatter_mean(self, full: Tensor, shard: Shard, out: Tensor) -> None:
+        """`out` (shard.size elements) = the mean over ranks of `full[shard range]` (`full`: shard.padded
+        elements, the same on every rank in layout)."""
+        dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=self.group)
+        out.div_(self.world)
+
+    def all_gather(self, full: Tensor, mine: Tensor) -> None:
+        """`full` (world * mine.numel() elements) = every rank's `mine`, in rank order (bytes: any dtype)."""
+        dist.all_gather_into_tensor(_bytes(full), _bytes(mine), group=self.group)
+
+    # ----- collectives of the training thread (the worker is idle) -----------------------------------
+    def sum_all(self, value: float) -> float:
+        total = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(total, group=self.group)
+        return float(total.item())
+
+    def broadcast_from_first(self, tensor: Tensor) -> None:
+        """Rank 0's values into `tensor` on every rank (the start weights)."""
+        if tensor.numel():
+            dist.broadcast(_bytes(tensor) if tensor.dtype == torch.bool else tensor, src=0, group=self.group)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def all_gather_object(self, value: object) -> List[object]:
+        out: List[object] = [None] * self.world
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def broadcast_object(self, value: object) -> object:
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def __repr__(self) -> str:
+        return f"DataParallel(rank {self.rank} of {self.world}, {self.backend})"
+
+
+def _bytes(tensor: Tensor) -> Tensor:
+    return tensor.reshape(-1).view(torch.uint8)

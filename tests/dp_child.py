@@ -1,0 +1,133 @@
+"""One rank of the data-parallel tests (tests/test_data_parallel.py), started by torchrun.
+
+`python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dp_child.py <repo> <out> <cases.json>`.
+Each case trains TinyGPT data-parallel, every rank on its part of each batch, checks after every step
+that the ranks' weights are bit-identical, and (rank 0) writes the losses, weights and stats to
+`<out>/<case name>.pt`. Rank 1 starts from other weights: the engine must start every rank from rank 0's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, sys.argv[1])
+
+import offload  # noqa: E402
+from offload.errors import OffloadError  # noqa: E402
+from tests.models import TinyGPT, make_batches  # noqa: E402
+
+
+def rank_part(tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    per = tensor.shape[0] // world
+    return tensor[rank * per:(rank + 1) * per]
+
+
+def weights_agree(engine) -> bool:
+    """Every rank's weights equal rank 0's, bit for bit."""
+    flat = torch.cat([v.detach().reshape(-1).float() for v in engine.state_dict().values()])
+    first = flat.clone()
+    dist.broadcast(first, src=0)
+    return bool(torch.equal(flat.view(torch.int32), first.view(torch.int32)))
+
+
+def train(case: dict, out: str) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0 if rank == 0 else 1000 + rank)
+    model = TinyGPT()
+    options = dict(tier=case["tier"], dtype=torch.float32, device="cpu", lr=case.get("lr", 1e-2))
+    if case["tier"] == "nvme":
+        options["nvme_path"] = os.path.join(out, f"swap-{case['name']}")
+        os.makedirs(options["nvme_path"], exist_ok=True)
+    for key in ("max_grad_norm", "grad_accumulation_steps", "weight_decay"):
+        if key in case:
+            options[key] = case[key]
+    load = case.get("load")
+    engine = offload.wrap(model, **options)
+    if load:
+        engine.load(os.path.join(out, load))
+    batches = make_batches(case["steps"], case["micro"], batch=case.get("batch", 4), seed=case.get("seed", 0))
+    losses, agree = [], []
+    for step in batches[case.get("skip", 0):]:
+        for idx, tgt in step:
+            loss = engine(rank_part(idx, rank, world), rank_part(tgt, rank, world))
+            (loss / len(step)).backward()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(float(mean) / world)
+        if case.get("clip_by_call"):
+            engine.clip_grad_norm_(case["clip_by_call"])
+        engine.step()
+        engine.zero_grad()
+        agree.append(weights_agree(engine))
+    if case.get("save"):
+        engine.save(os.path.join(out, case["save"]))
+    state = engine.state_dict()
+    stats = engine.stats()
+    engine.close()
+    ddp = train_ddp(case) if case.get("ddp") else None
+    if rank == 0:
+        torch.save({"losses": losses, "agree": agree, "weights": state, "stats": stats, "ddp_weights": ddp},
+                   os.path.join(out, f"{case['name']}.pt"))
+
+
+def train_ddp(case: dict) -> dict:
+    """The same run with torch's DistributedDataParallel and torch.optim.AdamW: the reference for the
+    arithmetic of data parallelism (gradients averaged across the ranks)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(TinyGPT())
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=case.get("lr", 1e-2), weight_decay=case.get("weight_decay", 0.0),
+                            foreach=False)
+    max_norm = case.get("max_grad_norm", case.get("clip_by_call"))
+    for step in make_batches(case["steps"], case["micro"], batch=case.get("batch", 4), seed=case.get("seed", 0)):
+        for i, (idx, tgt) in enumerate(step):
+            sync = model.no_sync() if i + 1 < len(step) else contextlib.nullcontext()
+            with sync:
+                (model(rank_part(idx, rank, world), rank_part(tgt, rank, world)) / len(step)).backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+
+
+def misuse(case: dict, out: str) -> None:
+    """DDP around the engine's module: refused at the forward, on every rank."""
+    model = TinyGPT()
+    engine = offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu")
+    ddp = torch.nn.parallel.DistributedDataParallel(engine.module)
+    (idx, tgt), = make_batches(1, 1)[0]
+    message = ""
+    try:
+        ddp(idx, tgt).backward()
+    except OffloadError as exc:
+        message = str(exc)
+    engine.close()
+    with open(os.path.join(out, f"{case['name']}-rank{dist.get_rank()}.txt"), "w") as f:
+        f.write(message)
+
+
+def main() -> None:
+    out = sys.argv[2]
+    cases = json.loads(open(sys.argv[3]).read())
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore", UserWarning)
+    dist.init_process_group("gloo")
+    try:
+        for case in cases:
+            (misuse if case.get("misuse") else train)(case, out)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
