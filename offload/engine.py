@@ -10,6 +10,7 @@ docs/design.md starts with a map of the layers and the path of one gradient.
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -18,6 +19,7 @@ from torch import nn
 
 from offload._system import usable_cores
 from offload.checkpoint import load_checkpoint, save_checkpoint
+from offload.checkpoint.sharded import save_parts
 from offload.data_parallel import DataParallel
 from offload.distributed_guard import refuse_data_parallel_wrapper
 from offload.engine_release import EngineRelease
@@ -151,6 +153,8 @@ class Engine:
         moment leaves the previous checkpoint or the new one. Streams one flat group at a time."""
         self._pipeline.check_open()
         with self._pipeline.engine_reads():  # the writer reads module.state_dict() for the entries' names
+            if self.data_parallel is not None:  # every rank its part, committed together (checkpoint/sharded.py)
+                return save_parts(self, self.data_parallel, path, scheduler, rng, progress)
             return save_checkpoint(self, path, scheduler=scheduler, rng=rng, progress=progress)
 
     def save_pretrained(self, path: str, max_shard_size: Any = "5GB", *, progress: Optional[bool] = None) -> str:
@@ -159,10 +163,13 @@ class Engine:
         `model.safetensors.index.json`, plus `config.json` when the module is a Hugging Face model. Each
         tensor keeps the dtype it has in the engine; names are `module.state_dict()`'s, a tied weight is
         stored once. Streams one flat group at a time; each shard appears whole or not at all. No optimizer
-        state: that is `save`. Returns the directory's absolute path (checkpoint/export.py)."""
+        state: that is `save`. Data-parallel: rank 0 writes (every rank holds the same weights). Returns the directory's absolute path (checkpoint/export.py)."""
         from offload.checkpoint.export import export_pretrained
 
         self._pipeline.check_open()
+        if self.data_parallel is not None and self.data_parallel.rank != 0:
+            self.synchronize()
+            return os.path.abspath(os.fspath(path))  # every rank holds the same weights: rank 0 writes them
         with self._pipeline.engine_reads():  # the exporter reads module.state_dict() for the names
             return export_pretrained(self, path, max_shard_size, progress)
 
@@ -171,8 +178,26 @@ class Engine:
         it would have. Damaged or missing files raise OffloadIntegrityError naming the file and block, and
         leave the engine as it was: every tensor is verified in a first pass before anything changes."""
         self._pipeline.check_open()
-        with self._pipeline.replacing_state():
-            return load_checkpoint(self, path, scheduler=scheduler, rng=rng, progress=progress)
+        if self.data_parallel is None:
+            with self._pipeline.replacing_state():
+                return load_checkpoint(self, path, scheduler=scheduler, rng=rng, progress=progress)
+        failure: Optional[BaseException] = None
+        manifest: dict = {}
+        try:
+            with self._pipeline.replacing_state():
+                manifest = load_checkpoint(self, path, scheduler=scheduler, rng=rng, progress=progress)
+        except Exception as exc:  # noqa: BLE001 - raised below, after every rank knows
+            failure = exc
+        failed = [(rank, err) for rank, err in enumerate(self.data_parallel.all_gather_object(
+            None if failure is None else f"{type(failure).__name__}: {failure}")) if err is not None]
+        if failure is not None:
+            raise failure
+        if failed:  # another rank could not load: this one would train on with other weights than it
+            error = OffloadError(f"rank {failed[0][0]} failed to load checkpoint {path!r} ({failed[0][1]}); "
+                                 "every rank must load the same checkpoint: fix that and load again")
+            self.mark_inconsistent(error)
+            raise error
+        return manifest
 
     def checkpoint_groups(self) -> Iterator[Tuple[Block, FlatGroup, Optional[GroupState]]]:
         self.synchronize()

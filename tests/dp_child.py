@@ -54,7 +54,10 @@ def train(case: dict, out: str) -> None:
         engine.load(os.path.join(out, load))
     batches = make_batches(case["steps"], case["micro"], batch=case.get("batch", 4), seed=case.get("seed", 0))
     losses, agree = [], []
-    for step in batches[case.get("skip", 0):]:
+    done = case.get("skip", 0)
+    for step in batches[done:]:
+        if case.get("save_at") == done:
+            engine.save(os.path.join(out, case["save"]))
         for idx, tgt in step:
             loss = engine(rank_part(idx, rank, world), rank_part(tgt, rank, world))
             (loss / len(step)).backward()
@@ -66,8 +69,14 @@ def train(case: dict, out: str) -> None:
         engine.step()
         engine.zero_grad()
         agree.append(weights_agree(engine))
-    if case.get("save"):
-        engine.save(os.path.join(out, case["save"]))
+        done += 1
+    if case.get("save") and case.get("save_at", done) == done:
+        if case.get("fail_rank") is None:
+            engine.save(os.path.join(out, case["save"]))
+        else:
+            save_failing(engine, case, out)
+            engine.close()
+            return
     state = engine.state_dict()
     stats = engine.stats()
     engine.close()
@@ -75,6 +84,24 @@ def train(case: dict, out: str) -> None:
     if rank == 0:
         torch.save({"losses": losses, "agree": agree, "weights": state, "stats": stats, "ddp_weights": ddp},
                    os.path.join(out, f"{case['name']}.pt"))
+
+
+def save_failing(engine, case: dict, out: str) -> None:
+    """engine.save with rank `fail_rank`'s disk full while it writes its part; each rank notes its error."""
+    import offload.checkpoint.sharded as sharded
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    if dist.get_rank() == case["fail_rank"]:
+        sharded._write_part_file = disk_full
+    try:
+        engine.save(os.path.join(out, case["save"]))
+        message = "saved"
+    except OffloadError as exc:
+        message = str(exc)
+    with open(os.path.join(out, f"{case['name']}-rank{dist.get_rank()}.txt"), "w") as f:
+        f.write(message)
 
 
 def train_ddp(case: dict) -> dict:

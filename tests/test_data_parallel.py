@@ -116,3 +116,118 @@ def test_ddp_around_the_engine_is_refused_on_every_rank(tmp_path):
     for rank in (0, 1):
         message = (tmp_path / f"ddp-rank{rank}.txt").read_text()
         assert "inside DistributedDataParallel" in message and "trains data-parallel itself" in message, message
+
+
+def optimizer_tensors(directory: Path) -> Dict[str, torch.Tensor]:
+    """Every `<kind>/<param>` optimizer tensor of a checkpoint, whole, whether one process or several ranks
+    saved it (read with offload's own readers, checksums verified)."""
+    from offload.checkpoint.manifest import read_manifest
+    from offload.checkpoint.sharded import PartsReader
+    from offload.checkpoint.tensor_file import TensorFileReader
+
+    manifest = read_manifest(str(directory))
+    shapes = {p["name"]: p["shape"] for b in manifest["blocks"] for g in b["groups"] for p in g["params"]
+              if p["trainable"]}
+    names = [f"{kind}/{name}" for kind in ("master", "exp_avg", "exp_avg_sq") for name in shapes]
+    if manifest.get("optimizer_parts"):
+        reader = PartsReader(str(directory), manifest, {})
+    else:
+        info = manifest["files"]["optimizer.safetensors"]
+        reader = TensorFileReader(str(directory / "optimizer.safetensors"), info["checksums"], manifest["checksum"], {})
+    out = {}
+    with reader:
+        for name in names:
+            numel = 1
+            for d in shapes[name.split("/", 1)[1]]:
+                numel *= d
+            out[name] = torch.empty(numel)
+            reader.read_at(name, 0, out[name])
+    return out
+
+
+def train_one_process(tier: str, steps: range, tmp_path: Path, load: Optional[Path] = None,
+                      save: Optional[Path] = None, lr: float = 1e-3):
+    """The single-process engine on the whole batch for `steps` of the batches; returns (losses, weights)."""
+    import offload
+
+    torch.manual_seed(0)
+    options = dict(tier=tier, dtype=torch.float32, device="cpu", lr=lr)
+    if tier == "nvme":
+        options["nvme_path"] = str(tmp_path)
+    engine = offload.wrap(TinyGPT(), **options)
+    if load is not None:
+        engine.load(str(load))
+    losses = []
+    batches = make_batches(steps.stop, 1)
+    for i in steps:
+        (idx, tgt), = batches[i]
+        loss = engine(idx, tgt)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        engine.step()
+        engine.zero_grad()
+    if save is not None:
+        engine.save(str(save))
+    weights = engine.state_dict()
+    engine.close()
+    return losses, weights
+
+
+def test_checkpoints_move_between_world_sizes_exactly(tmp_path):
+    """Saved by 2 ranks (each its part, one directory), loaded by 2 on another tier and by 1; saved by 1,
+    loaded by 2: the optimizer state arrives bit for bit, and training continues as it would have."""
+    lr = 1e-3
+    run_ranks(tmp_path, [
+        dict(name="through", tier="cpu", steps=4, micro=1, lr=lr, save="ck-two", save_at=2),
+        dict(name="resumed", tier="nvme", steps=4, micro=1, lr=lr, load="ck-two", skip=2),
+    ])
+    through = torch.load(tmp_path / "through.pt", weights_only=False)
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
+    assert resumed["losses"] == through["losses"][2:] and all(resumed["agree"])
+    for name, value in through["weights"].items():
+        assert torch.equal(resumed["weights"][name], value), name
+
+    parts = sorted(p.name for p in (tmp_path / "ck-two").iterdir())
+    assert parts == ["manifest.json", "model.safetensors", "optimizer-00000-of-00002.safetensors",
+                     "optimizer-00001-of-00002.safetensors"]
+    # 2 -> 1: the single process holds exactly the state the ranks saved, and continues
+    losses, _ = train_one_process("nvme", range(2, 4), tmp_path, load=tmp_path / "ck-two",
+                                  save=tmp_path / "ck-two-one", lr=lr)
+    assert max(abs(a - b) for a, b in zip(losses, through["losses"][2:])) < 1e-5
+    two, one = optimizer_tensors(tmp_path / "ck-two"), optimizer_tensors(tmp_path / "ck-two-one")
+    # what a single process loads, saved again at once (no step between): the ranks' parts, bit for bit
+    train_one_process("cpu", range(2, 2), tmp_path, load=tmp_path / "ck-two", save=tmp_path / "ck-reload")
+    reloaded = optimizer_tensors(tmp_path / "ck-reload")
+    assert two.keys() == reloaded.keys() == one.keys()
+    for name in two:
+        assert torch.equal(two[name], reloaded[name]), name
+
+    # 1 -> 2: a single process's checkpoint loads into 2 ranks, which save it back unchanged, and continue
+    single_losses, _ = train_one_process("cpu", range(0, 2), tmp_path, save=tmp_path / "ck-one", lr=lr)
+    rest, _ = train_one_process("cpu", range(2, 4), tmp_path, load=tmp_path / "ck-one", lr=lr)
+    run_ranks(tmp_path, [
+        dict(name="from-one", tier="cpu", steps=4, micro=1, lr=lr, load="ck-one", skip=2, save="ck-one-two",
+             save_at=2),
+    ])
+    from_one = torch.load(tmp_path / "from-one.pt", weights_only=False)
+    assert max(abs(a - b) for a, b in zip(from_one["losses"], rest)) < 1e-5
+    saved, back = optimizer_tensors(tmp_path / "ck-one"), optimizer_tensors(tmp_path / "ck-one-two")
+    for name in saved:
+        assert torch.equal(saved[name], back[name]), name
+
+
+def test_a_rank_that_fails_to_save_switches_nothing(tmp_path):
+    """Rank 1's disk fills while it writes its part: every rank raises naming rank 1, and the checkpoint
+    saved before is still the one under the name, complete."""
+    run_ranks(tmp_path, [
+        dict(name="first", tier="cpu", steps=1, micro=1, save="ck"),
+        dict(name="second", tier="cpu", steps=2, micro=1, save="ck", fail_rank=1),
+    ])
+    for rank in (0, 1):
+        message = (tmp_path / f"second-rank{rank}.txt").read_text()
+        assert "rank 1 could not write its part" in message and "nothing was switched" in message, message
+    from offload.checkpoint.manifest import read_manifest
+
+    assert read_manifest(str(tmp_path / "ck"))["step"] == 1
+    assert not list(tmp_path.glob("ck.tmp-*"))
+    optimizer_tensors(tmp_path / "ck")  # every part there, checksums verified

@@ -43,6 +43,18 @@ def _remove_leftovers(path: str) -> None:
 def atomic_directory(path: str) -> Iterator[str]:
     """Yield a fresh temporary directory; on success it replaces `path` atomically, on error it is removed
     and `path` is untouched."""
+    tmp = begin(path)
+    try:
+        yield tmp
+        fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish(tmp, path)
+
+
+def begin(path: str) -> str:
+    """Steps before 1: check `path` may be replaced, remove leftovers, make the temporary directory."""
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
@@ -52,21 +64,21 @@ def atomic_directory(path: str) -> Iterator[str]:
         raise OffloadIOError(17, "exists and is not an offload checkpoint; refusing to replace it", path, 0, 0,
                              "save")
     _remove_leftovers(path)
-    tag = uuid.uuid4().hex[:8]
-    tmp = f"{path}.tmp-{tag}"
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     os.mkdir(tmp)
-    try:
-        yield tmp
-        fsync_dir(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return tmp
+
+
+def publish(tmp: str, path: str) -> None:
+    """Steps 2-4: the complete, fsynced temporary directory `tmp` replaces `path`."""
+    path = os.path.abspath(path)
+    tag = tmp.rsplit("-", 1)[-1]
     old = None
     if os.path.exists(path):
         old = f"{path}.old-{tag}"
         os.rename(path, old)
     os.rename(tmp, path)
-    fsync_dir(parent)
+    fsync_dir(os.path.dirname(path))
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     for stale in glob.glob(glob.escape(path) + ".old-*"):  # from an earlier save killed between renames

@@ -24,6 +24,7 @@ from offload.checkpoint import state_io
 from offload.checkpoint.atomic import resolve
 from offload.checkpoint.reflink import BLOCK, clone_range
 from offload.checkpoint.manifest import MODEL_FILE, OPTIMIZER_FILE, read_manifest
+from offload.checkpoint.sharded import PartsReader
 from offload.checkpoint.tensor_file import TensorFileReader
 from offload.checkpoint.writer import STATE_KINDS, _progress, optimizer_key
 from offload.checksum import checksum
@@ -46,7 +47,8 @@ def load_checkpoint(engine: "CheckpointTarget", path: str, *, scheduler: Any = N
     groups = list(engine.checkpoint_groups())
     _check_compatible(groups, manifest, directory)
     _check_param_groups(engine, manifest, directory)
-    for name in (MODEL_FILE, OPTIMIZER_FILE):
+    parts = manifest.get("optimizer_parts")  # saved by several data-parallel ranks (sharded.py)
+    for name in (MODEL_FILE,) if parts else (MODEL_FILE, OPTIMIZER_FILE):
         if name not in manifest["files"]:
             raise OffloadIntegrityError(f"the manifest of {directory!r} lists no {name}", directory)
     extras = {}
@@ -56,13 +58,16 @@ def load_checkpoint(engine: "CheckpointTarget", path: str, *, scheduler: Any = N
             if not manifest.get(key):
                 raise OffloadConfigError(f"checkpoint {directory!r} was saved without {kind} state; "
                                          f"save with {kind}={'scheduler' if kind == 'scheduler' else 'True'}")
-            extras[kind] = _read_pickle(os.path.join(directory, manifest[key]), manifest["files"][manifest[key]],
-                                        algorithm)
-    model_info, optim_info = manifest["files"][MODEL_FILE], manifest["files"][OPTIMIZER_FILE]
-    total = sum(info["size"] for info in (model_info, optim_info))
+            file = manifest[key] if kind == "scheduler" else _rng_file_of(engine, manifest, directory)
+            extras[kind] = _read_pickle(os.path.join(directory, file), manifest["files"][file], algorithm)
+    model_info = manifest["files"][MODEL_FILE]
+    optim_files = [p["file"] for p in parts] if parts else [OPTIMIZER_FILE]
+    total = model_info["size"] + sum(manifest["files"].get(f, {"size": 0})["size"] for f in optim_files)
+    optim_reader = (PartsReader(directory, manifest, block_of) if parts else
+                    TensorFileReader(os.path.join(directory, OPTIMIZER_FILE), manifest["files"][OPTIMIZER_FILE]["checksums"],
+                                     algorithm, block_of))
     with TensorFileReader(os.path.join(directory, MODEL_FILE), model_info["checksums"], algorithm, block_of) as weights, \
-            TensorFileReader(os.path.join(directory, OPTIMIZER_FILE), optim_info["checksums"], algorithm,
-                             block_of) as optim, \
+            optim_reader as optim, \
             _progress(2 * total, progress, f"offload: loading {os.path.basename(directory)}") as bar:
         # Pass 1 changes nothing: every tensor is found, sized and checksummed before the engine is touched.
         _check_entries(engine, groups, weights, optim)
@@ -90,6 +95,20 @@ def load_checkpoint(engine: "CheckpointTarget", path: str, *, scheduler: Any = N
     if "rng" in extras:
         rng_state.restore(extras["rng"])
     return manifest
+
+
+def _rng_file_of(engine: "CheckpointTarget", manifest: Dict[str, Any], directory: str) -> str:
+    """This process's generator states: one file, or (saved by several ranks) this rank's of as many."""
+    saved = manifest["rng"]
+    dp = getattr(engine, "data_parallel", None)
+    rank, world = (0, 1) if dp is None else (dp.rank, dp.world)
+    files = [saved] if isinstance(saved, str) else list(saved)
+    if len(files) != world:
+        raise OffloadConfigError(
+            f"checkpoint {directory!r} holds the random generator states of {len(files)} processes, but "
+            f"{world} load it: each process's generators cannot be restored; load with rng=False (weights, "
+            "optimizer state and scheduler still resume exactly)")
+    return files[rank]
 
 
 def _partly_loaded(exc: Exception) -> tuple:
@@ -164,7 +183,7 @@ def _load_record(optim: TensorFileReader, group: Any, state: Any, clone_state: D
     def fill(start: int, stop: int, views: state_io.Views) -> None:
         for index, view in enumerate(views):
             for slot, first, _lo, piece in state_io.pieces(group, start, stop, view):
-                optim.read_part(names[index][slot], 4 * first, piece)
+                optim.read_at(names[index][slot], 4 * first, piece)
 
     state.store.write(fill, cloned)
 

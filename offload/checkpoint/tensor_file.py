@@ -241,6 +241,21 @@ class TensorFileReader:
         self._running.pop(name, None)
         self._check(name, value)
 
+    def read_at(self, name: str, start: int, out: Tensor) -> None:
+        """Bytes [start, ...) of tensor `name` into `out`: through `read_part` (checksum verified when the
+        last byte is read) while the tensor is read in order from its start; a part read from its middle (a
+        data-parallel rank's share of a parameter) is read as it is, having been verified by `verify_all`."""
+        running = self._running.get(name)
+        if start == 0 or (running is not None and running[0] == start):
+            self.read_part(name, start, out)
+            return
+        self._running.pop(name, None)
+        _dtype, _shape, first, stop = self.entries[name]
+        view = _bytes_of(out)
+        if first + start + len(view) > stop:
+            raise AssertionError(f"{self.path}: bytes {start}+{len(view)} of {name!r} lie beyond it")
+        self._pread(view, self._base + first + start, name)
+
     def verify_all(self, scratch: memoryview, progress: Callable[[int], object] = lambda n: None) -> None:
         """Read every tensor through `scratch` (bounded memory, the caller's buffer) and check its checksum:
         the first pass of a load, which changes nothing. The two halves of `scratch` alternate: a helper

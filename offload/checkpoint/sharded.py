@@ -1,0 +1,248 @@
+"""Checkpoints of a data-parallel engine: every rank writes its part of the optimizer state into the one
+checkpoint directory, committed atomically across the ranks, loadable at any world size.
+
+Files: `model.safetensors` (rank 0; every rank holds the same weights: still a plain full-weights file),
+`optimizer-<r>-of-<N>.safetensors` (rank r: for each parameter its elements [a, b) of `master/`,
+`exp_avg/`, `exp_avg_sq/`, as 1-D tensors), `scheduler.pt` (rank 0), `rng-<r>-of-<N>.pt` (each rank's own
+generators, when asked), `manifest.json` last. The manifest's `optimizer_parts` records for each file the
+range [a, b) of each parameter it holds, so `PartsReader` can serve any element range of any parameter to
+an engine of any world size (a single-process checkpoint loads into N ranks through the plain reader:
+each rank reads its range of the whole tensors).
+
+Commit: rank 0 makes the temporary directory and tells the others its name; each rank writes and fsyncs
+its files; the ranks exchange their results; only when every rank's files are durable does rank 0 write
+the manifest and switch the directory (atomic.py), and every rank returns once it is switched. A rank that
+failed makes every rank raise, and the previous checkpoint stays.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from offload.checkpoint import rng as rng_state
+from offload.checkpoint import state_io
+from offload.checkpoint.atomic import begin, fsync_dir, publish
+from offload.checkpoint.manifest import FORMAT, MODEL_FILE, SCHEDULER_FILE, VERSION, jsonable_group, write_manifest
+from offload.checkpoint.tensor_file import Entry, TensorFileReader, TensorFileWriter
+from offload.checksum import preferred_algorithm
+from offload.errors import OffloadIntegrityError, OffloadIOError
+
+if TYPE_CHECKING:
+    from offload.checkpoint.target import CheckpointTarget
+    from offload.data_parallel import DataParallel
+
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+Parts = Dict[str, List[int]]  # parameter name -> [a, b): the elements of it a file holds
+
+
+def optimizer_file(rank: int, world: int) -> str:
+    return f"optimizer-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def rng_file(rank: int, world: int) -> str:
+    return f"rng-{rank:05d}-of-{world:05d}.pt"
+
+
+def parts_of(groups: list) -> Parts:
+    """The element range of each trainable parameter that this rank's state parts cover."""
+    parts: Parts = {}
+    for _block, group, state in groups:
+        if state is None:
+            continue
+        lo, hi = state.shard.lo, state.shard.hi
+        for slot in group.trainable_slots:
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a < b:
+                parts[slot.name] = [a - slot.offset, b - slot.offset]
+    return parts
+
+
+def save_parts(engine: "CheckpointTarget", dp: "DataParallel", path: str, scheduler: Any, rng: bool,
+               progress: Optional[bool]) -> str:
+    """engine.save() on every rank of a data-parallel engine (see the module docstring)."""
+    from offload.checkpoint.writer import _explained, _layout, _progress, _write_pickle, _write_weights
+
+    path = os.path.abspath(os.fspath(path))
+    groups = list(engine.checkpoint_groups())  # waits for this rank's pending updates
+    algorithm = preferred_algorithm()
+    tmp, error = None, None
+    if dp.rank == 0:
+        try:
+            tmp = begin(path)
+        except (OSError, OffloadIOError) as exc:
+            error = _described(exc, path)
+    tmp, error = dp.broadcast_object((tmp, error))  # type: ignore[misc]
+    if error is not None:
+        raise OffloadIOError(5, f"rank 0 could not start checkpoint {path!r}: {error}", path, 0, 0, "save")
+    assert tmp is not None
+    files: Dict[str, Dict[str, Any]] = {}
+    mine = parts_of(groups)
+    try:
+        layout = _layout(engine, groups)
+        total = sum(12 * (b - a) for a, b in mine.values())
+        if dp.rank == 0:
+            total += sum(e.nbytes for e in layout.model_entries)
+        with _progress(total, progress, f"offload: saving {os.path.basename(path)} (rank {dp.rank})") as bar:
+            if dp.rank == 0:
+                if scheduler is not None:
+                    files[SCHEDULER_FILE] = _write_pickle(os.path.join(tmp, SCHEDULER_FILE), scheduler.state_dict(),
+                                                          algorithm)
+                files[MODEL_FILE] = _write_weights(engine, groups, layout, os.path.join(tmp, MODEL_FILE), algorithm,
+                                                   bar)
+            if rng:
+                name = rng_file(dp.rank, dp.world)
+                files[name] = _write_pickle(os.path.join(tmp, name), rng_state.capture(), algorithm)
+            name = optimizer_file(dp.rank, dp.world)
+            files[name] = _write_part_file(groups, mine, os.path.join(tmp, name), algorithm, bar)
+    except (OSError, OffloadIOError) as exc:
+        error = _described(exc, path)
+    results = dp.all_gather_object((error, files, mine))
+    failed = [(rank, err) for rank, (err, _f, _m) in enumerate(results) if err is not None]  # type: ignore[misc]
+    committed: Optional[str] = None
+    if not failed and dp.rank == 0:
+        try:
+            every: Dict[str, Dict[str, Any]] = {}
+            for _err, theirs, _m in results:  # type: ignore[misc]
+                every.update(theirs)
+            _write_manifest(engine, tmp, groups, layout, algorithm, every, dp.world,
+                            [m for _e, _f, m in results], scheduler is not None, rng)  # type: ignore[misc]
+            fsync_dir(tmp)
+            publish(tmp, path)
+            committed = path
+        except (OSError, OffloadIOError) as exc:
+            failed = [(0, _described(exc, path))]
+    if dp.rank == 0 and committed is None:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    outcome = dp.broadcast_object(failed)
+    if outcome:
+        rank, err = outcome[0]  # type: ignore[index]
+        raise _explained(OffloadIOError(5, f"rank {rank} could not write its part of checkpoint {path!r}: "
+                                           f"{err}; nothing was switched", path, 0, 0, "save"), path)
+    return path
+
+
+def _described(exc: BaseException, path: str) -> str:
+    return str(exc) or f"{type(exc).__name__} while saving {path!r}"
+
+
+def _write_part_file(groups: list, mine: Parts, path: str, algorithm: str, bar: tqdm) -> Dict[str, Any]:
+    """This rank's parts of each state section, per parameter, streamed chunk by chunk from its stores."""
+    entries = []
+    for _block, group, state in groups:
+        if state is None:
+            continue
+        for kind in STATE_KINDS:
+            for slot in group.trainable_slots:
+                if slot.name in mine:
+                    a, b = mine[slot.name]
+                    entries.append(Entry(f"{kind}/{slot.name}", torch.float32, (b - a,)))
+    writer = TensorFileWriter(path, entries, algorithm, {"format": "pt"})
+    try:
+        for _block, group, state in groups:
+            if state is None:
+                continue
+            with state.store.reading() as chunks:
+                for start, stop, views in chunks:
+                    for kind, view in zip(STATE_KINDS, views):
+                        for index, first, _lo, piece in state_io.pieces(group, start, stop, view):
+                            name = group.trainable_slots[index].name
+                            data = memoryview(piece.contiguous().view(torch.uint8).numpy())
+                            writer.put(f"{kind}/{name}", 4 * (first - mine[name][0]), data)
+                    bar.update(12 * (stop - start))
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return {"size": os.path.getsize(path), "checksums": writer.checksums}
+
+
+def _write_manifest(engine: "CheckpointTarget", tmp: str, groups: list, layout: Any, algorithm: str,
+                    files: Dict[str, Dict[str, Any]], world: int, parts: Sequence[Parts], scheduler: bool,
+                    rng: bool) -> None:
+    counters = engine.checkpoint_counters()
+    names = {id(p): name for name, p in engine.module.named_parameters()}
+    write_manifest(tmp, {
+        "format": FORMAT, "version": VERSION, "created": time.time(), "checksum": algorithm,
+        "tier": engine.policy.tier.value, "compute_dtype": str(engine.policy.dtype).replace("torch.", ""),
+        "step": counters["steps"], "skipped_steps": counters["skipped_steps"],
+        "param_groups": [dict(jsonable_group(g), param_names=[names[id(p)] for p in g["params"]])
+                         for g in engine.optimizer.param_groups],
+        "blocks": layout.blocks, "tied": layout.tied, "block_of": layout.block_of, "files": files,
+        "world_size": world,
+        "optimizer_parts": [{"file": optimizer_file(r, world), "parts": parts[r]} for r in range(world)],
+        "scheduler": SCHEDULER_FILE if scheduler else None,
+        "rng": [rng_file(r, world) for r in range(world)] if rng else None,
+    })
+
+
+class PartsReader:
+    """The optimizer state of a checkpoint saved by several ranks, read like one file: any element range of
+    any `<kind>/<name>` tensor, from whichever rank files hold it."""
+
+    def __init__(self, directory: str, manifest: Dict[str, Any], blocks: Dict[str, str]) -> None:
+        self._readers: List[TensorFileReader] = []
+        self._parts: Dict[str, List[Tuple[TensorFileReader, int, int]]] = {}  # param -> (file, a, b), by a
+        try:
+            for record in manifest["optimizer_parts"]:
+                info = manifest["files"].get(record["file"])
+                if info is None:
+                    raise OffloadIntegrityError(f"the manifest of {directory!r} lists no {record['file']}", directory)
+                reader = TensorFileReader(os.path.join(directory, record["file"]), info["checksums"],
+                                          manifest["checksum"], blocks)
+                self._readers.append(reader)
+                for name, (a, b) in record["parts"].items():
+                    self._parts.setdefault(name, []).append((reader, a, b))
+        except BaseException:
+            self.close()
+            raise
+        for pieces in self._parts.values():
+            pieces.sort(key=lambda piece: piece[1])
+
+    def require(self, name: str, numel: int, dtype: Optional[torch.dtype] = None) -> None:
+        """The rank files together hold all `numel` elements of `name`, each part with its size."""
+        kind, param = name.split("/", 1)
+        covered = 0
+        for reader, a, b in self._parts.get(param, []):
+            if a != covered:
+                break
+            reader.require(name, b - a, dtype)
+            covered = b
+        if covered != numel:
+            raise OffloadIntegrityError(
+                f"the optimizer files of this checkpoint hold {covered} of the {numel} elements of {name!r} "
+                "(a rank's file is missing, or the checkpoint belongs to another model)",
+                self._readers[0].path if self._readers else "")
+
+    def read_at(self, name: str, start: int, out: Tensor) -> None:
+        """Bytes [start, ...) of tensor `name` (fp32) into `out`, from the files holding those elements."""
+        kind, param = name.split("/", 1)
+        first, stop = start // 4, start // 4 + out.numel()
+        for reader, a, b in self._parts[param]:
+            lo, hi = max(first, a), min(stop, b)
+            if lo < hi:
+                reader.read_at(name, 4 * (lo - a), out[lo - first:hi - first])
+
+    def verify_all(self, scratch: memoryview, progress: Any = lambda n: None) -> None:
+        for reader in self._readers:
+            reader.verify_all(scratch, progress)
+
+    def span(self, names: Sequence[str]) -> Optional[Tuple[int, int]]:
+        return None  # parts are never cloned copy-on-write
+
+    def close(self) -> None:
+        for reader in self._readers:
+            reader.close()
+
+    def __enter__(self) -> "PartsReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
