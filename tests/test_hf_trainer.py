@@ -179,3 +179,39 @@ def test_resuming_from_a_plain_trainer_checkpoint_is_refused(tmp_path: Path) -> 
     ours = OffloadTrainer(model=_model(), args=_args(tmp_path), train_dataset=_dataset(), offload=dict(tier="cpu"))
     with pytest.raises(OffloadConfigError, match="no offload/ engine checkpoint"):
         ours.train(resume_from_checkpoint=str(checkpoint))
+
+
+@pytest.mark.parametrize("tier", ["nvme"])
+def test_under_torchrun_trains_data_parallel_as_the_plain_trainer_and_resumes(tier: str, tmp_path: Path,
+                                                                             reference: Any) -> None:
+    """2 ranks (gloo), one sample each per micro-batch: the same logged losses and norms and the same final
+    weights as the plain Trainer taking both samples in one process; resumed from checkpoint-3 on 2 ranks,
+    it continues with the same logs."""
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with the gloo backend is not in this build")
+    root = Path(__file__).resolve().parent.parent
+
+    def launch(*extra: str) -> None:
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                               str(root / "tests" / "trainer_dp_child.py"), str(root), str(tmp_path), tier, *extra],
+                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-6000:]
+
+    want_logs, want_weights = reference
+    launch()
+    trained = torch.load(tmp_path / "trained.pt", weights_only=False)
+    _assert_same_logs(trained["logs"], want_logs)
+    assert max((want_weights[k].float() - v.float()).abs().max().item() for k, v in trained["weights"].items()) <= TOL
+    checkpoint = tmp_path / "run" / "checkpoint-3"
+    assert sorted(p.name for p in (checkpoint / "offload").glob("optimizer-*")) == [
+        "optimizer-00000-of-00002.safetensors", "optimizer-00001-of-00002.safetensors"]
+    launch(str(checkpoint))
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
+    _assert_same_logs([entry for entry in resumed["logs"] if entry[0] > 3],  # 1-3: the checkpoint's history
+                      [entry for entry in want_logs if entry[0] > 3])
+    assert max((want_weights[k].float() - v.float()).abs().max().item() for k, v in resumed["weights"].items()) <= TOL

@@ -84,7 +84,8 @@ class OffloadTrainer(transformers.Trainer):
         if args.deepspeed or getattr(self, "is_deepspeed_enabled", False):
             problems.append("deepspeed (offload replaces DeepSpeed's ZeRO-Offload: drop the deepspeed config)")
         if args.fsdp or getattr(self, "is_fsdp_enabled", False):
-            problems.append("fsdp (offload trains one process: drop the fsdp options)")
+            problems.append("fsdp (offload shards the optimizer state across torchrun's ranks itself: drop the "
+                            "fsdp options)")
         if args.n_gpu > 1:
             problems.append(f"{args.n_gpu} GPUs in one process (nn.DataParallel cannot replicate the engine: "
                             "CUDA_VISIBLE_DEVICES=<one GPU>)")
@@ -131,6 +132,17 @@ class OffloadTrainer(transformers.Trainer):
         the gradient norm) going to the engine, which holds the gradients."""
         super().create_accelerator_and_postprocess()
         self.accelerator.clip_grad_norm_ = self._clip_grad_norm_through_engine  # type: ignore[method-assign]
+        self._prepare_model = self.accelerator.prepare_model
+        self.accelerator.prepare_model = self._prepare_without_ddp  # type: ignore[method-assign]
+
+    def _prepare_without_ddp(self, model: nn.Module, device_placement: Optional[bool] = None,
+                             evaluation_mode: bool = False) -> nn.Module:
+        """accelerate's prepare_model for the engine's module: its autocast for bf16, but no device placement
+        and no DistributedDataParallel (under torchrun the engine trains data-parallel itself, and DDP around
+        it is refused)."""
+        if self.engine is not None and model is self.engine.module:
+            return self._prepare_model(model, device_placement=False, evaluation_mode=True)
+        return self._prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
     def _clip_grad_norm_through_engine(self, parameters: Iterable[Any], max_norm: float,
                                        norm_type: float = 2.0) -> torch.Tensor:
@@ -162,8 +174,10 @@ class OffloadTrainer(transformers.Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """The engine's checkpoint (master weights, Adam moments and steps, the LR scheduler) in `offload/`
-        inside `checkpoint-N`: engine.save replaces its whole directory atomically."""
-        if self.args.should_save:
+        inside `checkpoint-N`: engine.save replaces its whole directory atomically. Data-parallel: every rank
+        saves its part of the optimizer state (the Trainer calls this on every rank)."""
+        assert self.engine is not None
+        if self.args.should_save or self.engine.data_parallel is not None:
             assert self.engine is not None
             self.engine.save(os.path.join(output_dir, CHECKPOINT_SUBDIR), scheduler=self.lr_scheduler)
 
