@@ -60,6 +60,8 @@ def train(case: dict, out: str) -> None:
             engine.save(os.path.join(out, case["save"]))
         for idx, tgt in step:
             loss = engine(rank_part(idx, rank, world), rank_part(tgt, rank, world))
+            if tuple(case.get("nan_at") or ()) == (done, rank):  # one rank's gradients non-finite at this step
+                loss = loss * float("nan")
             (loss / len(step)).backward()
             mean = loss.detach().clone()
             dist.all_reduce(mean)

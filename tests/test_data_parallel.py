@@ -231,3 +231,33 @@ def test_a_rank_that_fails_to_save_switches_nothing(tmp_path):
     assert read_manifest(str(tmp_path / "ck"))["step"] == 1
     assert not list(tmp_path.glob("ck.tmp-*"))
     optimizer_tensors(tmp_path / "ck")  # every part there, checksums verified
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_a_nonfinite_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    """Rank 1's loss is NaN at step 2: with clipping (the global norm decides) and without (each block
+    decides), every rank skips that step together and the ranks stay bit-identical; the run then equals
+    one that never had step 2's batch."""
+    cases = [dict(name="nan-clip", tier="cpu", steps=3, micro=1, max_grad_norm=1.0, nan_at=[1, 1], lr=1e-3),
+             dict(name="nan-blocks", tier="nvme", steps=3, micro=1, nan_at=[1, 1], lr=1e-3)]
+    run_ranks(tmp_path, cases)
+    for case in cases:
+        result = torch.load(tmp_path / f"{case['name']}.pt", weights_only=False)
+        assert all(result["agree"]), case["name"]
+        assert result["stats"]["skipped_steps"] == 1, (case["name"], result["stats"]["skipped_steps"])
+        assert result["stats"]["optimizer_state_bytes"] > 0
+        batches = make_batches(3, 1)  # the same batches with step 2 left out
+        torch.manual_seed(0)
+        model = TinyGPT()
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, foreach=False)
+        for i in (0, 2):
+            (idx, tgt), = batches[i]
+            model(idx, tgt).backward()
+            if case.get("max_grad_norm"):
+                torch.nn.utils.clip_grad_norm_(params, case["max_grad_norm"])
+            opt.step()
+            opt.zero_grad()
+        for name, value in model.state_dict().items():
+            err = (result["weights"][name].float() - value).abs().max().item()
+            assert err < 1e-5, (case["name"], name, err)
