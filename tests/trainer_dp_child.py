@@ -8,7 +8,6 @@ and the final weights to <out>/<run>.pt.
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 

@@ -18,7 +18,6 @@ failed makes every rank raise, and the previous checkpoint stays.
 from __future__ import annotations
 
 import os
-import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -28,7 +27,7 @@ from tqdm import tqdm
 from offload.checkpoint import rng as rng_state
 from offload.checkpoint import state_io
 from offload.checkpoint.atomic import begin, fsync_dir, publish
-from offload.checkpoint.manifest import FORMAT, MODEL_FILE, SCHEDULER_FILE, VERSION, jsonable_group, write_manifest
+from offload.checkpoint.manifest import MODEL_FILE, SCHEDULER_FILE, write_manifest
 from offload.checkpoint.tensor_file import Entry, TensorFileReader, TensorFileWriter
 from offload.checksum import preferred_algorithm
 from offload.errors import OffloadIntegrityError, OffloadIOError
@@ -110,7 +109,7 @@ def save_parts(engine: "CheckpointTarget", dp: "DataParallel", path: str, schedu
             every: Dict[str, Dict[str, Any]] = {}
             for _err, theirs, _m in results:  # type: ignore[misc]
                 every.update(theirs)
-            _write_manifest(engine, tmp, groups, layout, algorithm, every, dp.world,
+            _write_manifest(engine, tmp, layout, algorithm, every, dp.world,
                             [m for _e, _f, m in results], scheduler is not None, rng)  # type: ignore[misc]
             fsync_dir(tmp)
             publish(tmp, path)
@@ -164,23 +163,17 @@ def _write_part_file(groups: list, mine: Parts, path: str, algorithm: str, bar: 
     return {"size": os.path.getsize(path), "checksums": writer.checksums}
 
 
-def _write_manifest(engine: "CheckpointTarget", tmp: str, groups: list, layout: Any, algorithm: str,
+def _write_manifest(engine: "CheckpointTarget", tmp: str, layout: Any, algorithm: str,
                     files: Dict[str, Dict[str, Any]], world: int, parts: Sequence[Parts], scheduler: bool,
                     rng: bool) -> None:
-    counters = engine.checkpoint_counters()
-    names = {id(p): name for name, p in engine.module.named_parameters()}
-    write_manifest(tmp, {
-        "format": FORMAT, "version": VERSION, "created": time.time(), "checksum": algorithm,
-        "tier": engine.policy.tier.value, "compute_dtype": str(engine.policy.dtype).replace("torch.", ""),
-        "step": counters["steps"], "skipped_steps": counters["skipped_steps"],
-        "param_groups": [dict(jsonable_group(g), param_names=[names[id(p)] for p in g["params"]])
-                         for g in engine.optimizer.param_groups],
-        "blocks": layout.blocks, "tied": layout.tied, "block_of": layout.block_of, "files": files,
-        "world_size": world,
-        "optimizer_parts": [{"file": optimizer_file(r, world), "parts": parts[r]} for r in range(world)],
-        "scheduler": SCHEDULER_FILE if scheduler else None,
-        "rng": [rng_file(r, world) for r in range(world)] if rng else None,
-    })
+    from offload.checkpoint.writer import manifest_fields
+
+    write_manifest(tmp, dict(
+        manifest_fields(engine, layout, algorithm, files), world_size=world,
+        optimizer_parts=[{"file": optimizer_file(r, world), "parts": parts[r]} for r in range(world)],
+        scheduler=SCHEDULER_FILE if scheduler else None,
+        rng=[rng_file(r, world) for r in range(world)] if rng else None,
+    ))
 
 
 class PartsReader:

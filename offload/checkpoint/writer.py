@@ -137,19 +137,27 @@ def _save(engine: "CheckpointTarget", path: str, scheduler: Any, rng: bool, prog
         files[MODEL_FILE] = _write_weights(engine, groups, layout, os.path.join(tmp, MODEL_FILE), algorithm, bar)
         files[OPTIMIZER_FILE], transfer = _write_optimizer(groups, layout, os.path.join(tmp, OPTIMIZER_FILE),
                                                            algorithm, bar)
-        counters = engine.checkpoint_counters()
-        names = {id(p): name for name, p in engine.module.named_parameters()}  # tied: the first name
-        write_manifest(tmp, {
-            "format": FORMAT, "version": VERSION, "created": time.time(), "checksum": algorithm,
-            "tier": engine.policy.tier.value, "compute_dtype": str(engine.policy.dtype).replace("torch.", ""),
-            "step": counters["steps"], "skipped_steps": counters["skipped_steps"],
-            "param_groups": [dict(jsonable_group(g), param_names=[names[id(p)] for p in g["params"]])
-                             for g in engine.optimizer.param_groups],
-            "blocks": layout.blocks, "tied": layout.tied, "block_of": layout.block_of, "files": files,
-            "scheduler": SCHEDULER_FILE if scheduler is not None else None, "rng": RNG_FILE if rng else None,
-            "optimizer_state_transfer": transfer,  # bytes cloned copy-on-write from the swap file vs written
-        })
+        write_manifest(tmp, dict(
+            manifest_fields(engine, layout, algorithm, files),
+            scheduler=SCHEDULER_FILE if scheduler is not None else None, rng=RNG_FILE if rng else None,
+            optimizer_state_transfer=transfer,  # bytes cloned copy-on-write from the swap file vs written
+        ))
     return path
+
+
+def manifest_fields(engine: "CheckpointTarget", layout: _Layout, algorithm: str,
+                    files: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """What every manifest records (manifest.py), whoever wrote the files."""
+    counters = engine.checkpoint_counters()
+    names = {id(p): name for name, p in engine.module.named_parameters()}  # tied: the first name
+    return {
+        "format": FORMAT, "version": VERSION, "created": time.time(), "checksum": algorithm,
+        "tier": engine.policy.tier.value, "compute_dtype": str(engine.policy.dtype).replace("torch.", ""),
+        "step": counters["steps"], "skipped_steps": counters["skipped_steps"],
+        "param_groups": [dict(jsonable_group(g), param_names=[names[id(p)] for p in g["params"]])
+                         for g in engine.optimizer.param_groups],
+        "blocks": layout.blocks, "tied": layout.tied, "block_of": layout.block_of, "files": files,
+    }
 
 
 def _write_weights(engine: "CheckpointTarget", groups: list, layout: _Layout, path: str, algorithm: str,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, List, Optional, Tuple
 
-import torch
 from torch import Tensor
 
 from offload.data_parallel import Shard
@@ -92,7 +91,3 @@ class ShardedStore:
 
     def swap_sections(self) -> Optional[SwapSections]:
         return None  # a part's sections are not a checkpoint file's: no copy-on-write clones
-
-
-def empty_views() -> Views:
-    return (torch.empty(0), torch.empty(0), torch.empty(0))
