@@ -72,3 +72,16 @@ def test_trace_step_quick(tmp_path):
     kinds = {(e["tid"], e["cat"]) for e in events if e["ph"] == "X"}
     assert (threads["training thread"], "backward") in kinds and (threads["update worker"], "update") in kinds
     assert ("picture:" in out) == (tmp_path / "t.png").exists()
+
+
+def test_bench_dp_quick(tmp_path):
+    """Two ranks over gloo (torchrun per rival and round): offload's data-parallel mode on the cpu and nvme tiers
+    and torch DDP + AdamW each train and report step time, peak RSS and optimizer state per rank; DeepSpeed
+    prints why it was skipped where it is not importable; the swap directory is removed."""
+    out = _run(["benchmarks/bench_dp.py", "--quick", "--nvme-path", str(tmp_path)])
+    for rival in ("offload cpu tier (DP)", "offload nvme tier (DP)", "torch DDP + AdamW", "DeepSpeed ZeRO-2"):
+        assert rival in out, out
+    for column in ("step_ms", "peak_rss_MB", "state_MB", "step_vs_ddp"):
+        assert column in out, out
+    assert "FAILED" not in out, out
+    assert list(tmp_path.iterdir()) == []  # every rank's swap file and directory removed
