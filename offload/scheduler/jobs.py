@@ -2,7 +2,7 @@
 
 A job is made on the training thread when the block's update is scheduled (it captures what must not
 change before it runs: which parameters have gradients, the hyperparameters, where new weights go) and
-run on the worker by the pipeline's `run_block_update` / `run_block_norms`.
+run on the worker by `BlockJobs.run_block_update` / `run_block_norms` (block_jobs.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ its updated weights, fetch it if streamed) and `post_forward`; `end_root_forward
 `begin_backward` (the first gradient of the module's outputs), then `on_grad` per parameter (the gradient
 leaves the device into its group's accumulator; when the declared last backward completes a block, its
 update is scheduled at once). `schedule_step` (optimizer.step()) schedules every block not updated early;
-the worker runs each `UpdateJob` in `run_block_update`. The path of one gradient: autograd ->
+the worker runs each `UpdateJob` in `BlockJobs.run_block_update` (block_jobs.py). The path of one gradient: autograd ->
 `on_grad` -> `GradAccumulator.accumulate` -> `UpdateJob` -> `run_block_update` -> `GroupState.update`
 -> `adamw` over the group's `StateStore` (memory, or the swap file through the ring) -> the weight home
 -> `push` at the block's next `pre_forward`. See docs/design.md, "Map", and the Notes cited below.
@@ -32,6 +32,7 @@ from offload.scheduler.block import Block, Residency
 from offload.scheduler.clipping import clip_in_place, clip_scale_of, global_norm
 from offload.scheduler.forward_order import ForwardOrder
 from offload.scheduler.grad_accumulator import released_gradient
+from offload.scheduler.block_jobs import BlockJobs
 from offload.scheduler.grad_sync import GradSync
 from offload.scheduler.grads import BackwardTracker
 from offload.scheduler.held_grad import is_held
@@ -69,7 +70,6 @@ class StepPipeline:
         self.tracker = BackwardTracker(policy.grad_accumulation_steps)
         self.streamer = tiers.streamer
         self.counters = StepCounters()
-        self.nonfinite = NonFiniteSkips()
         self.clock = PhaseClock()
         defaults = dict(lr=policy.lr, betas=policy.betas, eps=policy.eps, weight_decay=policy.weight_decay)
         self.optimizer = EngineOptimizer(optimizer_groups, defaults, self.step, self.zero_grad)
@@ -81,6 +81,7 @@ class StepPipeline:
         self._early_hyper: Optional[Tuple[AdamHyper, ...]] = None
         self._saved_tensor_hooks: List[object] = []
         self.weights = ModuleWeights(blocks, self)  # the module's own state_dict/load_state_dict, weight writes
+        self.jobs = BlockJobs(tracer, self.counters, self.weights, num_threads, self.sync)  # run on the worker
         self._root_grad_enabled = False  # whether the root forward in progress records a graph
 
     # ----- forward -----------------------------------------------------------------------------------
@@ -178,7 +179,7 @@ class StepPipeline:
                 self.counters.early_block_updates += 1
                 self.submit_update(block, self._early_hyper, 1.0)
             else:
-                self.worker.submit(block.block.index, NormJob(block, self.run_block_norms), self._priority(block))
+                self.worker.submit(block.block.index, NormJob(block, self.jobs.run_block_norms), self._priority(block))
 
     def _offload_grad(self, ref: SlotRef, param: nn.Parameter) -> None:
         """Move `param.grad` into its accumulator and leave the stand-in there ([Note: where a gradient is
@@ -288,64 +289,12 @@ class StepPipeline:
         if runtime.streamed:
             self.streamer.invalidate(runtime.block)  # disk reads a prefetch started would be stale
         job = UpdateJob(runtime, parts, grad_scale, self.policy.max_grad_norm is None, self.counters.steps,
-                        self.run_block_update)
+                        self.jobs.run_block_update)
         self.worker.submit(runtime.block.index, job, self._priority(runtime))
         self.counters.block_updates += 1
         self.order.known = True
         if runtime.pushes:
             runtime.needs_push = True
-
-    def run_block_update(self, job: UpdateJob) -> None:
-        """On the worker: AdamW over each group of the block; a group with non-finite gradients (no
-        clipping: the global norm does not decide) keeps its state, counted and warned once per step."""
-        start = time.perf_counter()
-        if self.sync is not None:
-            with self.tracer.span("update", job.block.block.name):
-                self._run_data_parallel_update(job, self.sync)
-            self.counters.update_seconds += time.perf_counter() - start
-            return
-        with self.tracer.span("update", job.block.block.name):
-            for part in job.parts:
-                state = part.runtime.state
-                assert state is not None
-                if job.check_finite and not state.grads.all_finite(self.worker.num_threads):
-                    self.nonfinite.record(job.step, job.block.block.name)
-                    state.store.discard()  # its announced reads would otherwise hold ring slots
-                    state.grads.release()
-                    continue
-                part.runtime.home.release_source()  # the last upload of `out` has read it
-                state.update(part.ready, part.hypers, job.grad_scale, part.out, self.worker.num_threads)
-                state.grads.release()  # the gradient window (nvme, declared accumulation) gets its bytes back
-                self.weights.note_writes_during_update(part.runtime, job.block)
-        self.counters.update_seconds += time.perf_counter() - start
-
-    def _run_data_parallel_update(self, job: UpdateJob, sync: GradSync) -> None:
-        """Average the block's gradients into this rank's part, step that part, gather every rank's part.
-        Every rank takes the same decisions (which parameters step, whether to skip), so their weights stay
-        bit-identical. See data_parallel.py."""
-        readies = sync.reduce(job.block, job.step, [part.ready for part in job.parts])
-        skip = job.check_finite and sync.nonfinite(job.block)
-        if skip:
-            self.nonfinite.record(job.step, job.block.block.name)
-        for part, ready in zip(job.parts, readies):
-            state = part.runtime.state
-            assert state is not None and part.out is not None
-            if ready and not skip:
-                part.runtime.home.release_source()
-                state.update(ready, part.hypers, job.grad_scale, part.out, self.worker.num_threads)
-                sync.gather(state, part.out)
-                self.weights.note_writes_during_update(part.runtime, job.block)
-            else:
-                state.store.discard()
-            state.grads.release()
-        job.block.forget_averages()
-
-    def run_block_norms(self, job: NormJob) -> None:
-        if self.sync is not None:  # this rank's share of the squared norm of the averaged gradients
-            self.sync.reduce(job.block, self.counters.steps)
-            job.block.shard_sumsq = self.sync.shard_sumsq(job.block)
-            return
-        job.block.norms = [n for state in job.block.states for n in state.grads.norms()]
 
     def _global_norm(self, max_norm: float) -> Tuple[float, float]:
         """(total norm, gradient scale) over every rank's gradients (the worker is idle). Data-parallel:
@@ -356,7 +305,7 @@ class StepPipeline:
         for index in self.order.update_order():
             runtime = _runtime(self.blocks[index])
             if runtime.states and runtime.shard_sumsq is None:
-                self.worker.submit(index, NormJob(runtime, self.run_block_norms), self._priority(runtime))
+                self.worker.submit(index, NormJob(runtime, self.jobs.run_block_norms), self._priority(runtime))
         self.worker.wait_all()
         local = sum(_runtime(b).shard_sumsq or 0.0 for b in self.blocks)
         return clip_scale_of(math.sqrt(self.dp.sum_all(local)), max_norm)
@@ -409,10 +358,7 @@ class StepPipeline:
                 "clips before any update, or leave grad_accumulation_steps unset")
         self._collect_grads()
         self.worker.wait_all()  # norm jobs, and (overlap_step) updates that still read the gradients
-        if self.dp is not None:
-            total_norm, coef = self._global_norm(max_norm)
-            return clip_in_place(self.blocks, self.slots, max_norm, error_if_nonfinite, (total_norm, coef))
-        return clip_in_place(self.blocks, self.slots, max_norm, error_if_nonfinite)
+        return clip_in_place(self.blocks, self.slots, max_norm, error_if_nonfinite, self._global_norm(max_norm))
 
     # ----- the user's model.state_dict() and model.load_state_dict() (module_weights.py) ---------------
     def before_state_dict(self, blocks: Optional[List[Block]] = None) -> None:
@@ -505,7 +451,7 @@ class StepPipeline:
     def restore_counters(self, steps: int, skipped_steps: int) -> None:
         """A checkpoint's step counts (its skips for non-finite gradients are part of `skipped_steps`)."""
         self.counters.steps, self.counters.skipped_steps = steps, skipped_steps
-        self.nonfinite = NonFiniteSkips()
+        self.jobs.nonfinite = NonFiniteSkips()
 
     def check_open(self) -> None:
         if self.closed:
@@ -539,7 +485,7 @@ class StepPipeline:
         self.tiers.ring.announce(_disk_groups([self.blocks[i] for i in block_indices]), replace=True)
 
     def stats(self) -> Dict[str, float]:
-        return engine_stats(self.counters, self.nonfinite, self.clock, self.tiers, self.blocks)
+        return engine_stats(self.counters, self.jobs.nonfinite, self.clock, self.tiers, self.blocks)
 
 
 def _runtime(block: Block) -> BlockRuntime:
