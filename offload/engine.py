@@ -147,15 +147,17 @@ class Engine:
         return self._pipeline.tracer.add(observer)
 
     # ----- checkpoints (offload.checkpoint.target.CheckpointTarget) ------------------------------------
-    def save(self, path: str, *, scheduler: Any = None, rng: bool = False, progress: Optional[bool] = None) -> str:
+    def save(self, path: str, *, scheduler: Any = None, data: Any = None, rng: bool = False,
+             progress: Optional[bool] = None) -> str:
         """Save weights (`model.safetensors`, readable without offload), optimizer state, step counters and,
-        when given, the LR scheduler's and the RNG states into directory `path`, atomically: a kill at any
+        when given, the LR scheduler's, the data stream's (`data`: an `offload.data.TokenWindows` or anything
+        with state_dict/load_state_dict) and the RNG states into directory `path`, atomically: a kill at any
         moment leaves the previous checkpoint or the new one. Streams one flat group at a time."""
         self._pipeline.check_open()
         with self._pipeline.engine_reads():  # the writer reads module.state_dict() for the entries' names
             if self.data_parallel is not None:  # every rank its part, committed together (checkpoint/sharded.py)
-                return save_parts(self, self.data_parallel, path, scheduler, rng, progress)
-            return save_checkpoint(self, path, scheduler=scheduler, rng=rng, progress=progress)
+                return save_parts(self, self.data_parallel, path, _stateful(scheduler, data), rng, progress)
+            return save_checkpoint(self, path, stateful=_stateful(scheduler, data), rng=rng, progress=progress)
 
     def save_pretrained(self, path: str, max_shard_size: Any = "5GB", *, progress: Optional[bool] = None) -> str:
         """Export the trained weights for `from_pretrained`, as transformers' `save_pretrained` lays them out:
@@ -173,19 +175,20 @@ class Engine:
         with self._pipeline.engine_reads():  # the exporter reads module.state_dict() for the names
             return export_pretrained(self, path, max_shard_size, progress)
 
-    def load(self, path: str, *, scheduler: Any = None, rng: bool = False, progress: Optional[bool] = None) -> dict:
+    def load(self, path: str, *, scheduler: Any = None, data: Any = None, rng: bool = False,
+             progress: Optional[bool] = None) -> dict:
         """Load a checkpoint saved by any tier (keyed by parameter names); training then continues exactly as
         it would have. Damaged or missing files raise OffloadIntegrityError naming the file and block, and
         leave the engine as it was: every tensor is verified in a first pass before anything changes."""
         self._pipeline.check_open()
         if self.data_parallel is None:
             with self._pipeline.replacing_state():
-                return load_checkpoint(self, path, scheduler=scheduler, rng=rng, progress=progress)
+                return load_checkpoint(self, path, stateful=_stateful(scheduler, data), rng=rng, progress=progress)
         failure: Optional[BaseException] = None
         manifest: dict = {}
         try:
             with self._pipeline.replacing_state():
-                manifest = load_checkpoint(self, path, scheduler=scheduler, rng=rng, progress=progress)
+                manifest = load_checkpoint(self, path, stateful=_stateful(scheduler, data), rng=rng, progress=progress)
         except Exception as exc:  # noqa: BLE001 - raised below, after every rank knows
             failure = exc
         failed = [(rank, err) for rank, err in enumerate(self.data_parallel.all_gather_object(
@@ -251,6 +254,16 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"Engine(tier={self.policy.tier.value}, blocks={len(self.blocks)}, device={self.policy.device})"
+
+
+def _stateful(scheduler: Any, data: Any) -> Dict[str, Any]:
+    """The objects saved and loaded beside the engine through their state_dict(), by keyword."""
+    given = {"scheduler": scheduler, "data": data}
+    for kind, obj in given.items():
+        if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise OffloadConfigError(f"{kind}={type(obj).__name__} has no state_dict()/load_state_dict(); pass an "
+                                     f"object that has both (an LR scheduler, an offload.data.TokenWindows)")
+    return {kind: obj for kind, obj in given.items() if obj is not None}
 
 
 def _refuse_wrapped(module: nn.Module) -> None:

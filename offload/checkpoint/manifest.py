@@ -4,7 +4,7 @@ Keys: `format`/`version`; `tier` and `compute_dtype` of the engine that saved; `
 `step`, `skipped_steps`; `param_groups` (hyperparameters without the params); `blocks` (per block, per
 flat group: dtype and each parameter's name, shape, element offset, trainable flag and Adam step count);
 `tied` (alias name -> stored name); `files` (per file: size, and per tensor its checksum and block);
-`scheduler`, `rng` (file names or null).
+`scheduler`, `data`, `rng` (file names or null).
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng.pt"
+DATA_FILE = "data.pt"
+# objects saved beside the engine through their state_dict(): the keyword (and manifest key) -> file
+STATEFUL_FILES = {"scheduler": SCHEDULER_FILE, "data": DATA_FILE}
 
 
 def write_manifest(directory: str, manifest: Dict[str, Any]) -> None:

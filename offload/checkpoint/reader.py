@@ -36,8 +36,8 @@ if TYPE_CHECKING:
 VERIFY_BYTES = 16 << 20  # the first pass reads through one buffer of this size (two halves), whatever the size
 
 
-def load_checkpoint(engine: "CheckpointTarget", path: str, *, scheduler: Any = None, rng: bool = False,
-                    progress: Optional[bool] = None) -> Dict[str, Any]:
+def load_checkpoint(engine: "CheckpointTarget", path: str, *, stateful: Optional[Dict[str, Any]] = None,
+                    rng: bool = False, progress: Optional[bool] = None) -> Dict[str, Any]:
     """Load into `engine`; returns the manifest. See `Engine.load`."""
     directory = resolve(path)
     manifest = read_manifest(directory)
@@ -51,15 +51,16 @@ def load_checkpoint(engine: "CheckpointTarget", path: str, *, scheduler: Any = N
     for name in (MODEL_FILE,) if parts else (MODEL_FILE, OPTIMIZER_FILE):
         if name not in manifest["files"]:
             raise OffloadIntegrityError(f"the manifest of {directory!r} lists no {name}", directory)
+    stateful = stateful or {}
     extras = {}
-    for kind, key in (("scheduler", "scheduler"), ("rng", "rng")):
-        wanted = scheduler is not None if kind == "scheduler" else rng
-        if wanted:
-            if not manifest.get(key):
-                raise OffloadConfigError(f"checkpoint {directory!r} was saved without {kind} state; "
-                                         f"save with {kind}={'scheduler' if kind == 'scheduler' else 'True'}")
-            file = manifest[key] if kind == "scheduler" else _rng_file_of(engine, manifest, directory)
-            extras[kind] = _read_pickle(os.path.join(directory, file), manifest["files"][file], algorithm)
+    for kind in list(stateful) + (["rng"] if rng else []):
+        if not manifest.get(kind):
+            raise OffloadConfigError(f"checkpoint {directory!r} was saved without {kind} state; save with "
+                                     f"{kind}={'True' if kind == 'rng' else kind}, or load without it")
+        file = manifest[kind] if kind != "rng" else _rng_file_of(engine, manifest, directory)
+        extras[kind] = _read_pickle(os.path.join(directory, file), manifest["files"][file], algorithm)
+    if "data" in extras:  # first: a data stream that refuses its state (other files) fails before any change
+        stateful["data"].load_state_dict(extras["data"])
     model_info = manifest["files"][MODEL_FILE]
     optim_files = [p["file"] for p in parts] if parts else [OPTIMIZER_FILE]
     total = model_info["size"] + sum(manifest["files"].get(f, {"size": 0})["size"] for f in optim_files)
@@ -91,7 +92,7 @@ def load_checkpoint(engine: "CheckpointTarget", path: str, *, scheduler: Any = N
                           if k != "param_names"})
     engine.restore_counters({"steps": manifest["step"], "skipped_steps": manifest.get("skipped_steps", 0)})
     if "scheduler" in extras:
-        scheduler.load_state_dict(extras["scheduler"])
+        stateful["scheduler"].load_state_dict(extras["scheduler"])
     if "rng" in extras:
         rng_state.restore(extras["rng"])
     return manifest

@@ -3,7 +3,7 @@ checkpoint directory, committed atomically across the ranks, loadable at any wor
 
 Files: `model.safetensors` (rank 0; every rank holds the same weights: still a plain full-weights file),
 `optimizer-<r>-of-<N>.safetensors` (rank r: for each parameter its elements [a, b) of `master/`,
-`exp_avg/`, `exp_avg_sq/`, as 1-D tensors), `scheduler.pt` (rank 0), `rng-<r>-of-<N>.pt` (each rank's own
+`exp_avg/`, `exp_avg_sq/`, as 1-D tensors), `scheduler.pt` and `data.pt` (rank 0), `rng-<r>-of-<N>.pt` (each rank's own
 generators, when asked), `manifest.json` last. The manifest's `optimizer_parts` records for each file the
 range [a, b) of each parameter it holds, so `PartsReader` can serve any element range of any parameter to
 an engine of any world size (a single-process checkpoint loads into N ranks through the plain reader:
@@ -27,7 +27,7 @@ from tqdm import tqdm
 from offload.checkpoint import rng as rng_state
 from offload.checkpoint import state_io
 from offload.checkpoint.atomic import begin, fsync_dir, publish
-from offload.checkpoint.manifest import MODEL_FILE, SCHEDULER_FILE, write_manifest
+from offload.checkpoint.manifest import MODEL_FILE, write_manifest
 from offload.checkpoint.tensor_file import Entry, TensorFileReader, TensorFileWriter
 from offload.checksum import preferred_algorithm
 from offload.errors import OffloadIntegrityError, OffloadIOError
@@ -62,10 +62,10 @@ def parts_of(groups: list) -> Parts:
     return parts
 
 
-def save_parts(engine: "CheckpointTarget", dp: "DataParallel", path: str, scheduler: Any, rng: bool,
+def save_parts(engine: "CheckpointTarget", dp: "DataParallel", path: str, stateful: Dict[str, Any], rng: bool,
                progress: Optional[bool]) -> str:
     """engine.save() on every rank of a data-parallel engine (see the module docstring)."""
-    from offload.checkpoint.writer import _explained, _layout, _progress, _write_pickle, _write_weights
+    from offload.checkpoint.writer import _explained, _layout, _progress, _write_pickle, _write_weights, write_stateful
 
     path = os.path.abspath(os.fspath(path))
     groups = list(engine.checkpoint_groups())  # waits for this rank's pending updates
@@ -89,9 +89,7 @@ def save_parts(engine: "CheckpointTarget", dp: "DataParallel", path: str, schedu
             total += sum(e.nbytes for e in layout.model_entries)
         with _progress(total, progress, f"offload: saving {os.path.basename(path)} (rank {dp.rank})") as bar:
             if dp.rank == 0:
-                if scheduler is not None:
-                    files[SCHEDULER_FILE] = _write_pickle(os.path.join(tmp, SCHEDULER_FILE), scheduler.state_dict(),
-                                                          algorithm)
+                files.update(write_stateful(tmp, stateful, algorithm))  # one scheduler, one data position
                 files[MODEL_FILE] = _write_weights(engine, groups, layout, os.path.join(tmp, MODEL_FILE), algorithm,
                                                    bar)
             if rng:
@@ -110,7 +108,7 @@ def save_parts(engine: "CheckpointTarget", dp: "DataParallel", path: str, schedu
             for _err, theirs, _m in results:  # type: ignore[misc]
                 every.update(theirs)
             _write_manifest(engine, tmp, layout, algorithm, every, dp.world,
-                            [m for _e, _f, m in results], scheduler is not None, rng)  # type: ignore[misc]
+                            [m for _e, _f, m in results], stateful, rng)  # type: ignore[misc]
             fsync_dir(tmp)
             publish(tmp, path)
             committed = path
@@ -164,14 +162,14 @@ def _write_part_file(groups: list, mine: Parts, path: str, algorithm: str, bar: 
 
 
 def _write_manifest(engine: "CheckpointTarget", tmp: str, layout: Any, algorithm: str,
-                    files: Dict[str, Dict[str, Any]], world: int, parts: Sequence[Parts], scheduler: bool,
+                    files: Dict[str, Dict[str, Any]], world: int, parts: Sequence[Parts], stateful: Dict[str, Any],
                     rng: bool) -> None:
-    from offload.checkpoint.writer import manifest_fields
+    from offload.checkpoint.writer import manifest_fields, stateful_fields
 
     write_manifest(tmp, dict(
         manifest_fields(engine, layout, algorithm, files), world_size=world,
         optimizer_parts=[{"file": optimizer_file(r, world), "parts": parts[r]} for r in range(world)],
-        scheduler=SCHEDULER_FILE if scheduler else None,
+        **stateful_fields(stateful),
         rng=[rng_file(r, world) for r in range(world)] if rng else None,
     ))
 

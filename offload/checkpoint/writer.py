@@ -4,7 +4,7 @@ Files, all written into a temporary directory that replaces `path` atomically (a
 `model.safetensors` (every entry of the model's state_dict, readable without offload),
 `optimizer.safetensors` (fp32 `master/<name>`, `exp_avg/<name>`, `exp_avg_sq/<name>` of each trainable
 parameter, each record's three sections 4 KiB-aligned as in the swap file, so they can be cloned),
-`scheduler.pt` and `rng.pt` when asked, and `manifest.json` last. One flat group is in host memory at a
+`scheduler.pt`, `data.pt` (a data stream's position) and `rng.pt` when asked, and `manifest.json` last. One flat group is in host memory at a
 time; for the nvme tier not even that: one chunk of its record, in a slot of the engine's staging ring.
 """
 
@@ -24,7 +24,7 @@ from tqdm import tqdm
 from offload.checkpoint import rng as rng_state
 from offload.checkpoint import state_io
 from offload.checkpoint.atomic import atomic_directory
-from offload.checkpoint.manifest import (FORMAT, MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, SCHEDULER_FILE, VERSION,
+from offload.checkpoint.manifest import (FORMAT, MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATEFUL_FILES, VERSION,
                                          jsonable_group, write_manifest)
 from offload.checkpoint.reflink import BLOCK
 from offload.checkpoint.tensor_file import Entry, TensorFileWriter
@@ -48,8 +48,8 @@ def _progress(total: int, progress: Optional[bool], desc: str) -> tqdm:
     return tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not show, leave=False)
 
 
-def save_checkpoint(engine: "CheckpointTarget", path: str, *, scheduler: Any = None, rng: bool = False,
-                    progress: Optional[bool] = None) -> str:
+def save_checkpoint(engine: "CheckpointTarget", path: str, *, stateful: Optional[Dict[str, Any]] = None,
+                    rng: bool = False, progress: Optional[bool] = None) -> str:
     """Write the checkpoint; returns its absolute path. See `Engine.save`.
 
     Any file error (a full disk above all) raises OffloadIOError after the temporary directory is removed:
@@ -57,7 +57,7 @@ def save_checkpoint(engine: "CheckpointTarget", path: str, *, scheduler: Any = N
     """
     path = os.path.abspath(os.fspath(path))
     try:
-        return _save(engine, path, scheduler, rng, progress)
+        return _save(engine, path, stateful or {}, rng, progress)
     except OffloadIOError as exc:
         raise _explained(exc, path) from None
     except OSError as exc:
@@ -120,7 +120,7 @@ def _layout(engine: "CheckpointTarget", groups: list) -> _Layout:
     return out
 
 
-def _save(engine: "CheckpointTarget", path: str, scheduler: Any, rng: bool, progress: Optional[bool]) -> str:
+def _save(engine: "CheckpointTarget", path: str, stateful: Dict[str, Any], rng: bool, progress: Optional[bool]) -> str:
     groups = list(engine.checkpoint_groups())  # waits for pending updates first
     if any(state is not None and any(state.grads.has_grad) for _b, _g, state in groups):
         warnings.warn("offload: saving between backward() and step(): accumulated gradients are not part of a "
@@ -132,14 +132,13 @@ def _save(engine: "CheckpointTarget", path: str, scheduler: Any, rng: bool, prog
     with atomic_directory(path) as tmp, _progress(total, progress, f"offload: saving {os.path.basename(path)}") as bar:
         if rng:
             files[RNG_FILE] = _write_pickle(os.path.join(tmp, RNG_FILE), rng_state.capture(), algorithm)
-        if scheduler is not None:
-            files[SCHEDULER_FILE] = _write_pickle(os.path.join(tmp, SCHEDULER_FILE), scheduler.state_dict(), algorithm)
+        files.update(write_stateful(tmp, stateful, algorithm))
         files[MODEL_FILE] = _write_weights(engine, groups, layout, os.path.join(tmp, MODEL_FILE), algorithm, bar)
         files[OPTIMIZER_FILE], transfer = _write_optimizer(groups, layout, os.path.join(tmp, OPTIMIZER_FILE),
                                                            algorithm, bar)
         write_manifest(tmp, dict(
             manifest_fields(engine, layout, algorithm, files),
-            scheduler=SCHEDULER_FILE if scheduler is not None else None, rng=RNG_FILE if rng else None,
+            **stateful_fields(stateful), rng=RNG_FILE if rng else None,
             optimizer_state_transfer=transfer,  # bytes cloned copy-on-write from the swap file vs written
         ))
     return path
@@ -242,6 +241,17 @@ def _put(optim: TensorFileWriter, name: str, first: int, lo: int, piece: torch.T
         optim.put(name, 4 * first, data[:split], written=False)
     if split < len(data):
         optim.put(name, 4 * first + split, data[split:])
+
+
+def write_stateful(tmp: str, stateful: Dict[str, Any], algorithm: str) -> Dict[str, Dict[str, Any]]:
+    """Each given object's state_dict() (the LR scheduler's, the data stream's) into its file."""
+    return {STATEFUL_FILES[kind]: _write_pickle(os.path.join(tmp, STATEFUL_FILES[kind]), obj.state_dict(), algorithm)
+            for kind, obj in stateful.items()}
+
+
+def stateful_fields(stateful: Dict[str, Any]) -> Dict[str, Optional[str]]:
+    """The manifest's `scheduler` / `data` entries: the file, or null when not saved."""
+    return {kind: file if kind in stateful else None for kind, file in STATEFUL_FILES.items()}
 
 
 def _write_pickle(path: str, obj: Any, algorithm: str) -> Dict[str, Any]:
