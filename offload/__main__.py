@@ -1,6 +1,6 @@
 """`python -m offload <command>`: doctor (what is active and why), estimate (memory per tier for a model
 size and budgets), demo (a short nvme-tier training run with its efficiency against the measured bound),
-verify (parity with plain PyTorch)."""
+verify (parity with plain PyTorch), tokenize (text to a token file for offload.data)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     estimate_module.add_arguments(sub.add_parser("estimate", help="memory per tier for a model size and budgets"))
     add_verify_arguments(sub.add_parser(
         "verify", help="train a few steps with and without offload; print the largest differences"))
+    from offload.cli import tokenize as tokenize_module
+
+    tokenize_module.add_arguments(sub.add_parser(
+        "tokenize", help="text to a token file (.npy) with your Hugging Face tokenizer, for offload.data"))
     args = parser.parse_args(argv)
+    if args.command == "tokenize":
+        return tokenize_module.run(args)
     if args.command == "demo":
         return demo_module.run(args)
     if args.command == "estimate":
