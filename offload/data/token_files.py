@@ -1,0 +1,103 @@
+"""Which token arrays a `TokenWindows` reads: one `.npy` file or a directory of `.npy` shards, checked once.
+
+Only the headers are read here (`numpy.load(mmap_mode="r")` maps the file and reads nothing else), so a
+token file larger than RAM costs nothing to open. Every problem a user can fix is raised here, before any
+training step, with the file it concerns and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import List, Tuple
+
+import numpy as np
+
+from offload.errors import OffloadConfigError
+
+TOKEN_DTYPES = (np.dtype(np.uint16), np.dtype(np.int32))
+MAKE_ONE = ("make one with `python -m offload tokenize --tokenizer DIR input.txt out.npy` or "
+            "`offload.data.write_tokens(path, tokens)`")
+
+
+@dataclass(frozen=True)
+class TokenShard:
+    """One 1-D token array on disk."""
+
+    path: str
+    tokens: int
+
+
+@dataclass(frozen=True)
+class TokenFiles:
+    """The shards of one token corpus, all of one dtype, each long enough for a window."""
+
+    shards: Tuple[TokenShard, ...]
+    dtype: np.dtype
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.shards)
+
+    def fingerprint(self) -> List[Tuple[str, int]]:
+        """What a saved stream position is only valid for: each shard's name and length."""
+        return [(os.path.basename(s.path), s.tokens) for s in self.shards]
+
+
+def open_token_files(path: "os.PathLike[str] | str", window: int) -> TokenFiles:
+    """Check `path` (a `.npy` file, or a directory of them) for windows of `window` tokens."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise OffloadConfigError(f"token file {path!r} does not exist; {MAKE_ONE}")
+    if os.path.isdir(path):
+        names = sorted(n for n in os.listdir(path) if n.endswith(".npy"))
+        if not names:
+            raise OffloadConfigError(f"token directory {path!r} holds no .npy files; put token shards "
+                                     f"(1-D uint16 or int32 arrays) there, or {MAKE_ONE}")
+        paths = [os.path.join(path, n) for n in names]
+    else:
+        paths = [path]
+    shards, dtypes = [], set()
+    for file in paths:
+        tokens, dtype = _header(file)
+        if tokens < window:
+            raise OffloadConfigError(
+                f"token file {file!r} holds {tokens} tokens, fewer than one window of seq_len + 1 = {window}; "
+                "use a shorter seq_len, or join short files into longer shards")
+        shards.append(TokenShard(file, tokens))
+        dtypes.add(dtype)
+    if len(dtypes) > 1:
+        raise OffloadConfigError(f"the shards in {path!r} mix dtypes {sorted(str(d) for d in dtypes)}; write every "
+                                 "shard with one dtype (uint16 when the vocabulary fits 65536 ids, int32 otherwise)")
+    return TokenFiles(tuple(shards), dtypes.pop())
+
+
+def _header(file: str) -> Tuple[int, np.dtype]:
+    if not file.endswith(".npy"):
+        raise OffloadConfigError(f"token file {file!r} is not a .npy file; {MAKE_ONE}")
+    try:
+        array = np.load(file, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as exc:
+        raise OffloadConfigError(f"token file {file!r} is not a readable .npy array ({exc}); {MAKE_ONE}") from None
+    if array.ndim != 1:
+        raise OffloadConfigError(f"token file {file!r} has shape {array.shape}; token files are 1-D arrays "
+                                 "(flatten it: np.save(path, tokens.reshape(-1)))")
+    if array.dtype not in TOKEN_DTYPES:
+        raise OffloadConfigError(f"token file {file!r} has dtype {array.dtype}; token files hold uint16 or int32 "
+                                 "ids (np.save(path, tokens.astype(np.uint16)) when every id is below 65536, "
+                                 "else int32)")
+    return int(array.shape[0]), array.dtype
+
+
+def write_tokens(path: "os.PathLike[str] | str", tokens: "np.ndarray") -> str:
+    """Save `tokens` (any integer array) as a token file: uint16 when every id fits, int32 otherwise.
+    Written to a temporary name and renamed, so a reader never sees half a file. Returns the path."""
+    path = os.fspath(path)
+    flat = np.asarray(tokens).reshape(-1)
+    if flat.size and (flat.min() < 0 or flat.max() > np.iinfo(np.int32).max):
+        raise OffloadConfigError(f"token ids must lie in [0, 2**31); got {flat.min()}..{flat.max()}")
+    dtype = np.uint16 if not flat.size or flat.max() < 65536 else np.int32
+    tmp = f"{path}.tmp-{os.getpid()}.npy"
+    np.save(tmp, flat.astype(dtype, copy=False))
+    os.replace(tmp, path)
+    return path
