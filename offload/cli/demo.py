@@ -1,20 +1,22 @@
 """`python -m offload demo`: train a small GPT on the nvme tier for a few steps and show how close to the
 hardware bound it runs.
 
-    python -m offload demo                       # ~20 steps, well under a minute on 2 cores
+    python -m offload demo                       # 30 steps, well under a minute on 2 cores
     python -m offload demo --nvme-path /mnt/nvme --steps 50 --dim 512
 
 It prints the placement plan, the loss and step time of every step (a tqdm bar), then the bound of
 DESIGN.md section 2 measured in the same run (offload.measure): a plain forward+backward of the same model
 (T_compute), a DRAM copy (T_cpu), O_DIRECT reads and writes in the swap directory (T_read, T_write), and
-`efficiency = bound / step`. The tokens are synthetic: each sequence counts up by one from a random start
-over 256 token ids, so the loss falls quickly and visibly.
+`efficiency = bound / step`. The tokens come from a Markov chain over 16 ids (cli/demo_data.py), written
+as a token file in `--out` and read by `offload.data.TokenWindows`, so the loss falls smoothly toward the
+chain's entropy; the loss curve lands in `--out/loss.png` (with matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import os
 import shutil
 import statistics
@@ -65,18 +67,9 @@ class DemoGPT(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
 
 
-def synthetic_batches(steps: int, batch: int, context: int, vocab: int, seed: int = 0):
-    """(idx, targets) per step: sequences counting up by one from a random start, modulo the first
-    min(vocab, 256) token ids: a rule a small model picks up within a few steps."""
-    gen = torch.Generator().manual_seed(seed)
-    positions = torch.arange(context + 1)
-    used = min(vocab, 256)
-    out = []
-    for _ in range(steps):
-        start = torch.randint(0, used, (batch, 1), generator=gen)
-        seq = (start + positions) % used
-        out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
-    return out
+def inputs_and_targets(window: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A (batch, context + 1) window as the model's tokens and their next-token targets."""
+    return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -86,7 +79,7 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dim", type=int, default=384)
     parser.add_argument("--vocab", type=int, default=4096)
@@ -97,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nvme-path", default=None, help="directory for the swap file (default: a temp dir)")
     parser.add_argument("--host-memory", default=None, help="host budget, e.g. 512MB")
     parser.add_argument("--device-memory", default=None, help="device budget, e.g. 64MB (weights stream beyond it)")
+    parser.add_argument("--out", default="offload-demo", help="directory for the token file and loss.png")
+    parser.add_argument("--data-backend", choices=["auto", "dali", "numpy"], default="auto",
+                        help="offload.data reader (auto: DALI when installed)")
 
 
 def _measure_bound(model: nn.Module, batches, swap_dir: str, trainable: int, dtype: torch.dtype,
@@ -128,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     import offload
+    from offload.cli.demo_data import chain_entropy, write_demo_tokens
+    from offload.cli.loss_curve import save_loss_curve
+    from offload.data import TokenWindows
 
     dtype = DTYPES[args.dtype]
     torch.manual_seed(0)
@@ -135,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     reference = copy.deepcopy(model).to(dtype)  # for T_compute: the same model without offload
     reference.lm_head.weight = reference.wte.weight
     trainable = sum(p.numel() for p in model.parameters())
-    batches = synthetic_batches(args.steps, args.batch, args.context, args.vocab)
+    token_file = write_demo_tokens(args.out, args.vocab)
     made_dir = args.nvme_path is None
     swap_dir = tempfile.mkdtemp(prefix="offload-demo-", dir=args.nvme_path)
     try:
@@ -147,7 +146,9 @@ def run(args: argparse.Namespace) -> int:
                   f"{args.vocab}, {args.batch}x{args.context} tokens per step, {args.dtype}; swap in {swap_dir}")
             print(engine.plan)
             at_wrap = engine.stats()  # wrap() wrote the initial state once: not part of a step
-            step_times, losses = _train(engine, batches, tqdm)
+            with TokenWindows(token_file, args.context, args.batch, seed=0, backend=args.data_backend) as windows:
+                print(f"data: {windows}")
+                step_times, losses, batches = _train(engine, windows, args.steps, tqdm)
             engine.synchronize()
             stats = engine.stats()
         read = (stats["bytes_disk_read"] - at_wrap["bytes_disk_read"]) / len(step_times)
@@ -163,6 +164,9 @@ def run(args: argparse.Namespace) -> int:
           f"{bound.t_cpu * 1e3:.1f}, {bound.t_read * 1e3:.1f} + {bound.t_write * 1e3:.1f}) ms = "
           f"{bound.seconds * 1e3:.1f} ms ({bound.limited_by}); DRAM {dram / 1e9:.1f} GB/s, disk read "
           f"{disk.read / 1e9:.2f} GB/s, write {disk.write / 1e9:.2f} GB/s ({disk.backend}, O_DIRECT {disk.direct})")
+    curve = save_loss_curve(losses, os.path.join(args.out, "loss.png"), f"offload demo: DemoGPT "
+                            f"{trainable / 1e6:.1f}M on the nvme tier", floor=chain_entropy())
+    print(f"loss curve: {curve}" if curve else "loss curve: pip install matplotlib to get loss.png")
     print(f"efficiency = bound / step = {bound.efficiency(step):.2f}; disk I/O wait in updates "
           f"{stats.get('nvme_io_wait_seconds', 0.0) / len(losses) * 1e3:.1f} ms/step")
     per_step = {k: (stats[k] - at_wrap.get(k, 0.0)) / len(losses) * 1e3
@@ -173,12 +177,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(engine, batches, tqdm) -> Tuple[List[float], List[float]]:
-    """Run the steps; each step's time is start-to-start, so updates still running count where they block."""
-    step_times, losses = [], []
-    bar = tqdm(batches, desc="nvme demo", unit="step")
+def _train(engine, windows, steps: int, tqdm) -> Tuple[List[float], List[float], list]:
+    """Run the steps; each step's time is start-to-start, so updates still running (and reading the batch)
+    count where they block. Returns the step times, the losses and the first batches (for the bound)."""
+    step_times, losses, first = [], [], []
+    bar = tqdm(itertools.islice(windows, steps), desc="nvme demo", unit="step", total=steps)
     last = time.perf_counter()
-    for i, (idx, tgt) in enumerate(bar):
+    for i, window in enumerate(bar):
+        idx, tgt = inputs_and_targets(window)
+        if len(first) < 3:
+            first.append((idx, tgt))
         loss = engine(idx, tgt)
         loss.backward()
         engine.step()
@@ -189,7 +197,7 @@ def _train(engine, batches, tqdm) -> Tuple[List[float], List[float]]:
         last = now
         bar.set_postfix(loss=f"{losses[-1]:.3f}", step_ms=f"{step_times[-1] * 1e3:.0f}")
         tqdm.write(f"step {i + 1:3d}  loss {losses[-1]:.4f}  {step_times[-1] * 1e3:7.1f} ms")
-    return step_times, losses
+    return step_times, losses, first
 
 
 def _remove_empty(directory: str) -> None:
@@ -203,4 +211,4 @@ def main(argv: Optional[List[str]] = None) -> int:
     return run(_parse(argv))
 
 
-__all__ = ["DemoGPT", "main", "synthetic_batches"]
+__all__ = ["DemoGPT", "inputs_and_targets", "main"]

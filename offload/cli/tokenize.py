@@ -53,6 +53,7 @@ def tokenize_files(tokenizer: Any, inputs: Sequence[str], out: str, eos: bool = 
     tokenizer or a directory."""
     from tqdm import tqdm
 
+    out = os.fspath(out)
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(os.fspath(tokenizer))
     for path in inputs:
