@@ -136,25 +136,11 @@ def default_prompt(args: argparse.Namespace, texts: Sequence[str]) -> str:
 
 def plot_losses(history: Sequence[Dict[str, float]], path: str, title: str) -> Optional[str]:
     """The loss curve as a PNG, or a note when matplotlib is missing (it is optional)."""
-    try:
-        import matplotlib
+    from offload.cli.loss_curve import save_loss_curve
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"(matplotlib is not installed: no {path}; pip install matplotlib)")
-        return None
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([h["step"] for h in history], [h["loss"] for h in history], marker=".")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    print(f"loss curve: {path}")
-    return path
+    saved = save_loss_curve([h["loss"] for h in history], path, title, steps=[int(h["step"]) for h in history])
+    print(f"loss curve: {path}" if saved else f"(matplotlib is not installed: no {path}; pip install matplotlib)")
+    return saved
 
 
 def print_stats(stats: Dict[str, float]) -> None:

@@ -6,8 +6,9 @@ from typing import Optional, Sequence
 
 
 def save_loss_curve(losses: Sequence[float], path: str, title: str, floor: Optional[float] = None,
-                    first_step: int = 1) -> Optional[str]:
-    """Plot loss against step into `path`; returns the path, or None without matplotlib."""
+                    steps: Optional[Sequence[int]] = None) -> Optional[str]:
+    """Plot loss against step (1, 2, ... unless `steps` says) into `path`; returns the path, or None without
+    matplotlib."""
     try:
         import matplotlib
 
@@ -16,7 +17,7 @@ def save_loss_curve(losses: Sequence[float], path: str, title: str, floor: Optio
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    steps = range(first_step, first_step + len(losses))
+    steps = list(steps) if steps is not None else list(range(1, len(losses) + 1))
     ax.plot(steps, losses, marker="." if len(losses) <= 60 else None, label="training loss")
     if floor is not None:
         ax.axhline(floor, color="gray", linestyle="--", linewidth=1, label=f"best possible ({floor:.2f})")
