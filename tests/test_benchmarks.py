@@ -85,3 +85,16 @@ def test_bench_dp_quick(tmp_path):
         assert column in out, out
     assert "FAILED" not in out, out
     assert list(tmp_path.iterdir()) == []  # every rank's swap file and directory removed
+
+
+def test_bench_data_quick(tmp_path):
+    """A 4 MiB token file, one round: every loader (the DALI rows print why where DALI is missing), the torch
+    DataLoader and both disk-bound rows report windows/s, CPU per batch and disk KiB per window; the file is
+    removed."""
+    out = _run(["benchmarks/bench_data.py", "--quick", "--dir", str(tmp_path)])
+    for rival in ("offload.data dali, O_DIRECT", "offload.data dali, page cache", "offload.data numpy",
+                  "torch DataLoader", "disk bound: O_DIRECT, 32 in flight", "disk bound: O_DIRECT, 1 at a time"):
+        assert rival in out, out
+    for column in ("windows/s", "of bound", "CPU ms/batch", "disk KiB/window"):
+        assert column in out, out
+    assert list(tmp_path.iterdir()) == []  # the token file and its directory removed
