@@ -314,7 +314,7 @@ def main() -> None:
         except ImportError as exc:
             for name in ("offload.data dali, O_DIRECT", "offload.data dali, page cache"):
                 skipped[name] = f"DALI not importable ({exc})"
-        rivals["offload.data numpy (memmap + thread)"] = token_windows("numpy", None)
+        rivals["offload.data numpy (auto on CPU: memmap, MADV_RANDOM, thread)"] = token_windows("numpy", None)
         rivals[f"torch DataLoader, {args.workers} workers, np.memmap"] = data_loader(args.workers, WARMUP + batches)
         rivals[BOUND_QD] = bound_in_flight(32)
         rivals[BOUND_1] = bound_one_at_a_time

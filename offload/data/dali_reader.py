@@ -1,10 +1,14 @@
 """The windows read by an NVIDIA DALI pipeline: `fn.readers.numpy` with a region of interest per sample.
 
 Each shard has a reader whose ROI for a sample is its window when the sampler picked that shard and empty
-otherwise; concatenating the readers' outputs gives each sample its one window. So only the windows are read
-(with O_DIRECT where the file system allows it), never a whole file, and on a CUDA device the reader is
-DALI's GPU backend (GPUDirect Storage where present) and batches arrive on the device. DALI's ROI
+otherwise; concatenating the readers' outputs gives each sample its one window. On a CUDA device the reader
+is DALI's GPU backend (GPUDirect Storage where present) and batches arrive on the device. DALI's ROI
 coordinates are int32: a shard of more than 2**31 - 1 tokens is refused (split it, or use backend="numpy").
+
+On the CPU, DALI 2.4's reader takes the ROI after reading: with `use_o_direct` it reads each sample's whole
+file (measured: 512 MiB read for one 4 KiB window of a 512 MiB file), and through its mapping the kernel's
+readahead fetches megabytes per window. So O_DIRECT is off unless asked for, and `backend="auto"` reads on
+a CPU device with numpy (numpy_reader.py: readahead off); see [Note: token windows].
 """
 
 from __future__ import annotations
@@ -60,12 +64,13 @@ class DaliWindowStream:
     """Batches `start`, `start + 1`, ... of `sampler` from a DALI pipeline (its own prefetch queue)."""
 
     def __init__(self, files: TokenFiles, sampler: WindowSampler, start: int, device: Optional[torch.device],
-                 prefetch: int = 2, o_direct: Optional[bool] = None, threads: int = 1) -> None:
+                 prefetch: int = 2, o_direct: bool = False, threads: int = 1) -> None:
         check_dali_limits(files)
         self._sampler, self._start, self._shards = sampler, start, len(files.shards)
         self._device = device if device is not None and device.type == "cuda" else None
-        if o_direct is None:
-            o_direct = all(supports_o_direct(s.path) for s in files.shards)
+        if o_direct and not all(supports_o_direct(s.path) for s in files.shards):
+            raise OffloadConfigError(f"o_direct=True, but the file system of {files.shards[0].path!r} does not "
+                                     "accept O_DIRECT (tmpfs, some network file systems); leave o_direct off")
         self._pipe = self._build(files, prefetch, o_direct, threads)
 
     def _regions(self, info: Any) -> List[List[np.ndarray]]:

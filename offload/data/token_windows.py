@@ -34,22 +34,27 @@ class TokenWindows:
 
     The windows are a function of `seed`, the rank and the batch number only, so both backends read the same
     windows, and `state_dict()` (a counter) resumes the stream exactly; `engine.save(path, data=windows)`
-    carries it. `backend="auto"` reads through NVIDIA DALI when it imports (only the windows are read, with
-    O_DIRECT; on a CUDA `device` by DALI's GPU reader, batches delivered there), else through numpy memmaps
-    and a background thread. Under torch.distributed each rank draws its own windows (`rank` defaults to the
-    process group's rank).
+    carries it. `backend="auto"`: on a CUDA `device` with NVIDIA DALI installed, DALI's GPU numpy reader
+    (a region of interest per window; batches delivered on the device); otherwise numpy memmaps with
+    readahead off and a background thread, which on the CPU read less and cost less CPU than DALI's CPU
+    reader (benchmarks/bench_data.py; `backend="dali"` still runs it, `o_direct=True` for its O_DIRECT mode,
+    which reads whole files). Under torch.distributed each rank draws its own windows (`rank` defaults to
+    the process group's rank).
     """
 
     def __init__(self, path: "Union[str, os.PathLike[str]]", seq_len: int, batch_size: int, seed: int = 0,
                  backend: str = "auto", device: "Union[str, torch.device, None]" = None, *,
-                 rank: Optional[int] = None, prefetch: int = 2, o_direct: Optional[bool] = None) -> None:
+                 rank: Optional[int] = None, prefetch: int = 2, o_direct: bool = False) -> None:
         if seq_len < 1 or batch_size < 1:
             raise OffloadConfigError(f"TokenWindows needs seq_len >= 1 and batch_size >= 1; got seq_len={seq_len}, "
                                      f"batch_size={batch_size}")
         self.files = open_token_files(path, seq_len + 1)
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, int(seed)
         self.device = torch.device(device) if device is not None else None
-        self.backend = _choose_backend(_parse_backend(backend), self.files)
+        self.backend = _choose_backend(_parse_backend(backend), self.files, self.device)
+        if o_direct and self.backend is not Backend.DALI:
+            raise OffloadConfigError("TokenWindows o_direct=True applies to DALI's reader (backend=\"dali\"); the "
+                                     "numpy reader already reads only the windows' pages")
         self.sampler = WindowSampler(self.files, seq_len + 1, batch_size, self.seed, _default_rank(rank))
         self.batches = 0  # batches handed out: the stream's position
         self._prefetch, self._o_direct = prefetch, o_direct
@@ -121,9 +126,9 @@ def _parse_backend(backend: str) -> Backend:
                                  f"{[b.value for b in Backend]}") from None
 
 
-def _choose_backend(wanted: Backend, files: Any) -> Backend:
-    if wanted is Backend.NUMPY:
-        return wanted
+def _choose_backend(wanted: Backend, files: Any, device: Optional[torch.device]) -> Backend:
+    if wanted is Backend.NUMPY or (wanted is Backend.AUTO and (device is None or device.type != "cuda")):
+        return Backend.NUMPY  # on the CPU numpy reads less than DALI's CPU reader ([Note: token windows])
     if not dali_available():
         if wanted is Backend.DALI:
             raise OffloadConfigError(f"TokenWindows backend=\"dali\" needs NVIDIA DALI: {INSTALL}")
