@@ -178,6 +178,14 @@ def generate_sample(final: str, prompt: str, new_tokens: int = 20) -> str:
     return text
 
 
+def show_export(args: argparse.Namespace, model_dir: str, final: str, texts: Sequence[str]) -> None:
+    """Put the tokenizer beside the exported weights, then show the export works: a greedy sample from it
+    loaded with plain transformers."""
+    copy_tokenizer(model_dir, final)
+    print(f"exported: {final}")
+    generate_sample(final, default_prompt(args, texts))
+
+
 def write_json(path: str, value: object) -> None:
     """Written to a temporary name and renamed: a reader never sees half a file."""
     tmp = f"{path}.tmp-{os.getpid()}"

@@ -159,9 +159,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     _common.print_stats(engine.stats())
     final = engine.save_pretrained(os.path.join(args.out, "final"), progress=False)
     engine.close()
-    _common.copy_tokenizer(model_dir, final)
-    print(f"exported: {final}")
-    _common.generate_sample(final, _common.default_prompt(args, texts))
+    _common.show_export(args, model_dir, final, texts)
     return 0
 
 

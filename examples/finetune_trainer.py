@@ -106,9 +106,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     final = os.path.join(args.out, "final")
     trainer.save_model(final)  # engine.save_pretrained + the tokenizer (processing_class)
     trainer.engine.close()
-    _common.copy_tokenizer(model_dir, final)
-    print(f"exported: {final}")
-    _common.generate_sample(final, _common.default_prompt(args, texts))
+    _common.show_export(args, model_dir, final, texts)
     return 0
 
 
