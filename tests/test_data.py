@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import torch
 import offload
 from offload.data import TokenWindows, open_token_files, write_tokens
 from offload.data.dali_reader import dali_available
-from offload.errors import OffloadConfigError
+from offload.errors import OffloadConfigError, OffloadIntegrityError
 from tests.models import TinyGPT
 
 needs_dali = pytest.mark.skipif(not dali_available(), reason="NVIDIA DALI is not installed (pip install nvidia-dali-cuda130)")
@@ -188,6 +189,16 @@ def test_engine_checkpoint_carries_the_data_position(corpus, tmp_path):
             TokenWindows(corpus, 16, 4, seed=5, backend="numpy") as windows:
         with pytest.raises(OffloadConfigError, match="saved without scheduler state"):
             engine.load(tmp_path / "ckpt", data=windows, scheduler=torch.optim.lr_scheduler.StepLR(engine.optimizer, 1))
+        damaged = tmp_path / "damaged"
+        shutil.copytree(tmp_path / "ckpt", damaged)
+        with open(damaged / "model.safetensors", "r+b") as f:  # flip a byte of the weights
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 0xFF]))
+        with pytest.raises(OffloadIntegrityError):
+            engine.load(damaged, data=windows)
+        assert windows.batches == 0  # a failed load leaves the stream where it was, like the engine
         manifest = engine.load(tmp_path / "ckpt", data=windows)
         assert manifest["data"] == "data.pt" and windows.batches == 3
         assert _train(engine, windows, 3) == went_on

@@ -12,9 +12,10 @@ or a file changed between the passes can fail there, and that error says the eng
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -59,43 +60,60 @@ def load_checkpoint(engine: "CheckpointTarget", path: str, *, stateful: Optional
                                      f"{kind}={'True' if kind == 'rng' else kind}, or load without it")
         file = manifest[kind] if kind != "rng" else _rng_file_of(engine, manifest, directory)
         extras[kind] = _read_pickle(os.path.join(directory, file), manifest["files"][file], algorithm)
-    if "data" in extras:  # first: a data stream that refuses its state (other files) fails before any change
-        stateful["data"].load_state_dict(extras["data"])
-    model_info = manifest["files"][MODEL_FILE]
-    optim_files = [p["file"] for p in parts] if parts else [OPTIMIZER_FILE]
-    total = model_info["size"] + sum(manifest["files"].get(f, {"size": 0})["size"] for f in optim_files)
-    optim_reader = (PartsReader(directory, manifest, block_of) if parts else
-                    TensorFileReader(os.path.join(directory, OPTIMIZER_FILE), manifest["files"][OPTIMIZER_FILE]["checksums"],
-                                     algorithm, block_of))
-    with TensorFileReader(os.path.join(directory, MODEL_FILE), model_info["checksums"], algorithm, block_of) as weights, \
-            optim_reader as optim, \
-            _progress(2 * total, progress, f"offload: loading {os.path.basename(directory)}") as bar:
-        # Pass 1 changes nothing: every tensor is found, sized and checksummed before the engine is touched.
-        _check_entries(engine, groups, weights, optim)
-        scratch = memoryview(bytearray(VERIFY_BYTES))
-        weights.verify_all(scratch, bar.update)
-        optim.verify_all(scratch, bar.update)
-        del scratch
-        engine.prepare_for_load()
-        try:  # pass 2: the files were intact a moment ago; only an I/O error or a concurrent change fails here
-            _load_tensors(engine, groups, weights, optim, steps, bar)
-        except (OffloadIntegrityError, OffloadIOError) as exc:
-            partly = type(exc)(*_partly_loaded(exc))
-            engine.mark_inconsistent(partly)
-            raise partly from None
-        except BaseException as exc:
-            engine.mark_inconsistent(exc)
-            raise
-        bar.update(max(0, bar.total - bar.n))
-    for group_now, saved in zip(engine.optimizer.param_groups, manifest["param_groups"]):
-        group_now.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()
-                          if k != "param_names"})
-    engine.restore_counters({"steps": manifest["step"], "skipped_steps": manifest.get("skipped_steps", 0)})
-    if "scheduler" in extras:
-        stateful["scheduler"].load_state_dict(extras["scheduler"])
-    if "rng" in extras:
-        rng_state.restore(extras["rng"])
+    # The data position first, so a stream that refuses it (other files) fails before any change; put back
+    # if the load then fails, so a failed load leaves the stream, like the engine, as it was.
+    with _applied_first(stateful.get("data"), extras.get("data")):
+        model_info = manifest["files"][MODEL_FILE]
+        optim_files = [p["file"] for p in parts] if parts else [OPTIMIZER_FILE]
+        total = model_info["size"] + sum(manifest["files"].get(f, {"size": 0})["size"] for f in optim_files)
+        optim_reader = (PartsReader(directory, manifest, block_of) if parts else
+                        TensorFileReader(os.path.join(directory, OPTIMIZER_FILE),
+                                         manifest["files"][OPTIMIZER_FILE]["checksums"], algorithm, block_of))
+        model_path = os.path.join(directory, MODEL_FILE)
+        with TensorFileReader(model_path, model_info["checksums"], algorithm, block_of) as weights, \
+                optim_reader as optim, \
+                _progress(2 * total, progress, f"offload: loading {os.path.basename(directory)}") as bar:
+            # Pass 1 changes nothing: every tensor is found, sized and checksummed before the engine is touched.
+            _check_entries(engine, groups, weights, optim)
+            scratch = memoryview(bytearray(VERIFY_BYTES))
+            weights.verify_all(scratch, bar.update)
+            optim.verify_all(scratch, bar.update)
+            del scratch
+            engine.prepare_for_load()
+            try:  # pass 2: the files were intact a moment ago; only an I/O error or a concurrent change fails here
+                _load_tensors(engine, groups, weights, optim, steps, bar)
+            except (OffloadIntegrityError, OffloadIOError) as exc:
+                partly = type(exc)(*_partly_loaded(exc))
+                engine.mark_inconsistent(partly)
+                raise partly from None
+            except BaseException as exc:
+                engine.mark_inconsistent(exc)
+                raise
+            bar.update(max(0, bar.total - bar.n))
+        for group_now, saved in zip(engine.optimizer.param_groups, manifest["param_groups"]):
+            group_now.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()
+                              if k != "param_names"})
+        engine.restore_counters({"steps": manifest["step"], "skipped_steps": manifest.get("skipped_steps", 0)})
+        if "scheduler" in extras:
+            stateful["scheduler"].load_state_dict(extras["scheduler"])
+        if "rng" in extras:
+            rng_state.restore(extras["rng"])
     return manifest
+
+
+@contextlib.contextmanager
+def _applied_first(stream: Any, state: Any) -> Iterator[None]:
+    """Load `state` into `stream` now; restore the stream's own state if the block then raises."""
+    if stream is None or state is None:
+        yield
+        return
+    before = stream.state_dict()
+    stream.load_state_dict(state)
+    try:
+        yield
+    except BaseException:
+        stream.load_state_dict(before)
+        raise
 
 
 def _rng_file_of(engine: "CheckpointTarget", manifest: Dict[str, Any], directory: str) -> str:

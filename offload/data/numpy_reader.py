@@ -17,7 +17,7 @@ from typing import List, Optional, Union
 import numpy as np
 import torch
 
-from offload.data.token_files import TokenFiles
+from offload.data.token_files import TokenFiles, npy_header
 from offload.data.windows import WindowSampler
 
 _DONE = object()
@@ -34,11 +34,8 @@ def read_windows(maps: List[np.ndarray], sampler: WindowSampler, number: int) ->
 
 def map_random(path: str) -> np.ndarray:
     """The file's 1-D array, mapped read-only with readahead off (MADV_RANDOM where the platform has it)."""
+    shape, dtype, offset = npy_header(path)
     with open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, _fortran, dtype = read_header(f)
-        offset = f.tell()
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     if hasattr(mapping, "madvise") and hasattr(mmap, "MADV_RANDOM"):
         mapping.madvise(mmap.MADV_RANDOM)

@@ -1,7 +1,7 @@
 """Which token arrays a `TokenWindows` reads: one `.npy` file or a directory of `.npy` shards, checked once.
 
-Only the headers are read here (`numpy.load(mmap_mode="r")` maps the file and reads nothing else), so a
-token file larger than RAM costs nothing to open. Every problem a user can fix is raised here, before any
+Only the headers are read here (`npy_header`, which the numpy reader maps the data behind), so a token
+file larger than RAM costs nothing to open. Every problem a user can fix is raised here, before any
 training step, with the file it concerns and the fix.
 """
 
@@ -72,21 +72,33 @@ def open_token_files(path: "os.PathLike[str] | str", window: int) -> TokenFiles:
     return TokenFiles(tuple(shards), dtypes.pop())
 
 
+def npy_header(file: str) -> Tuple[Tuple[int, ...], np.dtype, int]:
+    """(shape, dtype, byte offset of the data) of a .npy file, from its header alone."""
+    with open(file, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _fortran, dtype = read(f)
+        return shape, dtype, f.tell()
+
+
 def _header(file: str) -> Tuple[int, np.dtype]:
     if not file.endswith(".npy"):
         raise OffloadConfigError(f"token file {file!r} is not a .npy file; {MAKE_ONE}")
     try:
-        array = np.load(file, mmap_mode="r", allow_pickle=False)
+        shape, dtype, offset = npy_header(file)
     except (ValueError, OSError) as exc:
         raise OffloadConfigError(f"token file {file!r} is not a readable .npy array ({exc}); {MAKE_ONE}") from None
-    if array.ndim != 1:
-        raise OffloadConfigError(f"token file {file!r} has shape {array.shape}; token files are 1-D arrays "
+    if len(shape) != 1:
+        raise OffloadConfigError(f"token file {file!r} has shape {shape}; token files are 1-D arrays "
                                  "(flatten it: np.save(path, tokens.reshape(-1)))")
-    if array.dtype not in TOKEN_DTYPES:
-        raise OffloadConfigError(f"token file {file!r} has dtype {array.dtype}; token files hold uint16 or int32 "
+    if dtype not in TOKEN_DTYPES:
+        raise OffloadConfigError(f"token file {file!r} has dtype {dtype}; token files hold uint16 or int32 "
                                  "ids (np.save(path, tokens.astype(np.uint16)) when every id is below 65536, "
                                  "else int32)")
-    return int(array.shape[0]), array.dtype
+    if os.path.getsize(file) < offset + shape[0] * dtype.itemsize:
+        raise OffloadConfigError(f"token file {file!r} is shorter than its header says (cut off while written?); "
+                                 "write it again")
+    return int(shape[0]), dtype
 
 
 def write_tokens(path: "os.PathLike[str] | str", tokens: "np.ndarray") -> str:
