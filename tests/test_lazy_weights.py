@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import offload
-from offload.errors import OffloadConfigError
+from offload.errors import OffloadConfigError, OffloadIntegrityError
 from tests.models import GRAD_ROOM, TinyGPT, make_batches, one_intraop_thread
 
 LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
@@ -239,3 +239,55 @@ def test_a_checkpoint_of_a_lazily_built_engine_loads_into_a_materialized_one_and
         plain.save(tmp_path / "ckpt2")
     with offload.wrap(_meta_gpt(), weights=tmp_path / "ckpt2", dtype=torch.float32, device="cpu") as again:
         assert all(torch.equal(again.state_dict()[k], v) for k, v in expected.items())
+
+
+def _flip_one_byte_of(directory, name: str) -> None:
+    """One bit of tensor `name`'s first byte in `directory`/model.safetensors flipped, as a bad disk would."""
+    from safetensors import safe_open
+
+    path = os.path.join(directory, "model.safetensors")
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    with safe_open(path, "pt") as f:
+        assert name in f.keys()
+    offset = 8 + header_len + header[name]["data_offsets"][0]
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_weights_from_a_damaged_offload_checkpoint_are_refused_as_engine_load_refuses_them(tmp_path):
+    torch.manual_seed(0)
+    with offload.wrap(TinyGPT(), dtype=torch.float32, device="cpu") as saver:
+        saver.save(tmp_path / "ckpt")
+    with offload.wrap(_meta_gpt(), weights=tmp_path / "ckpt", dtype=torch.float32, device="cpu"):
+        pass  # intact: loads
+    _flip_one_byte_of(tmp_path / "ckpt", "h.1.fc.weight")
+    with pytest.raises(OffloadIntegrityError, match=r"checksum mismatch.*h\.1\.fc\.weight"):
+        offload.wrap(_meta_gpt(), weights=tmp_path / "ckpt", dtype=torch.float32, device="cpu")
+    with offload.wrap(TinyGPT(), dtype=torch.float32, device="cpu") as other, \
+            pytest.raises(OffloadIntegrityError, match="checksum mismatch"):
+        other.load(tmp_path / "ckpt")
+
+
+def test_a_directory_with_one_file_and_shards_loads_the_file_as_transformers_does(tmp_path):
+    torch.manual_seed(0)
+    single, sharded = TinyGPT(), TinyGPT()
+    save_file(_stored(single), str(tmp_path / "model.safetensors"))
+    _save_shards(_stored(sharded), tmp_path)
+    with offload.wrap(_meta_gpt(), weights=tmp_path, dtype=torch.float32, device="cpu") as engine:
+        got = engine.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in single.state_dict().items())
+        assert not torch.equal(got["h.0.fc.weight"], sharded.state_dict()["h.0.fc.weight"])
+
+
+@pytest.mark.parametrize("index", ['{"weight_map": {"a": "model-00001-of', '{"metadata": {}}', '[1, 2]'])
+def test_a_damaged_shard_index_is_named_with_the_fix(tmp_path, index):
+    torch.manual_seed(0)
+    _save_shards(_stored(TinyGPT()), tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(OffloadConfigError, match=r"model\.safetensors\.index\.json is damaged.*weight_map.*save"):
+        offload.wrap(_meta_gpt(), weights=tmp_path, dtype=torch.float32, device="cpu")

@@ -2,10 +2,12 @@
 
 `wrap(model, weights=PATH)` fills each block's buffers from here as the block is materialized, so a model
 larger than RAM never exists whole in memory. PATH is a `.safetensors` file, a directory of Hugging Face
-shards (`model.safetensors.index.json`, as `save_pretrained` writes them) or with one `model.safetensors`,
-or an offload checkpoint directory (its `model.safetensors`). Opening reads only the headers; each `read`
-preads one tensor's bytes into a tensor of its own (or straight into the caller's buffer): no file is
-mapped, because mapped shards stay resident in the process (a checkpoint's worth of RSS while loading).
+shards (`model.safetensors.index.json`, as `save_pretrained` writes them) or with one `model.safetensors`
+(when a directory holds both, the single file, as transformers' `from_pretrained` chooses), or an offload
+checkpoint directory (its `model.safetensors`, every tensor checked against the manifest's checksum as it
+is read, as `engine.load` checks it). Opening reads only the headers; each `read` preads one tensor's bytes
+into a tensor of its own (or straight into the caller's buffer): no file is mapped, because mapped shards
+stay resident in the process (a checkpoint's worth of RSS while loading).
 """
 
 from __future__ import annotations
@@ -14,17 +16,26 @@ import ctypes
 import json
 import os
 import struct
-from typing import Dict, List, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from offload.checkpoint.atomic import MANIFEST, resolve
+from offload.checkpoint.manifest import MODEL_FILE, read_manifest
 from offload.checkpoint.tensor_file import dtype_of_code
-from offload.errors import OffloadConfigError
+from offload.checksum import checksum
+from offload.errors import OffloadConfigError, OffloadIntegrityError
 
 HF_INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+
+
+class Checksums(NamedTuple):
+    """What an offload checkpoint's manifest says each tensor of its weights file must hash to."""
+
+    algorithm: str
+    by_name: Dict[str, int]
 
 
 class WeightSource:
@@ -35,7 +46,8 @@ class WeightSource:
         self._where: Dict[str, Tuple[str, int, int]] = {}  # name -> (file, first byte, end byte)
         self.shapes: Dict[str, Tuple[int, ...]] = {}
         self.dtypes: Dict[str, torch.dtype] = {}
-        for file in _files_of(self.path):
+        files, self._checksums = _files_of(self.path)
+        for file in files:
             base, header = _read_header(file)
             for name, info in header.items():
                 if name == "__metadata__":
@@ -62,7 +74,8 @@ class WeightSource:
         return out
 
     def read_into(self, name: str, out: Tensor) -> None:
-        """Tensor `name`'s bytes into the contiguous CPU tensor `out` of its dtype and size."""
+        """Tensor `name`'s bytes into the contiguous CPU tensor `out` of its dtype and size (checked against
+        the manifest's checksum when the weights are an offload checkpoint's)."""
         file, first, stop = self._where[name]
         assert out.is_contiguous() and out.device.type == "cpu"
         # a view by address: Tensor.numpy() would mark the storage unresizable, and a streamed block's
@@ -78,6 +91,18 @@ class WeightSource:
                 if got <= 0:
                     raise OffloadConfigError(f"{file}: short read of tensor {name!r} (truncated file?)")
                 done += got
+        if self._checksums is not None:
+            self._verify(name, file, view)
+
+    def _verify(self, name: str, file: str, view: memoryview) -> None:
+        assert self._checksums is not None
+        expected = self._checksums.by_name.get(name)
+        if expected is None:
+            raise OffloadIntegrityError(f"the manifest beside {file!r} has no checksum for tensor {name!r}: the "
+                                        "checkpoint is incomplete or was edited", file)
+        if checksum(view, self._checksums.algorithm) != expected:
+            raise OffloadIntegrityError(f"checksum mismatch in {file!r}, tensor {name!r}: the file was damaged "
+                                        "after it was written; load an intact copy (or an earlier checkpoint)", file)
 
     def __repr__(self) -> str:
         return f"WeightSource({self.path!r}, {len(self._where)} tensors)"
@@ -97,30 +122,47 @@ def _read_header(file: str) -> Tuple[int, dict]:
             raise OffloadConfigError(f"{file} is not a readable safetensors file ({exc})") from None
 
 
-def _files_of(path: str) -> List[str]:
-    """The safetensors files PATH stands for; an error that lists the accepted forms otherwise."""
+def _files_of(path: str) -> Tuple[List[str], Optional[Checksums]]:
+    """The safetensors files PATH stands for, with the checksums an offload checkpoint records for them; an
+    error that lists the accepted forms otherwise."""
     if os.path.isfile(path):
         if not path.endswith(".safetensors"):
             raise OffloadConfigError(f"weights={path!r} is a file but not .safetensors; pass a .safetensors file, a "
                                      f"directory of Hugging Face shards ({HF_INDEX}) or an offload checkpoint")
-        return [path]
+        return [path], None
     if not os.path.isdir(path):
         raise OffloadConfigError(f"weights={path!r} does not exist")
     if os.path.isfile(os.path.join(path, MANIFEST)):
-        path = resolve(path)  # an offload checkpoint: its model.safetensors
+        return _checkpoint_weights(resolve(path))
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.isfile(single):  # before the index, as transformers' from_pretrained chooses
+        return [single], None
     index = os.path.join(path, HF_INDEX)
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map", {})
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
-        if missing:
-            raise OffloadConfigError(f"{index} names shards that are missing: {', '.join(missing[:5])}")
-        return [os.path.join(path, f) for f in files]
-    single = os.path.join(path, SINGLE_FILE)
-    if os.path.isfile(single):
-        return [single]
+        return _shards_of(path, index), None
     raise OffloadConfigError(f"weights={path!r} holds neither {HF_INDEX} nor {SINGLE_FILE}; pass a .safetensors "
                              "file, a directory of Hugging Face shards or an offload checkpoint directory")
 
 
+def _checkpoint_weights(directory: str) -> Tuple[List[str], Optional[Checksums]]:
+    manifest = read_manifest(directory)
+    info = manifest.get("files", {}).get(MODEL_FILE)
+    if info is None:
+        raise OffloadIntegrityError(f"the manifest of {directory!r} lists no {MODEL_FILE}: not a complete offload "
+                                    "checkpoint", directory)
+    return [os.path.join(directory, MODEL_FILE)], Checksums(manifest["checksum"], dict(info["checksums"]))
+
+
+def _shards_of(path: str, index: str) -> List[str]:
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise OffloadConfigError(f"{index} is damaged ({type(exc).__name__}: {exc}); it should be JSON with a "
+                                 "\"weight_map\" of tensor name -> shard file, as save_pretrained writes it: "
+                                 "save the model again, or copy the index from the model's source") from None
+    missing = [f for f in files if not isinstance(f, str) or not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        raise OffloadConfigError(f"{index} names shards that are missing: {', '.join(map(str, missing[:5]))}")
+    return [os.path.join(path, f) for f in files]
