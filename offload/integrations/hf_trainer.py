@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Dict, Iterable, List, Mapping, Optional
+import warnings
+from typing import Any, ContextManager, Dict, Iterable, List, Mapping, Optional
 
 import torch
 from torch import nn
@@ -159,17 +160,27 @@ class OffloadTrainer(transformers.Trainer):
 
     # ----- checkpoints ------------------------------------------------------------------------------------
     def _save(self, output_dir: Optional[str] = None, state_dict: Optional[Dict[str, Any]] = None) -> None:
-        """Weights through `engine.save_pretrained` (streamed, one flat group at a time: `model.state_dict()` is
-        refused while blocks stream), then what the Trainer's `_save` adds: the processing class, the args."""
+        """The weights as the Trainer's `_save` lays them out, read from the engine: a `peft.PeftModel` through
+        its own `save_pretrained` (the adapter files) given the engine's values of the entries it keeps, any
+        other model through `engine.save_pretrained` (streamed, one flat group at a time: `model.state_dict()`
+        is refused while blocks stream); then the processing class and the args."""
         if state_dict is not None:
             raise OffloadError("OffloadTrainer saves the engine's weights; a state_dict cannot be passed")
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.args.should_save:
             return
         assert self.engine is not None
-        self.engine.save_pretrained(output_dir)
+        if _is_peft_model(self.model):
+            os.makedirs(output_dir, exist_ok=True)
+            state = _peft_state_dict(self.engine, self.model)
+            with _engine_reads(self.engine):
+                self.model.save_pretrained(output_dir, state_dict=state)
+        else:
+            self.engine.save_pretrained(output_dir)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
+        elif getattr(self.data_collator, "tokenizer", None) is not None:  # as the Trainer falls back
+            self.data_collator.tokenizer.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_FILE))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -203,6 +214,71 @@ class _ZeroEngineGrads(transformers.TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.engine.zero_grad()
+
+
+def _is_peft_model(model: nn.Module) -> bool:
+    """A `peft.PeftModel`, which the Trainer saves with its own `save_pretrained` (the adapter only)."""
+    if not transformers.utils.is_peft_available():
+        return False
+    import peft
+
+    return isinstance(model, peft.PeftModel)
+
+
+def _peft_state_dict(engine: Engine, model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The entries of `model.state_dict()` that its `save_pretrained` keeps (per adapter, as
+    `get_peft_model_state_dict` selects them: by name and module), with the engine's current values. The
+    selection runs first on shape-only meta tensors, so only the flat groups holding the kept entries are read
+    (a LoRA adapter of a model larger than memory is small). A PEFT method that computes what it saves from the
+    values gets the whole state dict (`engine.state_dict()`)."""
+    from peft import get_peft_model_state_dict
+
+    with _engine_reads(engine):
+        entries = model.state_dict(keep_vars=True)  # streamed blocks' parameters: placeholders, for their names
+        skeleton = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in entries.items()}
+        name_of = {id(t): name for name, t in skeleton.items()}
+        kept: Optional[List[Any]] = None
+        try:
+            with warnings.catch_warnings():  # the real save repeats them
+                warnings.simplefilter("ignore")
+                kept = [v for adapter in model.peft_config  # type: ignore[union-attr]
+                        for v in get_peft_model_state_dict(model, state_dict=skeleton, adapter_name=adapter).values()]
+        except (RuntimeError, NotImplementedError):  # an operation on the meta tensors' values
+            pass
+    if kept is None or not all(id(v) in name_of for v in kept):  # computed from the values: give them all
+        return engine.state_dict()
+    return _current_values(engine, {name_of[id(v)]: entries[name_of[id(v)]] for v in kept})
+
+
+def _engine_reads(engine: Engine) -> ContextManager[None]:
+    """`module.state_dict()` allowed while blocks stream, as `engine.save_pretrained` allows it to itself: PEFT
+    reads state-dict names (of the model, and of each `modules_to_save` copy inside `save_pretrained`), whose
+    values it then takes from the state dict given to it. (No public Engine method offers this yet.)"""
+    return engine._pipeline.engine_reads()
+
+
+def _current_values(engine: Engine, wanted: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """CPU copies of the engine's current values of these entries (name -> the module's tensor). Parameters
+    come from their flat groups as `engine.save_pretrained` reads them (`checkpoint_groups`: every update
+    applied; `group_weights`: from the device, the host copy or the swap file), one group at a time and only
+    the groups holding one; buffers and parameters no block holds from the module."""
+    names: Dict[int, List[str]] = {}
+    for name, tensor in wanted.items():
+        names.setdefault(id(tensor), []).append(name)
+    values: Dict[str, torch.Tensor] = {}
+    for _block, group, _state in engine.checkpoint_groups():
+        slots = [slot for slot in group.slots if id(slot.param) in names]
+        if not slots:
+            continue
+        flat = engine.group_weights(group)
+        for slot in slots:
+            value = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+            values.update((name, value) for name in names.pop(id(slot.param)))
+        del flat
+    for name, tensor in wanted.items():
+        if id(tensor) in names:
+            values[name] = tensor.detach().to("cpu", copy=True)
+    return values
 
 
 def _checked_options(offload: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
