@@ -215,3 +215,47 @@ def test_under_torchrun_trains_data_parallel_as_the_plain_trainer_and_resumes(ti
     _assert_same_logs([entry for entry in resumed["logs"] if entry[0] > 3],  # 1-3: the checkpoint's history
                       [entry for entry in want_logs if entry[0] > 3])
     assert max((want_weights[k].float() - v.float()).abs().max().item() for k, v in resumed["weights"].items()) <= TOL
+
+
+STREAMED = 300_000  # device_memory under which the decoder layers and lm_head stream
+
+
+def _best_args(output_dir: Path, **overrides: Any) -> Any:
+    """4 steps, evaluated and saved every 2; the best is the HIGHEST eval loss, so checkpoint-2, not the last."""
+    return _args(output_dir, num_train_epochs=1, eval_strategy="steps", eval_steps=2, save_strategy="steps",
+                 save_steps=2, load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True,
+                 **overrides)
+
+
+@pytest.mark.parametrize("device_memory, save_only_model", [(None, False), (STREAMED, False), (None, True)],
+                         ids=["resident", "streamed", "resident-save_only_model"])
+def test_load_best_model_at_end_loads_the_best_checkpoint(device_memory: Any, save_only_model: bool,
+                                                          tmp_path: Path) -> None:
+    """The engine ends with checkpoint-2's weights, as the plain Trainer's model does; with streamed blocks
+    through engine.load of checkpoint-2/offload (model.load_state_dict cannot write them)."""
+    from safetensors.torch import load_file
+
+    evaluation = _dataset()[:4]
+    plain = transformers.Trainer(model=_model(), args=_best_args(tmp_path / "plain", save_only_model=save_only_model),
+                                 train_dataset=_dataset(), eval_dataset=evaluation)
+    plain.train()
+    ours = OffloadTrainer(model=_model(), args=_best_args(tmp_path / "ours", save_only_model=save_only_model),
+                          train_dataset=_dataset(), eval_dataset=evaluation,
+                          offload=dict(tier="cpu", device_memory=device_memory))
+    assert bool(ours.engine.plan.streamed_blocks) == (device_memory is not None)
+    ours.train()
+    assert ours.state.best_model_checkpoint == str(tmp_path / "ours" / "checkpoint-2")
+    assert plain.state.best_model_checkpoint == str(tmp_path / "plain" / "checkpoint-2")
+    assert _max_weight_diff(plain.model.state_dict(), ours.engine) <= TOL
+    weights, best, last = ours.engine.state_dict(), *(load_file(tmp_path / "ours" / f"checkpoint-{step}" /
+                                                                "model.safetensors") for step in (2, 4))
+    assert all(torch.equal(weights[k], best[k]) for k in best)
+    assert not all(torch.equal(weights[k], last[k]) for k in last)
+    ours.engine.close()
+
+
+def test_load_best_model_at_end_with_save_only_model_and_streamed_blocks_is_refused_at_construction(
+        tmp_path: Path) -> None:
+    with pytest.raises(OffloadConfigError, match="save_only_model=False"):
+        OffloadTrainer(model=_model(), args=_best_args(tmp_path, save_only_model=True), train_dataset=_dataset(),
+                       eval_dataset=_dataset()[:4], offload=dict(tier="cpu", device_memory=STREAMED))

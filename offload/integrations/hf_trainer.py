@@ -59,6 +59,7 @@ class OffloadTrainer(transformers.Trainer):
         super().__init__(model, args, *more, **kwargs)
         self._refuse_unsupported()
         self.engine = self._wrap(self.model, options)
+        self._refuse_unloadable_best_model()
         self.add_callback(_ZeroEngineGrads(self.engine))
 
     # ----- construction ---------------------------------------------------------------------------------
@@ -95,6 +96,20 @@ class OffloadTrainer(transformers.Trainer):
                             "batch size)")
         if problems:
             raise OffloadConfigError("OffloadTrainer does not support " + "; ".join(problems))
+
+    def _refuse_unloadable_best_model(self) -> None:
+        """`load_best_model_at_end` loads the best checkpoint's `offload/` through `engine.load`; without it
+        (`save_only_model`) only the Trainer's `model.load_state_dict` is left, which cannot write streamed
+        blocks (their parameters are placeholders): refused now rather than after the last step."""
+        assert self.engine is not None
+        streamed = self.engine.plan.streamed_blocks
+        if self.args.load_best_model_at_end and self.args.save_only_model and streamed:
+            self.engine.close()
+            raise OffloadConfigError(
+                f"load_best_model_at_end with save_only_model=True while blocks stream (first: {streamed[0]!r}): "
+                "the best weights would be loaded by model.load_state_dict, which cannot write streamed blocks; set "
+                "save_only_model=False (the best checkpoint's offload/ is then loaded with engine.load), or give "
+                "device_memory room for the whole model")
 
     def _wrap(self, model: nn.Module, options: Dict[str, Any]) -> Engine:
         """The engine with the AdamW the Trainer's `create_optimizer` would build: its hyperparameters, its
@@ -202,6 +217,23 @@ class OffloadTrainer(transformers.Trainer):
             return
         assert self.engine is not None
         self.engine.load(_engine_checkpoint(checkpoint), scheduler=self.lr_scheduler)
+
+    def _load_best_model(self) -> None:
+        """The best checkpoint's weights into the engine through `engine.load(checkpoint-N/offload)`, exact on
+        every tier and with streamed blocks (the Trainer's `model.load_state_dict` / `load_adapter` cannot write
+        those). It brings back that checkpoint's Adam state with its weights (the plain Trainer keeps the last
+        step's moments); the hyperparameters stay as the LR scheduler left them. A `save_only_model`
+        checkpoint has no `offload/`: the Trainer's own load then (refused at construction when blocks stream)."""
+        assert self.engine is not None and self.state.best_model_checkpoint is not None
+        path = os.path.join(self.state.best_model_checkpoint, CHECKPOINT_SUBDIR)
+        if not os.path.isdir(path):
+            super()._load_best_model()
+            return
+        groups = self.engine.optimizer.param_groups
+        hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+        self.engine.load(path)
+        for group, kept in zip(groups, hyperparameters):
+            group.update(kept)
 
 
 class _ZeroEngineGrads(transformers.TrainerCallback):
