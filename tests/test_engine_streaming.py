@@ -24,9 +24,13 @@ def test_plan_streams_the_layers():
         assert {b.name: b.weight_bytes for b in engine.blocks}["h.0"] == LAYER_BYTES
         assert all(b.weights is Location.DEVICE for b in engine.plan.blocks if b.name in ("wte", "wpe", "ln_f"))
         assert engine.stats()["device_bytes"] <= BUDGET
-        weight = engine.module.h[1].fc.weight
-        assert weight.shape == (128, 32) and torch.isnan(weight).all() and str(weight)  # released: a placeholder
-        assert engine.state_dict()["h.1.fc.weight"].shape == (128, 32)
+        assert engine.module.h[1].fc.weight.shape == (128, 32)  # released: metadata answered without a fetch
+        assert engine.stats()["block_fetches"] == 0
+        expected = engine.state_dict()["h.1.fc.weight"]
+        assert expected.shape == (128, 32) and torch.isfinite(expected).all()
+        assert torch.equal(engine.module.h[1].fc.weight, expected)  # a read opens the block (read_through.py)
+        assert engine.stats()["block_fetches"] == 1
+        assert str(engine.module.h[1].fc.weight).startswith("Parameter containing:\ntensor(")
 
 
 @pytest.mark.parametrize("accum,declared", [(1, False), (2, True)])

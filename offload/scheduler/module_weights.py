@@ -14,9 +14,8 @@ import contextlib
 from typing import Iterator, List, Optional, Protocol
 
 from offload.errors import OffloadError
-from offload.scheduler.block import Block
+from offload.scheduler.block import Block, Residency
 from offload.scheduler.runtime import BlockRuntime, GroupRuntime
-from offload.scheduler.state_store import overwrite_master
 
 
 class BlockSettler(Protocol):
@@ -89,27 +88,22 @@ class ModuleWeights:
 
     def adopt(self, runtime: BlockRuntime) -> None:
         """Weights written in place through the parameters since the engine last looked become the master
-        weights, moments kept, as torch.optim would train on from them; the host mirror follows. Run before
-        each use of the block and before its update reads the master."""
-        if runtime.streamed:
-            return  # outside its module's forward a streamed parameter is a placeholder that cannot be written
+        weights, moments kept, as torch.optim would train on from them; the host mirror (or the swap file)
+        follows. Run before each use of the block and before its update reads the master. A released
+        streamed block's parameters read through (read_through.py): a write to one opened the block and
+        was kept when it closed."""
         if runtime.lost_write is not None:
             name, runtime.lost_write = runtime.lost_write, None
             raise _written_while_pending(name, "the update overwrote the write")
+        if runtime.block.residency is Residency.RELEASED:
+            return
         for group in runtime.groups:
-            edited = group.edited_slots()
+            edited = group.edited_names()
             if not edited:
                 continue
             if self._settler.is_pending(runtime.block) or runtime.needs_push:
-                raise _written_while_pending(group.group.trainable_slots[edited[0]].name,
-                                             "the update would overwrite it")
-            assert group.state is not None and group.group.device_buffer is not None
-            weights = group.group.device_buffer.detach()
-            ranges = [(s.offset, s.offset + s.numel) for s in (group.group.trainable_slots[i] for i in edited)]
-            overwrite_master(group.state.store, weights[:group.group.trainable_numel], ranges)
-            if group.home.pushes:
-                group.home.replace(weights.to("cpu"), resident=True)
-            group.mark_seen()
+                raise _written_while_pending(edited[0], "the update would overwrite it")
+            group.keep_writes()
 
     def refuse_unfrozen(self) -> None:
         """A parameter frozen at wrap() has no optimizer state: unfrozen later, torch would train it, and here

@@ -83,6 +83,7 @@ class StepPipeline:
         self.weights = ModuleWeights(blocks, self)  # the module's own state_dict/load_state_dict, weight writes
         self.jobs = BlockJobs(tracer, self.counters, self.weights, num_threads, self.sync)  # run on the worker
         self._root_grad_enabled = False  # whether the root forward in progress records a graph
+        self.streamer.read_through.serve(self)  # streamed parameters read outside their forward open their block
 
     # ----- forward -----------------------------------------------------------------------------------
     def begin_root_forward(self) -> None:
@@ -127,6 +128,7 @@ class StepPipeline:
                     self.streamer.pin(block.index)
                     torch.autograd.Variable._execution_engine.queue_callback(
                         lambda index=block.index: self.streamer.unpin(index))
+                self.streamer.enter_forward(block)
             if not in_backward and self.tracker.profile is None and self._root_grad_enabled:
                 self.tracker.predict_from_forward(runtime.trainable_ids, torch.is_grad_enabled())
             if not self.order.record(block.index) and not in_backward and block.index == self.order.first \
@@ -136,6 +138,7 @@ class StepPipeline:
     def post_forward(self, blocks: List[Block]) -> None:
         """The module no longer needs these blocks (also after an exception)."""
         for block in blocks:
+            self.streamer.leave_forward(block)
             self.streamer.unpin(block.index)
 
     def push(self, runtime: BlockRuntime) -> None:
@@ -166,6 +169,8 @@ class StepPipeline:
         tracker.fire(id(param))
         if tracker.keeps_grads_on_device:
             return
+        if tracker.is_last_backward:
+            tracker.watch_completion()  # blocks update during it: a failure partway must be told apart
         if block.updated_early:
             raise OffloadError(
                 f"parameter of block {block.block.name!r} received a gradient after the block was updated early; "
@@ -255,6 +260,10 @@ class StepPipeline:
         """optimizer.step(): offload the gradients still on the device, clip, and schedule every block's update
         in forward order."""
         self.weights.refuse_unfrozen()
+        if self.tracker.failed_last_backward:
+            warnings.warn("offload: step() after the last declared backward raised partway: the blocks updated "
+                          "during it stepped on their complete gradients, the others now step on what they "
+                          "received (engine.load(checkpoint) instead goes on exactly)", RuntimeWarning)
         self.tracker.end_step()
         hyper = self.read_hypers()
         self._collect_grads()
@@ -324,6 +333,8 @@ class StepPipeline:
         """engine.optimizer.zero_grad(): drop the accumulated gradients (or zero them)."""
         self.check_open()
         early = [b.name for b in self.blocks if _runtime(b).updated_early]
+        if early and self.tracker.failed_last_backward:
+            raise self.tracker.failed_backward_error("zero_grad()", early[0])
         if early:  # torch would now step on no gradient at all; these blocks already stepped on the gradients
             raise self._zeroed_after_early_update(early[0])
         for block in self.blocks:
@@ -373,6 +384,28 @@ class StepPipeline:
 
     def engine_reads(self) -> ContextManager[None]:
         return self.weights.engine_reads()
+
+    # ----- streamed parameters read outside their forward (read_through.BlockAccess) -------------------
+    def block_of(self, param: nn.Parameter) -> Optional[Block]:
+        return self.streamer.block_of(param)
+
+    def open_for_read(self, block: Block) -> None:
+        """The block's pending update landed and its weights resident and pinned, for one operation."""
+        self.check_open()
+        self._wait_for_update(block, counted=False)
+        if _runtime(block).needs_push:
+            self.push(_runtime(block))
+        self.streamer.ensure(block, pin=True)
+
+    def pin_views(self, tensors: List[torch.Tensor]) -> None:
+        self.streamer.pin_views(tensors)
+
+    def close_after_read(self, block: Block) -> None:
+        """A write through the parameters is kept now (before anything can release the block)."""
+        try:
+            self.weights.adopt(_runtime(block))
+        finally:
+            self.streamer.unpin(block.index)
 
     # ----- synchronization ---------------------------------------------------------------------------
     def synchronize(self) -> None:

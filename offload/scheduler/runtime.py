@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from offload.data_parallel import Shard
 from offload.scheduler.block import Block, FlatGroup, Residency
 from offload.scheduler.grad_accumulator import GradAccumulator
-from offload.scheduler.state_store import StateStore
+from offload.scheduler.state_store import StateStore, overwrite_master
 from offload.scheduler.update import AdamHyper, UpdateSpan, adamw
 from offload.scheduler.weight_home import WeightHome
 
@@ -92,7 +92,7 @@ class GroupRuntime:
         self.group = group
         self.home = home
         self.state = state
-        self.seen_versions: List[int] = []  # each trainable parameter's `_version` when the engine last looked
+        self.seen_versions: List[int] = []  # each parameter's `_version` when the engine last looked
         self.mark_seen()
 
     def replace_weights(self, flat: Tensor) -> None:
@@ -104,13 +104,40 @@ class GroupRuntime:
     def edited_slots(self) -> List[int]:
         """Trainable parameters written in place through the parameter since `mark_seen` (nn.init, a
         load_state_dict, a torch.no_grad() write: each bumps the parameter's version counter; the engine's own
-        writes go through the flat buffer, whose counter is not the parameter's)."""
+        writes go through the flat buffer, whose counter is not the parameter's). Indices into
+        `trainable_slots`, which are the group's first slots."""
         if self.state is None:
             return []
-        return [i for i, slot in enumerate(self.group.trainable_slots) if slot.param._version != self.seen_versions[i]]
+        return [i for i in range(len(self.group.trainable_slots)) if self._edited(i)]
+
+    def edited_names(self) -> List[str]:
+        """Every parameter of the group written in place since `mark_seen`, frozen ones included."""
+        return [slot.name for i, slot in enumerate(self.group.slots) if self._edited(i)]
+
+    def _edited(self, index: int) -> bool:
+        return self.group.slots[index].param._version != self.seen_versions[index]
 
     def mark_seen(self) -> None:
-        self.seen_versions = [slot.param._version for slot in self.group.trainable_slots]
+        self.seen_versions = [slot.param._version for slot in self.group.slots]
+
+    def keep_writes(self) -> None:
+        """Weights written in place through the parameters (into the device buffer) become the group's: the
+        trainable ones its master weights (moments kept, as torch.optim would train on from them), and the
+        whole buffer its home's copy when the home is not the device buffer (a host mirror, the swap file).
+        The caller has checked that no update of the block is pending."""
+        edited = self.edited_slots()
+        if not edited and not self.edited_names():
+            return
+        assert self.group.device_buffer is not None
+        weights = self.group.device_buffer.detach()
+        if edited:
+            assert self.state is not None
+            slots = [self.group.trainable_slots[i] for i in edited]
+            overwrite_master(self.state.store, weights[:self.group.trainable_numel],
+                             [(s.offset, s.offset + s.numel) for s in slots])
+        if self.home.pushes:
+            self.home.replace(weights.to("cpu"), resident=True)
+        self.mark_seen()
 
 
 class BlockRuntime:
@@ -137,6 +164,21 @@ class BlockRuntime:
     def pushes(self) -> bool:
         """Whether an update writes somewhere the device must then be fed from."""
         return any(g.home.pushes for g in self.groups if g.state is not None)
+
+    def keep_writes_before_release(self) -> None:
+        """A resident streamed block about to be released: what was written through its parameters since the
+        engine last looked is kept (`GroupRuntime.keep_writes`), unless an update was scheduled since (its
+        weights would overwrite the write, or the write the update's): then the next use of the block
+        raises (`lost_write`)."""
+        for group in self.groups:
+            edited = group.edited_names()
+            if not edited:
+                continue
+            if self.needs_push:
+                self.lost_write = self.lost_write or edited[0]
+                group.mark_seen()
+            else:
+                group.keep_writes()
 
     def end_step(self) -> None:
         """Forget the step in progress (after `step()`, or when a checkpoint replaces the state)."""

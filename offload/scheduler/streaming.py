@@ -10,6 +10,8 @@ Parameters keep their identity throughout.
 Where a group's weights live between uses, and how they are moved, is its weight home (weight_home.py:
 a host mirror, or a swap-file record read through the staging ring for blocks the plan puts on disk);
 this module keeps only the device budget, the LRU and the pins.
+Outside the forward of the modules that own them, streamed parameters read through (read_through.py): an
+operation on one opens its block first, so it reads the real weights and a write is kept.
 Autograd never holds a streamed weight directly: a saved-tensor hook packs it as a handle, and unpacking
 in backward fetches the block again. See docs/design.md [Note: weight streaming]. The same hook refuses a
 placeholder: autograd saving one means the forward computes with a released block's weights, read outside
@@ -27,6 +29,7 @@ from torch import Tensor
 
 from offload.errors import OffloadError
 from offload.scheduler.block import Block, FlatGroup, ParamSlot, Residency
+from offload.scheduler.read_through import ReadThrough
 from offload.scheduler.streams import CopyContext
 from offload.scheduler.weight_home import WeightHome
 from offload.tiers.device import DeviceTier
@@ -57,6 +60,8 @@ class WeightStreamer:
         self._blocks: Dict[int, Block] = {}
         self._lru: "OrderedDict[int, None]" = OrderedDict()  # resident streamed blocks, oldest first
         self._pins: Dict[int, int] = {}
+        self._in_forward: Dict[int, int] = {}  # blocks inside an owning module's forward: plain parameters
+        self.read_through = ReadThrough()  # the parameters of the others read through
         self._by_storage: Dict[int, Tuple[int, FlatGroup]] = {}  # device storage address -> (block, group)
         # a released group's placeholder: its storage address -> (block, group), and group -> that address
         self._placeholders: Dict[int, Tuple[int, FlatGroup]] = {}
@@ -104,12 +109,47 @@ class WeightStreamer:
         if self._pins.get(block_index, 0) > 0:
             self._pins[block_index] -= 1
 
+    def enter_forward(self, block: Block) -> None:
+        """A module owning the (resident, pinned) block runs: its parameters are plain for the forward."""
+        if block.index in self._blocks:
+            self._in_forward[block.index] = self._in_forward.get(block.index, 0) + 1
+            for slot in block.slots:
+                self.read_through.unmark(slot.param)
+
+    def leave_forward(self, block: Block) -> None:
+        """The module is done: outside any owning module's forward the parameters read through again."""
+        depth = self._in_forward.get(block.index, 0)
+        if depth > 0:
+            self._in_forward[block.index] = depth - 1
+            if depth == 1:
+                for slot in block.slots:
+                    self.read_through.mark(slot.param)
+
+    def block_of(self, param: Tensor) -> Optional[Block]:
+        """The streamed block whose device buffer or placeholder `param` points into, if any."""
+        address = param.untyped_storage().data_ptr()
+        owner = self._by_storage.get(address) or self._placeholders.get(address)
+        return None if owner is None else self._blocks.get(owner[0])
+
+    def pin_views(self, tensors: List[Tensor]) -> None:
+        """Each tensor that views a resident streamed block's buffer (not a parameter itself) pins the block
+        while it lives: its buffer is never freed under it."""
+        for tensor in tensors:
+            if isinstance(tensor, torch.nn.Parameter) or tensor.layout is not torch.strided or tensor.is_meta:
+                continue
+            owner = self._by_storage.get(tensor.untyped_storage().data_ptr())
+            if owner is not None:
+                self._pin_while_alive(tensor, owner[0])
+
     def restore_all(self) -> None:
         """Fetch every streamed block (budget ignored) so the model works as plain PyTorch after close()."""
+        self.read_through.serve(None)
         for block in self._blocks.values():
             self.invalidate(block)
             if block.residency is Residency.RELEASED:
                 self._fetch(block)
+            for slot in block.slots:
+                self.read_through.unmark(slot.param)
         self._blocks.clear()
 
     def invalidate(self, block: Block) -> None:
@@ -141,8 +181,12 @@ class WeightStreamer:
         buffer = packed.group.device_buffer
         assert buffer is not None
         view = buffer.as_strided(packed.shape, packed.stride, packed.storage_offset)
-        weakref.finalize(view, self.unpin, block.index)
+        weakref.finalize(view, self.unpin, block.index)  # the pin ensure() took
         return view
+
+    def _pin_while_alive(self, view: Tensor, block_index: int) -> None:
+        self.pin(block_index)
+        weakref.finalize(view, self.unpin, block_index)
 
     # ----- moves -------------------------------------------------------------------------------------
     def _fetch(self, block: Block) -> None:
@@ -163,6 +207,8 @@ class WeightStreamer:
         self.fetches += 1
 
     def _release(self, block: Block) -> None:
+        if block.runtime is not None:
+            block.runtime.keep_writes_before_release()  # written through a parameter since its last use
         for group in block.groups:
             assert group.device_buffer is not None
             storage = group.device_buffer.untyped_storage()
@@ -171,6 +217,7 @@ class WeightStreamer:
             one = group.device_buffer.new_full((1,), fill)
             for slot in group.slots:
                 slot.param.data = one.reshape([1] * len(slot.shape)).expand(slot.shape)
+                self.read_through.mark(slot.param)
             address = one.untyped_storage().data_ptr()  # alive while the parameters point at it
             self._placeholders[address] = (block.index, group)
             self._placeholder_of[id(group)] = address
