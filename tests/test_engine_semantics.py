@@ -388,3 +388,71 @@ def test_a_model_returning_its_own_result_object_still_counts_its_backward():
         engine(torch.ones(4, 8)).loss.backward()
         engine.step()
         assert engine.stats()["backward_seconds"] > 0
+
+
+class _FailsInBackward(nn.Module):
+    """TinyGPT whose backward raises once it reaches the first layer (an out-of-memory, a bad batch): the
+    blocks after it (the head, the last layers) have their gradients by then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = TinyGPT()
+        self.fail = False
+
+    def forward(self, idx, tgt):
+        gpt = self.gpt
+        x = gpt.wte(idx) + gpt.wpe(torch.arange(idx.shape[1]))
+        x = gpt.h[0](x)
+        if self.fail and torch.is_grad_enabled():
+            x.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("out of memory (simulated)")))
+        for layer in gpt.h[1:]:
+            x = layer(x)
+        logits = gpt.lm_head(gpt.ln_f(x))
+        return nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), tgt.view(-1))
+
+
+def test_a_last_backward_that_fails_partway_is_named_as_such_with_the_ways_on(tmp_path):
+    """Before: zero_grad() after the failure said "zero_grad() between the last backward and step()", a misuse
+    the user did not commit. Now each next call says what happened and what to do; step() finishes the step."""
+    torch.manual_seed(0)
+    model = _FailsInBackward()
+    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", grad_accumulation_steps=2) as engine:
+        batches = make_batches(3, 2)
+        for micro in batches[0]:  # a first step gives the blocks their gradient profile
+            engine(*micro).backward()
+        engine.step()
+        engine.zero_grad()
+        engine.save(tmp_path / "ckpt")
+        engine(*batches[1][0]).backward()
+        model.fail = True
+        with pytest.raises(RuntimeError, match="out of memory"):
+            engine(*batches[1][1]).backward()
+        model.fail = False
+        assert engine.stats()["early_block_updates"] > 0  # the head and last layers updated before it failed
+        with pytest.raises(offload.OffloadError, match=r"zero_grad\(\) after the last backward of this step "
+                                                       r"\(micro-batch 2 of grad_accumulation_steps=2\) raised "
+                                                       r"partway.*engine\.load.*engine\.step\(\)"):
+            engine.zero_grad()
+        with pytest.raises(offload.OffloadError, match=r"backward called again after the last backward.*raised"):
+            engine(*batches[1][1]).backward()  # retrying the micro-batch
+        with pytest.warns(RuntimeWarning, match="raised partway"):
+            engine.step()  # the way on from here
+        engine.zero_grad()
+        engine.load(tmp_path / "ckpt")  # or back to where it was exact
+        for micro in batches[2]:
+            engine(*micro).backward()
+        engine.step()
+        engine.zero_grad()
+    assert engine.stats()["steps"] == 2  # the first step, then the checkpoint's count plus one
+
+
+def test_zero_grad_after_a_completed_last_backward_is_still_the_misuse_message():
+    with offload.wrap(TinyGPT(), tier="cpu", dtype=torch.float32, device="cpu", grad_accumulation_steps=1) as engine:
+        (first,), (second,) = make_batches(2, 1)
+        engine(*first).backward()
+        engine.step()
+        engine.zero_grad()
+        engine(*second).backward()
+        assert engine.stats()["early_block_updates"] > 0
+        with pytest.raises(offload.OffloadError, match=r"zero_grad\(\) between the last backward and step\(\)"):
+            engine.zero_grad()

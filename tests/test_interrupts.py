@@ -142,3 +142,41 @@ def test_ctrl_c_during_load_while_updates_are_pending_does_not_poison(tmp_path, 
         engine.save(tmp_path / "after")  # not poisoned
         engine.load(tmp_path / "ckpt")
         _step(engine, idx, tgt)
+
+
+def test_ctrl_c_while_step_schedules_applies_the_step_and_stats_say_so(monkeypatch):
+    """A Ctrl-C that lands inside step() while it computes the clipping norm and schedules the updates is
+    held until the step is fully scheduled: the KeyboardInterrupt then reaches the user, `stats()["steps"]`
+    has counted the step, and it is applied exactly (README: "Ctrl-C during step()")."""
+    import time
+
+    from offload.scheduler import pipeline
+
+    batches = make_batches(2, 1)
+    torch.manual_seed(0)
+    model, reference_model = TinyGPT(), TinyGPT()
+    reference_model.load_state_dict(model.state_dict())
+    options = dict(tier="cpu", dtype=torch.float32, device="cpu", max_grad_norm=0.5)
+    with offload.wrap(reference_model, **options) as plain:
+        for ((idx, tgt),) in batches:
+            _step(plain, idx, tgt)
+        expected = plain.state_dict()
+    real_norm = pipeline.global_norm
+
+    def slow_norm(*args, **kwargs):
+        time.sleep(0.8)  # the SIGINT lands here, 0.3 s into step()
+        return real_norm(*args, **kwargs)
+
+    with offload.wrap(model, **options) as engine:
+        (idx, tgt), = batches[0]
+        engine(idx, tgt).backward()
+        monkeypatch.setattr(pipeline, "global_norm", slow_norm)
+        assert _interrupted(engine.step), "the interrupt must reach the user"
+        monkeypatch.undo()
+        assert engine.stats()["steps"] == 1  # counted: the step is applied
+        engine.zero_grad()
+        (idx, tgt), = batches[1]
+        _step(engine, idx, tgt)
+        got = engine.state_dict()
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, Optional, Set
 
+import torch
+
 from offload.errors import OffloadError
 
 
@@ -32,6 +34,8 @@ class BackwardTracker:
         self._announced: Optional[int] = None
         self.predicted: Dict[int, int] = {}  # the first backward's profile, from the forward
         self.unpredictable: Set[int] = set()
+        self._watched: Optional[int] = None  # the counted graph task told to report its end (`watch_completion`)
+        self._completed: Optional[int] = None  # the last watched task that ran to its end
 
     def is_new(self, graph_task: int) -> bool:
         return graph_task != self._graph_task
@@ -52,14 +56,46 @@ class BackwardTracker:
         """Count a backward pass (a no-op for a graph task already counted)."""
         if graph_task == self._graph_task:
             return
+        if self.declared_steps is not None and self.micro_batches >= self.declared_steps:
+            if self.failed_last_backward:  # a retry of the micro-batch whose backward failed
+                raise self.failed_backward_error("backward called again")
+            raise OffloadError(
+                f"backward called {self.micro_batches + 1} times since the last engine.step(), but "
+                f"grad_accumulation_steps={self.declared_steps} was declared and the blocks are already "
+                "updated; call engine.step() every N backward calls, or leave grad_accumulation_steps unset")
         self.finish_backward()
         self._graph_task = graph_task
         self.micro_batches += 1
-        if self.declared_steps is not None and self.micro_batches > self.declared_steps:
-            raise OffloadError(
-                f"backward called {self.micro_batches} times since the last engine.step(), but "
-                f"grad_accumulation_steps={self.declared_steps} was declared and the blocks are already "
-                "updated; call engine.step() every N backward calls, or leave grad_accumulation_steps unset")
+
+    def watch_completion(self) -> None:
+        """Called during the counted backward (once is enough): autograd runs the queued callback only when
+        the graph task ends without an error, so a backward that raises partway stays unfinished."""
+        task = self._graph_task
+        if task is None or task == self._watched or torch._C._current_graph_task_id() != task:
+            return  # a nested task (reentrant checkpointing's recompute) would report its own end
+        self._watched = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_watched)
+
+    def _finish_watched(self) -> None:
+        self._completed = self._watched
+
+    @property
+    def failed_last_backward(self) -> bool:
+        """The last declared backward raised before it finished (an out-of-memory, a bad batch)."""
+        return self._watched is not None and self._watched == self._graph_task and self._completed != self._watched
+
+    def failed_backward_error(self, attempted: str, block_name: Optional[str] = None) -> OffloadError:
+        """What happened when the last declared backward failed after blocks updated during it, and the ways on."""
+        which = f" (first: {block_name!r})" if block_name else ""
+        return OffloadError(
+            f"{attempted} after the last backward of this step (micro-batch {self.micro_batches} of "
+            f"grad_accumulation_steps={self.declared_steps}) raised partway: blocks{which} had already been "
+            "updated during it with their complete gradients (declared accumulation updates each block as soon "
+            "as its gradients are in), so the model is partly stepped and zero_grad() cannot undo that. To go "
+            "on exactly, reload your last checkpoint (engine.load(path)); to go on from here, call "
+            "engine.step(): the other blocks then step on the gradients they received (this micro-batch's "
+            "only in part). Without grad_accumulation_steps, updates wait for step() and a failed backward "
+            "changes no weight")
 
     def fire(self, param_id: int) -> None:
         self.fires[param_id] = self.fires.get(param_id, 0) + 1
@@ -74,6 +110,7 @@ class BackwardTracker:
         self.finish_backward()
         self.micro_batches = 0
         self._graph_task = None
+        self._watched = self._completed = None
 
     @property
     def keeps_grads_on_device(self) -> bool:
