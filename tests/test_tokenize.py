@@ -1,4 +1,5 @@
-"""`python -m offload tokenize`: text to a token file the user's tokenizer decodes back to the text."""
+"""`python -m offload tokenize`: text to a token file the user's tokenizer decodes back to the text, the ids
+exactly those of `tokenizer(whole_text)` however the text is cut into chunks."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def tokenizer_dir(tmp_path_factory):
 def test_tokenize_round_trips_each_file_with_eos(tokenizer_dir, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    monkeypatch.setattr("offload.cli.tokenize.CHUNK_BYTES", 100)  # many chunks, each cut after a newline
+    monkeypatch.setattr("offload.cli.tokenize.CHUNK_CHARS", 100)  # many chunks
     first, second = tmp_path / "a.txt", tmp_path / "b.txt"
     first.write_text(TEXT)
     second.write_text("a second document\nwithout a final newline")
@@ -66,3 +67,107 @@ def test_tokenize_refuses_bad_input(tokenizer_dir, tmp_path):
     with pytest.raises(OffloadConfigError, match="holds no tokens"):
         tokenize_files(tokenizer_dir, [str(tmp_path / "empty.txt")], str(tmp_path / "t.npy"), eos=False)
     assert not (tmp_path / "t.npy").exists()
+
+
+# Texts that cut badly: a line longer than a chunk, no newline at all, multi-byte characters (accents, CJK,
+# a 4-byte emoji, a combining mark), runs of spaces and tabs, leading and trailing whitespace.
+HARD_TEXTS = {
+    "long lines": ("the quick brown fox jumps over the lazy dog " * 12 + "\n") * 4,
+    "no newlines": "and the dog sleeps in the sun while the fox runs " * 30,
+    "unicode": "naïve café, ünïcödé 東京の空 🙂 emoji e\u0301te\u0301 — «quoted» " * 20,
+    "spaces": "  two  spaces   three    four\t\ttabs \t mixed  \n\n   lead and trail   " * 20 + "   ",
+}
+TRAIN = "".join(HARD_TEXTS.values()) + TEXT
+
+
+def _save(backend, directory, eos):
+    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos).save_pretrained(directory)
+    return directory
+
+
+def _bpe(pre_tokenizer, decoder, normalizer=None, byte_level=False):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token=None if byte_level else "<unk>"))
+    if normalizer is not None:
+        tokenizer.normalizer = normalizer
+    if pre_tokenizer is not None:
+        tokenizer.pre_tokenizer = pre_tokenizer
+    tokenizer.decoder = decoder
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if byte_level else []
+    tokenizer.train_from_iterator(TRAIN.splitlines(), trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<unk>", "<eos>"], show_progress=False, initial_alphabet=alphabet))
+    return tokenizer
+
+
+def _wordpiece():
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece()
+    tokenizer.train_from_iterator(TRAIN.splitlines(), trainers.WordPieceTrainer(
+        vocab_size=400, special_tokens=["[UNK]", "[SEP]"], show_progress=False))
+    return tokenizer
+
+
+def _build(kind):
+    from tokenizers import decoders, normalizers, pre_tokenizers
+
+    if kind.startswith("metaspace"):  # sentencepiece-style: a word-start marker, added at the text's start
+        scheme = kind.split("-")[1]
+        return _bpe(pre_tokenizers.Metaspace(prepend_scheme=scheme), decoders.Metaspace(prepend_scheme=scheme)), "<eos>"
+    if kind == "prepend normalizer":  # Llama 2's tokenizer.json: the normalizer prepends the marker, no pre-tokenizer
+        normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        return _bpe(None, decoders.Metaspace(), normalizer), "<eos>"
+    if kind == "byte level prefix space":  # GPT-2 style, with a space added before the text
+        return _bpe(pre_tokenizers.ByteLevel(add_prefix_space=True), decoders.ByteLevel(), byte_level=True), "<eos>"
+    if kind == "byte level":  # GPT-2 style
+        return _bpe(pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel(), byte_level=True), "<eos>"
+    return _wordpiece(), "[SEP]"
+
+
+KINDS = ["metaspace-first", "metaspace-always", "prepend normalizer", "byte level", "byte level prefix space",
+         "wordpiece"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def any_tokenizer(request, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    backend, eos = _build(request.param)
+    return AutoTokenizer.from_pretrained(_save(backend, tmp_path_factory.mktemp("tok"), eos))
+
+
+@pytest.mark.parametrize("chunk", [23, 64, 257])
+def test_ids_equal_the_whole_text_encoded_at_once(any_tokenizer, tmp_path, chunk):
+    """Cut into chunks of a few characters (hundreds of cuts), each file's ids are exactly
+    tokenizer(whole text), then EOS."""
+    tokenizer = any_tokenizer
+    paths = []
+    for i, text in enumerate(HARD_TEXTS.values()):
+        paths.append(tmp_path / f"{i}.txt")
+        paths[-1].write_bytes(text.encode("utf-8"))
+    out = tmp_path / "tokens.npy"
+    count = tokenize_files(tokenizer, [str(p) for p in paths], str(out), chunk=chunk)
+    want = []
+    for text in HARD_TEXTS.values():
+        want += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    got = np.load(out).tolist()
+    assert count == len(want)
+    assert got == want
+
+
+def test_ids_decode_back_to_the_text(tmp_path):
+    """Byte-level BPE is lossless: after many cuts the token file decodes to each file's text exactly."""
+    from transformers import AutoTokenizer
+
+    backend, eos = _build("byte level")
+    tokenizer = AutoTokenizer.from_pretrained(_save(backend, tmp_path / "tok", eos))
+    text = "".join(HARD_TEXTS.values())
+    (tmp_path / "a.txt").write_bytes(text.encode("utf-8"))
+    tokenize_files(tokenizer, [str(tmp_path / "a.txt")], str(tmp_path / "t.npy"), eos=False, chunk=31)
+    assert tokenizer.decode(np.load(tmp_path / "t.npy").tolist()) == text
