@@ -3,6 +3,8 @@ exactly those of `tokenizer(whole_text)` however the text is cut into chunks."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -171,3 +173,20 @@ def test_ids_decode_back_to_the_text(tmp_path):
     (tmp_path / "a.txt").write_bytes(text.encode("utf-8"))
     tokenize_files(tokenizer, [str(tmp_path / "a.txt")], str(tmp_path / "t.npy"), eos=False, chunk=31)
     assert tokenizer.decode(np.load(tmp_path / "t.npy").tolist()) == text
+
+
+def test_tokenizer_directory_without_a_tokenizer_is_named(tmp_path):
+    (tmp_path / "a.txt").write_text(TEXT)
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))  # weights' config, no tokenizer
+    for directory in (tmp_path / "empty", model_dir):
+        directory.mkdir(exist_ok=True)
+        with pytest.raises(OffloadConfigError, match=f"--tokenizer '{directory}' holds no tokenizer.*save_pretrained"):
+            tokenize_files(str(directory), [str(tmp_path / "a.txt")], str(tmp_path / "t.npy"))
+
+
+def test_input_directory_is_called_a_directory(tokenizer_dir, tmp_path):
+    (tmp_path / "texts").mkdir()
+    with pytest.raises(OffloadConfigError, match=r"input .*texts' is a directory.*give the text files themselves"):
+        tokenize_files(tokenizer_dir, [str(tmp_path / "texts")], str(tmp_path / "t.npy"))

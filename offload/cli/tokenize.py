@@ -53,7 +53,14 @@ def load_tokenizer(directory: str) -> Any:
     if not os.path.isdir(directory):
         raise OffloadConfigError(f"--tokenizer {directory!r} is not a directory; pass the local directory of a "
                                  "Hugging Face tokenizer (the model's directory usually holds one)")
-    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:  # transformers' messages never name the directory
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise OffloadConfigError(
+            f"--tokenizer {directory!r} holds no tokenizer transformers can load ({reason}); pass the directory "
+            "where tokenizer.save_pretrained(DIR) wrote tokenizer.json / tokenizer_config.json (a model's "
+            "directory holds one only if its tokenizer was saved there too)") from None
 
 
 def tokenize_files(tokenizer: Any, inputs: Sequence[str], out: str, eos: bool = True,
@@ -66,6 +73,9 @@ def tokenize_files(tokenizer: Any, inputs: Sequence[str], out: str, eos: bool = 
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(os.fspath(tokenizer))
     for path in inputs:
+        if os.path.isdir(path):
+            raise OffloadConfigError(f"input {path!r} is a directory; give the text files themselves "
+                                     f"(e.g. {os.path.join(path, '*.txt')}), each becomes one document")
         if not os.path.isfile(path):
             raise OffloadConfigError(f"input text file {path!r} does not exist")
     if not out.endswith(".npy"):
