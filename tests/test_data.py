@@ -150,6 +150,29 @@ def test_write_tokens_picks_the_smallest_dtype(tmp_path):
         write_tokens(tmp_path / "c.npy", np.array([-1, 3]))
 
 
+def test_write_tokens_writes_integer_ids_exactly(tmp_path):
+    for ids in ([5, 0, 7], np.array([5, 0, 7], np.int8), np.array([5, 0, 7], np.uint64), torch.tensor([5, 0, 7])):
+        assert np.load(write_tokens(tmp_path / "a.npy", ids)).tolist() == [5, 0, 7]
+    assert np.load(write_tokens(tmp_path / "big.npy", [2**31 - 1, 0])).tolist() == [2**31 - 1, 0]
+    assert np.load(write_tokens(tmp_path / "empty.npy", [])).size == 0
+
+
+@pytest.mark.parametrize("ids, message", [
+    (np.array([1.7, 2.2, 3.9]), r"dtype float64.*not integers.*np.rint\(tokens\).astype\(np.int64\)"),
+    (np.array([1.0, 2.0], np.float32), r"dtype float32.*not integers"),  # whole-valued floats too: say so
+    (torch.tensor([1.0, 2.0]), r"dtype float32.*not integers"),
+    (np.array([True, False]), r"dtype bool.*not integers"),
+    (np.array(["1", "2"]), r"dtype <U1.*not integers"),
+    (np.array([3, -100, 5]), r"negative id -100 at index 1.*padding or ignore_index"),
+    (np.array([3, 2**31]), r"id 2147483648 at index 1.*int32.*2147483647"),
+    (np.array([2**63], np.uint64), r"id 9223372036854775808 at index 0.*int32"),
+])
+def test_write_tokens_refuses_what_is_not_a_token_id(tmp_path, ids, message):
+    with pytest.raises(OffloadConfigError, match=message):
+        write_tokens(tmp_path / "bad.npy", ids)
+    assert not os.listdir(tmp_path)  # nothing written, not even a temporary file
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -102,13 +102,34 @@ def _header(file: str) -> Tuple[int, np.dtype]:
 
 
 def write_tokens(path: "os.PathLike[str] | str", tokens: "np.ndarray") -> str:
-    """Save `tokens` (any integer array) as a token file: uint16 when every id fits, int32 otherwise.
-    Written to a temporary name and renamed, so a reader never sees half a file. Returns the path."""
+    """Save `tokens` (integer ids: a numpy array, a torch tensor or a list) as a token file: uint16 when every
+    id fits, int32 otherwise. Written to a temporary name and renamed, so a reader never sees half a file.
+    Returns the path.
+
+    The ids must be integers in [0, 2**31): a float array is refused even when every value is whole (ids
+    that passed through floats are usually a bug upstream, and a cast would truncate 1.7 to 1 silently:
+    round them yourself), and so are bools, negative ids (padding or ignore_index) and ids beyond int32."""
     path = os.fspath(path)
     flat = np.asarray(tokens).reshape(-1)
-    if flat.size and (flat.min() < 0 or flat.max() > np.iinfo(np.int32).max):
-        raise OffloadConfigError(f"token ids must lie in [0, 2**31); got {flat.min()}..{flat.max()}")
-    dtype = np.uint16 if not flat.size or flat.max() < 65536 else np.int32
+    if flat.size and (flat.dtype == np.bool_ or not np.issubdtype(flat.dtype, np.integer)):
+        raise OffloadConfigError(
+            f"write_tokens({path!r}): the ids have dtype {flat.dtype}, not integers; token ids are integer "
+            "indices into the vocabulary (pass the tokenizer's ids; for floats that are whole ids, "
+            "np.rint(tokens).astype(np.int64) after checking they are)")
+    if flat.size:
+        low, high = int(flat.min()), int(flat.max())
+        if low < 0:
+            at = int(np.argmax(flat < 0))
+            raise OffloadConfigError(
+                f"write_tokens({path!r}): negative id {int(flat[at])} at index {at}; token ids lie in [0, 2**31) "
+                "(a negative id is usually padding or ignore_index such as -100: drop those positions "
+                "before writing)")
+        if high > np.iinfo(np.int32).max:
+            at = int(np.argmax(flat > np.iinfo(np.int32).max))
+            raise OffloadConfigError(
+                f"write_tokens({path!r}): id {int(flat[at])} at index {at} does not fit a token file's int32 "
+                f"(at most {np.iinfo(np.int32).max}); pass ids from the tokenizer's vocabulary")
+    dtype = np.uint16 if not flat.size or int(flat.max()) < 65536 else np.int32
     tmp = f"{path}.tmp-{os.getpid()}.npy"
     np.save(tmp, flat.astype(dtype, copy=False))
     os.replace(tmp, path)
