@@ -5,6 +5,10 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -135,6 +139,54 @@ def test_bad_input_is_refused_with_the_fix(tmp_path):
         TokenWindows(tmp_path / "short.npy", 16, 2, backend="torch")
     with pytest.raises(OffloadConfigError, match="seq_len >= 1"):
         TokenWindows(tmp_path / "short.npy", 0, 2)
+
+
+REWRITE_CHILD = textwrap.dedent("""
+    import os, sys
+    import numpy as np, pytest
+    from offload.data import TokenWindows, write_tokens
+    from offload.errors import OffloadIntegrityError
+
+    path, how = sys.argv[1], sys.argv[2]
+    write_tokens(path, np.arange(1 << 20) % 60000)  # 2 MiB, 512 pages
+    with TokenWindows(path, 255, 8, seed=0, backend="numpy", prefetch=1) as windows:
+        first = next(windows)
+        if how == "rename":  # the right way: the reader keeps the file it opened
+            write_tokens(path + ".new.npy", np.zeros(1 << 20, np.int64))
+            os.replace(path + ".new.npy", path)
+            for _ in range(20):
+                steps = np.diff(next(windows).numpy(), axis=1)
+                assert ((steps == 1) | (steps == 1 - 60000)).all(), "read the new file's zeros"
+        else:
+            # np.save truncates the file, then writes it again: pages beyond the new end are gone
+            np.save(path, np.arange(100, dtype=np.uint16) if how == "shorter" else np.zeros(1 << 20, np.uint16))
+            with pytest.raises(OffloadIntegrityError, match=(
+                    f"token file '{path}' changed while TokenWindows read it.*do not rewrite a token file "
+                    "while it is read; write a new file and rename it into place")):
+                for _ in range(20):
+                    next(windows)
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("how", ["shorter", "same size", "rename"])
+def test_a_token_file_rewritten_while_read_is_an_error_not_a_crash(tmp_path, how):
+    """np.save over a mapped token file used to kill the process with SIGBUS (no Python error): run in a
+    child so that a crash fails the test instead of killing pytest."""
+    child = subprocess.run([sys.executable, "-c", REWRITE_CHILD, str(tmp_path / "tokens.npy"), how],
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode != -signal.SIGBUS, "killed by SIGBUS"
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.strip() == "ok"
+
+
+def test_windows_refuse_a_file_replaced_after_they_were_built(corpus):
+    """The shards' lengths were checked at construction; a file swapped before the reader opens it is named."""
+    with TokenWindows(corpus, 16, 4, seed=0, backend="numpy") as windows:
+        write_tokens(corpus / "part-1.npy", np.arange(300))
+        with pytest.raises(OffloadIntegrityError, match="part-1.npy' changed after TokenWindows checked it: it "
+                                                        "holds 300 uint16 tokens, not the 700.*build TokenWindows again"):
+            next(windows)
 
 
 @pytest.mark.skipif(dali_available(), reason="checks the message shown when DALI is missing")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import BinaryIO, List, Tuple
 
 import numpy as np
 
@@ -72,13 +72,16 @@ def open_token_files(path: "os.PathLike[str] | str", window: int) -> TokenFiles:
     return TokenFiles(tuple(shards), dtypes.pop())
 
 
-def npy_header(file: str) -> Tuple[Tuple[int, ...], np.dtype, int]:
-    """(shape, dtype, byte offset of the data) of a .npy file, from its header alone."""
-    with open(file, "rb") as f:
-        version = np.lib.format.read_magic(f)
+def npy_header(file: "str | BinaryIO") -> Tuple[Tuple[int, ...], np.dtype, int]:
+    """(shape, dtype, byte offset of the data) of a .npy file (a path, or a binary file at its start), from
+    its header alone."""
+    if not isinstance(file, str):
+        version = np.lib.format.read_magic(file)
         read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, _fortran, dtype = read(f)
-        return shape, dtype, f.tell()
+        shape, _fortran, dtype = read(file)
+        return shape, dtype, file.tell()
+    with open(file, "rb") as f:
+        return npy_header(f)
 
 
 def _header(file: str) -> Tuple[int, np.dtype]:

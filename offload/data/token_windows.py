@@ -35,11 +35,15 @@ class TokenWindows:
     The windows are a function of `seed`, the rank and the batch number only, so both backends read the same
     windows, and `state_dict()` (a counter) resumes the stream exactly; `engine.save(path, data=windows)`
     carries it. `backend="auto"`: on a CUDA `device` with NVIDIA DALI installed, DALI's GPU numpy reader
-    (a region of interest per window; batches delivered on the device); otherwise numpy memmaps with
-    readahead off and a background thread, which on the CPU read less and cost less CPU than DALI's CPU
-    reader (benchmarks/bench_data.py; `backend="dali"` still runs it, `o_direct=True` for its O_DIRECT mode,
-    which reads whole files). Under torch.distributed each rank draws its own windows (`rank` defaults to
-    the process group's rank).
+    (a region of interest per window; batches delivered on the device); otherwise the numpy reader (one
+    pread per window, readahead off, a background thread), which on the CPU reads less and costs less CPU
+    than DALI's CPU reader (benchmarks/bench_data.py; `backend="dali"` still runs it, `o_direct=True` for
+    its O_DIRECT mode, which reads whole files). Under torch.distributed each rank draws its own windows
+    (`rank` defaults to the process group's rank).
+
+    The token files must not change while they are read: replace one by writing a new file and renaming it
+    into place (`write_tokens` does), which an open reader never sees. The numpy reader raises
+    `OffloadIntegrityError` naming a file rewritten in place ([Note: a token file changed while read]).
     """
 
     def __init__(self, path: "Union[str, os.PathLike[str]]", seq_len: int, batch_size: int, seed: int = 0,
