@@ -45,3 +45,37 @@ def test_demo_learns_and_reports_efficiency(tmp_path, capsys):
     if importlib.util.find_spec("matplotlib") is None:
         pytest.skip("matplotlib is not installed: the demo prints how to get loss.png")
     assert (out_dir / "loss.png").stat().st_size > 1000
+
+
+TINY = {"--steps": "2", "--layers": "1", "--dim": "32", "--vocab": "64", "--context": "16", "--batch": "2"}
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--steps", "0", "must be an integer >= 1, got '0'"),
+    ("--steps", "-3", "must be an integer >= 1, got '-3'"),
+    ("--layers", "0", "must be an integer >= 1, got '0'"),
+    ("--dim", "30", r"must be a multiple of 4 \(the demo's 4 attention heads\), >= 4, got '30'"),
+    ("--dim", "0", r"must be a multiple of 4 .*got '0'"),
+    ("--vocab", "0", r"must be an integer >= 4 \(.*4 successors\), got '0'"),
+    ("--vocab", "3", r"must be an integer >= 4 .*got '3'"),
+    ("--context", "0", r"must be an integer in \[1, 1048575\] .*got '0'"),
+    ("--context", "1048576", r"must be an integer in \[1, 1048575\] .*got '1048576'"),
+    ("--batch", "0", "must be an integer >= 1, got '0'"),
+    ("--lr", "nan", "must be a finite number >= 0, got 'nan'"),
+    ("--lr", "-1", "must be a finite number >= 0, got '-1'"),
+    ("--host-memory", "lots", "must be a byte size > 0 such as 24GB"),
+    ("--device-memory", "0", "must be a byte size > 0 such as 24GB"),
+    ("--nvme-path", "MISSING", r"must be an existing directory .*got '.*missing'"),
+    ("--out", "A_FILE", r"must be a directory .*made if missing.*'.*a-file' is a file"),
+])
+def test_every_demo_flag_is_checked_when_parsed(tmp_path, capsys, flag, value, message):
+    """A bad value is an argparse error naming the flag and its valid range (exit 2), before any work."""
+    (tmp_path / "a-file").write_text("")
+    value = {"MISSING": str(tmp_path / "missing"), "A_FILE": str(tmp_path / "a-file")}.get(value, value)
+    args = {**TINY, "--out": str(tmp_path / "out"), "--nvme-path": str(tmp_path), flag: value}
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", *[item for pair in args.items() for item in pair]])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(f"argument {flag}: {message}", err), err
+    assert not (tmp_path / "out").exists()  # refused before anything was written

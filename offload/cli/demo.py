@@ -28,7 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from offload.cli.demo_data import DEMO_TOKENS, SUCCESSOR_PROBABILITIES
+from offload.cli.options import byte_size, non_negative_finite_float, positive_int
+
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+HEADS = 4  # DemoGPT's attention heads: --dim is split among them
+SUCCESSORS = len(SUCCESSOR_PROBABILITIES)  # each token of the demo's Markov chain has these
 
 
 class DemoLayer(nn.Module):
@@ -49,7 +54,7 @@ class DemoLayer(nn.Module):
 class DemoGPT(nn.Module):
     """A GPT-style model with tied embedding and output; `forward(idx, targets)` returns the loss."""
 
-    def __init__(self, vocab: int, dim: int, layers: int, context: int, heads: int = 4) -> None:
+    def __init__(self, vocab: int, dim: int, layers: int, context: int, heads: int = HEADS) -> None:
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(context, dim)
         nn.init.normal_(self.wte.weight, std=0.02)
@@ -78,19 +83,74 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def model_width(text: str) -> int:
+    """`--dim`: a multiple of HEADS."""
+    value = _integer(text)
+    if value is None or value < HEADS or value % HEADS:
+        raise argparse.ArgumentTypeError(f"must be a multiple of {HEADS} (the demo's {HEADS} attention heads), "
+                                         f">= {HEADS}, got {text!r}")
+    return value
+
+
+def vocabulary(text: str) -> int:
+    """`--vocab`: room for the Markov chain's successors."""
+    value = _integer(text)
+    if value is None or value < SUCCESSORS:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {SUCCESSORS} (the demo's Markov chain gives each "
+                                         f"token {SUCCESSORS} successors), got {text!r}")
+    return value
+
+
+def context_length(text: str) -> int:
+    """`--context`: a window of context + 1 tokens must fit the demo's token file."""
+    value = _integer(text)
+    if value is None or not 1 <= value < DEMO_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be an integer in [1, {DEMO_TOKENS - 1}] (a window of context + 1 "
+                                         f"tokens of the demo's {DEMO_TOKENS}-token file), got {text!r}")
+    return value
+
+
+def existing_directory(text: str) -> str:
+    """`--nvme-path`: the swap file's temporary directory is made inside it."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"must be an existing directory (the swap file's temporary directory is "
+                                         f"made inside it), got {text!r}")
+    return text
+
+
+def output_directory(text: str) -> str:
+    """`--out`: a directory, made if missing."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"must be a directory for the token file and loss.png (made if missing); "
+                                         f"{text!r} is a file")
+    return text
+
+
+def _integer(text: str) -> Optional[int]:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=384)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    """Every flag is checked here, so a bad value is an argparse error naming it and its range."""
+    parser.add_argument("--steps", type=positive_int, default=30, help="training steps (>= 1)")
+    parser.add_argument("--layers", type=positive_int, default=8, help="transformer layers (>= 1)")
+    parser.add_argument("--dim", type=model_width, default=384, help=f"model width (a multiple of {HEADS})")
+    parser.add_argument("--vocab", type=vocabulary, default=4096, help=f"vocabulary (>= {SUCCESSORS})")
+    parser.add_argument("--context", type=context_length, default=128,
+                        help=f"tokens per sequence (1 to {DEMO_TOKENS - 1})")
+    parser.add_argument("--batch", type=positive_int, default=4, help="sequences per step (>= 1)")
+    parser.add_argument("--lr", type=non_negative_finite_float, default=1e-3, help="learning rate (>= 0)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--nvme-path", default=None, help="directory for the swap file (default: a temp dir)")
-    parser.add_argument("--host-memory", default=None, help="host budget, e.g. 512MB")
-    parser.add_argument("--device-memory", default=None, help="device budget, e.g. 64MB (weights stream beyond it)")
-    parser.add_argument("--out", default="offload-demo", help="directory for the token file and loss.png")
+    parser.add_argument("--nvme-path", type=existing_directory, default=None,
+                        help="directory for the swap file (default: a temp dir)")
+    parser.add_argument("--host-memory", type=byte_size, default=None, help="host budget, e.g. 512MB")
+    parser.add_argument("--device-memory", type=byte_size, default=None,
+                        help="device budget, e.g. 64MB (weights stream beyond it)")
+    parser.add_argument("--out", type=output_directory, default="offload-demo",
+                        help="directory for the token file and loss.png (made if missing)")
     parser.add_argument("--data-backend", choices=["auto", "dali", "numpy"], default="auto",
                         help="offload.data reader (auto: DALI when installed)")
 
@@ -180,7 +240,9 @@ def run(args: argparse.Namespace) -> int:
 def _train(engine, windows, steps: int, tqdm) -> Tuple[List[float], List[float], list]:
     """Run the steps; each step's time is start-to-start, so updates still running (and reading the batch)
     count where they block. Returns the step times, the losses and the first batches (for the bound)."""
-    step_times, losses, first = [], [], []
+    step_times: List[float] = []
+    losses: List[float] = []
+    first: List[Tuple[torch.Tensor, torch.Tensor]] = []
     bar = tqdm(itertools.islice(windows, steps), desc="nvme demo", unit="step", total=steps)
     last = time.perf_counter()
     for i, window in enumerate(bar):

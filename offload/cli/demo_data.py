@@ -17,6 +17,7 @@ from offload.data import write_tokens
 
 SUCCESSOR_PROBABILITIES = np.array([0.55, 0.25, 0.15, 0.05])
 STATES = 16  # few enough that the demo's GPT learns the transitions within tens of steps, not hundreds
+DEMO_TOKENS = 1 << 20  # the token file's length: `python -m offload demo --context` stays below it
 
 
 def chain_entropy() -> float:
@@ -39,7 +40,7 @@ def markov_tokens(tokens: int, states: int, seed: int = 0, chains: int = 256) ->
     return walks.reshape(-1)[:tokens]
 
 
-def write_demo_tokens(directory: str, vocab: int, tokens: int = 1 << 20, seed: int = 0) -> str:
+def write_demo_tokens(directory: str, vocab: int, tokens: int = DEMO_TOKENS, seed: int = 0) -> str:
     """The demo's token file in `directory` (written once per vocabulary size); returns its path."""
     states = min(vocab, STATES)
     path = os.path.join(directory, f"markov-{states}-tokens.npy")
