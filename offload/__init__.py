@@ -15,7 +15,7 @@ from offload.tiers.host import HostBuffer, StagingPool
 warn_if_unavailable()
 
 from offload.api import wrap  # noqa: E402  (after the native import warning)
-from offload.engine import Engine  # noqa: E402
+from offload.engine.engine import Engine  # noqa: E402
 from offload.policy import OffloadPolicy, Tier  # noqa: E402
 from offload.parity import VerifyReport, verify  # noqa: E402
 

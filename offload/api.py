@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from offload.checkpoint.weight_source import WeightSource
-from offload.engine import Engine
+from offload.engine.engine import Engine
 from offload.errors import OffloadConfigError
 from offload.param_groups import parse_param_groups
 from offload.policy import OffloadPolicy, Tier, parse_bytes, resolve_device
-from offload.scheduler.initial_weights import choose
+from offload.scheduler.setup.initial_weights import choose
 
 Bytes = Union[int, str, None]
 

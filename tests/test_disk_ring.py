@@ -7,8 +7,8 @@ import contextlib
 import torch
 from torch import nn
 
-from offload.scheduler.block import build_blocks
-from offload.scheduler.disk_ring import CHUNK_GRANULE, DiskRing, min_ring_bytes, ring_depth_for, ring_size_for
+from offload.scheduler.blocks.block import build_blocks
+from offload.scheduler.ring.disk_ring import CHUNK_GRANULE, DiskRing, min_ring_bytes, ring_depth_for, ring_size_for
 from offload.tiers.disk import SwapStore, plan_swap_layout
 from offload.tiers.host import StagingPool
 

@@ -120,7 +120,7 @@ def test_nvme_path_on_tmpfs_works_with_one_warning():
 def test_whole_record_read_write_round_trip_and_short_buffer_refused(tmp_path):
     from torch import nn
 
-    from offload.scheduler.block import build_blocks
+    from offload.scheduler.blocks.block import build_blocks
     from offload.tiers.disk import SwapStore, plan_swap_layout, state_views
 
     blocks = build_blocks(nn.Linear(30, 50), torch.float32)

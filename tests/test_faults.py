@@ -91,7 +91,7 @@ def test_bit_flip_in_swap_file_is_an_integrity_error_naming_file_and_block(tmp_p
 
 def _chunked_engine(directory):
     """An nvme engine with the smallest ring (2048-element chunks): its layer records are several chunks."""
-    from offload.scheduler.disk_ring import min_ring_bytes
+    from offload.scheduler.ring.disk_ring import min_ring_bytes
 
     torch.manual_seed(0)
     model = TinyGPT()
@@ -254,7 +254,7 @@ def test_ctrl_c_during_step_applies_the_whole_step(tmp_path):
     with plain:
         train(plain, plain_scheduler, range(2))
         expected = plain.state_dict()
-    from offload.scheduler.pipeline import StepPipeline
+    from offload.scheduler.phases.pipeline import StepPipeline
 
     engine, scheduler = make_engine("cpu", str(tmp_path))
     submit, calls = StepPipeline.submit_update, []

@@ -11,7 +11,7 @@ import threading
 import torch
 
 import offload
-from offload.scheduler.runtime import GroupState
+from offload.scheduler.records.runtime import GroupState
 from tests.models import TinyGPT, make_batches
 
 
@@ -150,7 +150,7 @@ def test_ctrl_c_while_step_schedules_applies_the_step_and_stats_say_so(monkeypat
     has counted the step, and it is applied exactly (README: "Ctrl-C during step()")."""
     import time
 
-    from offload.scheduler import pipeline
+    from offload.scheduler.phases import pipeline
 
     batches = make_batches(2, 1)
     torch.manual_seed(0)

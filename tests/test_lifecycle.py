@@ -318,7 +318,7 @@ def test_six_engines_dropped_in_a_loop_keep_one_thread_one_swap_file_and_one_rin
 def test_a_dropped_worker_stops_its_thread_and_does_not_keep_its_callback_owner():
     """The thread is a GC root: it holds neither the StepWorker nor (weakly only) the object whose bound
     method is the read-ahead callback, so both can be collected, and the worker's finalizer stops it."""
-    from offload.scheduler.worker import StepWorker
+    from offload.scheduler.worker.step_worker import StepWorker
 
     class Owner:
         def read_ahead(self, upcoming):

@@ -11,7 +11,7 @@ import pytest
 
 from offload import _native
 from offload.errors import OffloadError
-from offload.scheduler.worker import StepWorker
+from offload.scheduler.worker.step_worker import StepWorker
 
 
 def test_queued_updates_run_in_priority_order_and_same_block_in_order():
@@ -51,7 +51,7 @@ def test_an_error_surfaces_at_the_wait_for_its_block_only():
 _EXIT_WHILE_BUSY = """
 import time, torch
 from offload import _native
-from offload.scheduler.worker import StepWorker
+from offload.scheduler.worker.step_worker import StepWorker
 buf = torch.zeros(16 << 20, dtype=torch.uint8)
 worker = StepWorker(1)
 def busy():  # about 1 s, nearly all of it inside native calls that released the GIL

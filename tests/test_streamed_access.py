@@ -144,7 +144,7 @@ def test_deepcopy_keeps_the_wrapped_dtypes(dtype):
 def test_deepcopy_right_after_step_waits_for_the_pending_updates(monkeypatch):
     """step() may return before the updates run (overlap_step); the copy must hold the stepped weights. The
     updates are held for 0.2 s, so a copy that does not wait holds the weights of before the step."""
-    from offload.scheduler.runtime import GroupState
+    from offload.scheduler.records.runtime import GroupState
 
     overlap = {"overlap_step": True} if "overlap_step" in inspect.signature(offload.wrap).parameters else {}
 
@@ -218,7 +218,7 @@ def test_deepcopy_of_a_failed_engines_model_is_refused():
 def test_deepcopy_that_does_not_fit_on_the_device_is_refused_with_the_fix(monkeypatch):
     """On CUDA the copy of all weights may not fit where they stream from: torch's out-of-memory error would
     not say what to do instead. (Simulated on the CPU.)"""
-    from offload.scheduler import model_copy
+    from offload.scheduler.records import model_copy
 
     def out_of_memory(*_args):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

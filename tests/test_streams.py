@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.scheduler import streams
-from offload.scheduler.streams import CopyContext, GradDownloads
+from offload.tiers import copies as streams
+from offload.tiers.copies import CopyContext, GradDownloads
 from tests.fake_streams import DeferredStreams
 from tests.models import one_intraop_thread
 from tests.test_engine_parity import STEPS, _compare

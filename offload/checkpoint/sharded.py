@@ -34,7 +34,7 @@ from offload.errors import OffloadIntegrityError, OffloadIOError
 
 if TYPE_CHECKING:
     from offload.checkpoint.target import CheckpointTarget
-    from offload.data_parallel import DataParallel
+    from offload.distributed.data_parallel import DataParallel
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 Parts = Dict[str, List[int]]  # parameter name -> [a, b): the elements of it a file holds

@@ -11,8 +11,8 @@ from typing import List, Tuple
 
 from torch import Tensor
 
-from offload.scheduler.block import FlatGroup
-from offload.scheduler.state_store import Views
+from offload.scheduler.blocks.block import FlatGroup
+from offload.scheduler.state.state_store import Views
 
 __all__ = ["Views", "pieces"]
 

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from offload.policy import OffloadPolicy
-from offload.scheduler.block import Block, FlatGroup
-from offload.scheduler.runtime import GroupState
+from offload.scheduler.blocks.block import Block, FlatGroup
+from offload.scheduler.records.runtime import GroupState
 
 
 class CheckpointTarget(Protocol):

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from offload.api import wrap
-from offload.engine import Engine
+from offload.engine.engine import Engine
 from offload.errors import OffloadConfigError, OffloadError
 from offload.integrations.transformers import _require
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from offload._system import unmap_large_allocations
 from offload.api import wrap
-from offload.engine import Engine
+from offload.engine.engine import Engine
 from offload.errors import OffloadConfigError
 from offload.policy import Tier, bounds_host_memory
 

@@ -31,7 +31,7 @@ from offload.io.swap_file import file_system_of
 from offload.io.future import IOFuture, wait_all
 
 if TYPE_CHECKING:  # descriptions only: the tiers never call into the scheduler
-    from offload.scheduler.block import Block, FlatGroup
+    from offload.scheduler.blocks.block import Block, FlatGroup
 
 ALIGNMENT = 4096
 STATE_TENSORS = ("master", "exp_avg", "exp_avg_sq")

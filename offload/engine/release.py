@@ -1,0 +1,98 @@
+"""Releasing an engine: the body of `Engine.close()`, kept apart from the Engine so that it also runs when
+an Engine is dropped without close() (`weakref.finalize` in `Engine.__init__`).
+
+Nothing here may refer to the Engine: the finalizer holds an `EngineRelease` until the Engine is collected,
+and a reference back would keep the Engine alive for ever. See docs/design.md
+[Note: an engine dropped without close()].
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from torch import nn
+
+from offload.scheduler.blocks.block import Block
+from offload.scheduler.phases.hooks import HookSet
+from offload.scheduler.phases.pipeline import StepPipeline
+from offload.scheduler.blocks.wrapped_mark import MARKER
+
+
+
+@dataclass(frozen=True)
+class EngineRelease:
+    """What one engine holds that close() gives back: the step pipeline (its worker thread, tiers, swap file
+    and host state), the hooks on the model, the blocks' runtime records, and the model's mark."""
+
+    pipeline: StepPipeline
+    hooks: HookSet
+    blocks: List[Block]
+    module: nn.Module
+    mark: "weakref.ref[Any]"  # the mark this engine set; the module's mark is removed only while it is this one
+    owner_pid: int = field(default_factory=os.getpid)  # the process whose engine this is (not a forked child)
+
+    def close(self) -> None:
+        """`Engine.close()`: finish pending updates, remove every hook, bring streamed weights back, free the
+        state and delete the swap file. An update's error never reported, or an I/O error met on the way, is
+        raised after the cleanup; a failure reported earlier is a RuntimeWarning. Idempotent."""
+        if self.pipeline.closed:
+            return
+        failure = self._release()
+        if failure is not None:
+            raise failure
+        self._warn_if_inconsistent("closed")
+
+    def dropped(self) -> None:
+        """The Engine was collected without close(): release as close() would, but warn instead of raising
+        (an exception raised in a finalizer is printed as "Exception ignored" and lost). Not in a forked child
+        (a DataLoader worker): the thread does not exist there, and the swap file is the parent's."""
+        if self.pipeline.closed or os.getpid() != self.owner_pid:
+            return
+        if self.pipeline.worker.on_own_thread():  # collected on the worker itself: it cannot wait for itself
+            threading.Thread(target=self.dropped, name="offload-release", daemon=True).start()
+            return
+        try:
+            failure = self._release()
+        except BaseException as exc:  # noqa: BLE001 -- e.g. Ctrl-C while draining: nobody could catch it here
+            failure = exc
+        if failure is not None:
+            warnings.warn(f"offload: an engine dropped without close() could not be released cleanly "
+                          f"({type(failure).__name__}: {failure}); its hooks and swap file are gone, but the "
+                          "model's weights may be inconsistent: call engine.close() to see such errors raised",
+                          RuntimeWarning)
+        else:
+            self._warn_if_inconsistent("dropped without close()")
+
+    def _release(self) -> Optional[BaseException]:
+        """Release everything, whatever fails; return the first error."""
+        pipeline = self.pipeline
+        failure: Optional[BaseException] = None
+        try:
+            failure = pipeline.close()
+        except Exception as exc:  # e.g. weights on a failed disk could not be read back: release all the same
+            failure = exc
+        finally:  # whatever failed, the hooks, records, files and the model's mark go
+            pipeline.closed = True
+            self.hooks.remove()
+            for block in self.blocks:
+                block.runtime = None
+                for group in block.groups:
+                    group.runtime = None
+            try:
+                pipeline.tiers.close()
+            except Exception as exc:
+                failure = failure or exc
+            if getattr(self.module, MARKER, None) is self.mark:
+                delattr(self.module, MARKER)
+        return failure
+
+    def _warn_if_inconsistent(self, how: str) -> None:
+        failed = self.pipeline.worker.failure
+        if failed is not None:
+            warnings.warn(f"offload: {how} after a failed update ({failed}); the model keeps inconsistent "
+                          "weights (some blocks updated, some not): load a checkpoint into it", RuntimeWarning)

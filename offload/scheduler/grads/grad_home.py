@@ -1,0 +1,191 @@
+"""The gradient accumulator of one flat group: where gradients go when they leave the device.
+
+A piece of its own, apart from the optimizer state (state_store.py), so that where gradients are kept
+can change (host memory today; a store on disk for models larger than RAM) without touching the update.
+With copies on side streams (CUDA) and the accumulator on the host, gradients arrive asynchronously
+(`GradDownloads`): every read settles them first.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import List, Optional, Set, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from offload.errors import OffloadError
+from offload.optim.functional import sum_of_squares
+from offload.scheduler.blocks.block import FlatGroup
+from offload.scheduler.grads.grad_window import GradPool
+from offload.scheduler.grads.held_grad import HeldGrad
+from offload.tiers.copies import CopyContext, GradDownloads
+from offload.tiers.mapped import mapped_zeros
+
+
+class GradAccumulator:
+    """The flat gradient of a group's trainable range and which of its parameters have one since `zero`.
+
+    With a `pool` (the nvme tier's gradient window, grad_pool.py) the buffer exists only from the group's
+    first gradient until its update is done (`release`); the gradients it held are then `lost`: torch would
+    still have them, so adding to one, or stepping on one again, without a zero_grad in between raises."""
+
+    def __init__(self, group: FlatGroup, device: torch.device, copies: Optional[CopyContext],
+                 pool: Optional[GradPool] = None, padded_numel: Optional[int] = None) -> None:
+        n = padded_numel if padded_numel is not None else group.trainable_numel
+        self.numel = n  # the trainable range, padded to whole shards in data-parallel mode (zeros beyond it)
+        self.group = group
+        self.device = device
+        on_host = device.type == "cpu"
+        self.downloads = (GradDownloads(copies, n, group.dtype)
+                          if on_host and copies is not None and copies.is_async else None)
+        self.pool = pool
+        self._lock = threading.Lock()  # the buffer's taking and giving back (training thread, worker)
+        self.grad: Optional[Tensor] = None if pool is not None else self._new_buffer()
+        self.has_grad: List[bool] = [False] * len(group.trainable_slots)
+        self.lost: Set[int] = set()  # parameters whose gradient was released after its update
+        # what each parameter's `.grad` holds while its gradient is here (held_grad.py)
+        self.held = [HeldGrad(slot.param, slot.name) for slot in group.trainable_slots]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.grad is None else self.grad.nbytes
+
+    @property
+    def windowed(self) -> bool:
+        return self.pool is not None
+
+    def _new_buffer(self) -> Tensor:
+        if self.downloads is not None:
+            return self.downloads.new_accumulator()
+        if self.pool is not None and self.device.type == "cpu":
+            return mapped_zeros(self.numel, self.group.dtype)  # its pages go back at release
+        return torch.zeros(self.numel, dtype=self.group.dtype, device=self.device)
+
+    def buffer(self, wait: bool = True) -> Tensor:
+        """The flat gradient, taken from the window first if it was given back (zeros: a parameter with a
+        gradient then is one zeroed with set_to_none=False). `wait=False` on the worker: it would wait for
+        itself."""
+        with self._lock:
+            if self.grad is None:
+                assert self.pool is not None
+                nbytes = self.numel * self.group.dtype.itemsize
+                self.pool.acquire(nbytes, wait)
+                self.grad = self._new_buffer()
+            return self.grad
+
+    def release(self) -> None:
+        """The update has consumed the gradient: give its bytes back to the window."""
+        with self._lock:
+            if self.pool is None or self.grad is None:
+                return
+            self.settle()
+            self.pool.release(self.grad.nbytes)
+            self.grad = None
+            self.lost.update(i for i, has in enumerate(self.has_grad) if has)
+            self.has_grad = [False] * len(self.has_grad)
+
+    def accumulate(self, index: int, grad: Tensor, fresh: bool = False) -> int:
+        """Add one parameter's gradient into its range (a copy for the first one since `zero`, or when `fresh`:
+        the parameter's `.grad` was cleared outside the engine); returns bytes moved."""
+        if fresh:
+            self.has_grad[index] = False
+            self.lost.discard(index)
+        elif index in self.lost:
+            raise released_gradient(self.group.trainable_slots[index].name)
+        slot = self.group.trainable_slots[index]
+        target = self.buffer()[slot.offset:slot.offset + slot.numel]
+        source = grad.detach().reshape(-1)
+        if self.downloads is not None:
+            self.downloads.put(target, slot.offset, source, accumulate=self.has_grad[index])
+        elif self.has_grad[index]:
+            target.add_(source.to(target.device, target.dtype))
+        else:
+            target.copy_(source)
+        self.has_grad[index] = True
+        return source.numel() * source.element_size()
+
+    def settle(self) -> None:
+        """Finish the gradient downloads in flight (CUDA): call before reading `grad` (any thread)."""
+        if self.downloads is not None:
+            self.downloads.settle()
+
+    def held_for(self, index: int) -> HeldGrad:
+        """The stand-in for the parameter's `.grad` once its gradient is here (nothing pending in it)."""
+        held = self.held[index]
+        held.pending = None
+        return held
+
+    def forget(self, index: int) -> None:
+        """The parameter's `.grad` was cleared outside the engine (model.zero_grad()): torch would not step it."""
+        self.has_grad[index] = False
+        self.lost.discard(index)
+
+    def zero(self, set_to_none: bool) -> None:
+        """As torch's zero_grad; each parameter's `.grad` becomes None, or stays held (zeros) for one that
+        had a gradient when `set_to_none` is False (a released one comes back as zeros with the buffer)."""
+        self.settle()  # a copy still in flight would land after the zeroing or the next first copy
+        for index in self.lost:
+            self.has_grad[index] = not set_to_none
+        self.lost.clear()
+        for index, slot in enumerate(self.group.trainable_slots):
+            slot.param.grad = None
+            if not set_to_none and self.has_grad[index]:
+                if self.grad is not None:
+                    self.grad[slot.offset:slot.offset + slot.numel].zero_()
+                slot.param.grad = self.held_for(index)
+        if set_to_none:
+            self.has_grad = [False] * len(self.has_grad)
+            if self.windowed:
+                self.release()
+                self.lost.clear()
+
+    def scale_(self, coef: float) -> None:
+        """Multiply every gradient by `coef`, as torch.nn.utils.clip_grad_norm_ does to each `.grad`."""
+        self.settle()
+        if self.grad is None:
+            return  # zeros (or nothing) stay zeros
+        for index, slot in enumerate(self.group.trainable_slots):
+            if self.has_grad[index]:
+                self.grad[slot.offset:slot.offset + slot.numel].mul_(coef)
+
+    def ready_indices(self) -> List[int]:
+        """Trainable parameters that have a gradient now: taken when an update is scheduled, because
+        `zero_grad()` may clear the flags before the background update runs."""
+        return [i for i, has in enumerate(self.has_grad) if has]
+
+    def norms(self) -> List[Tuple[nn.Parameter, float]]:
+        """L2 norm of each accumulated gradient (parameters without one are left out).
+
+        Computed with torch.linalg.vector_norm in fp32, the reduction torch.nn.utils.clip_grad_norm_ uses:
+        a more exact fp64 sum differs in the last bit, and Adam amplifies that in elements whose gradient
+        is rounding noise (e.g. attention key biases). See docs/design.md [Note: clipping parity]."""
+        self.settle()
+        norms = []
+        for index, slot in enumerate(self.group.trainable_slots):
+            if self.has_grad[index]:
+                if self.grad is None:  # zeroed with set_to_none=False after its buffer was given back
+                    norms.append((slot.param, 0.0))
+                    continue
+                piece = self.grad[slot.offset:slot.offset + slot.numel]
+                norms.append((slot.param, float(torch.linalg.vector_norm(piece, 2, dtype=torch.float32))))
+        return norms
+
+    def all_finite(self, num_threads: Optional[int] = None) -> bool:
+        """Whether every accumulated element is finite: one read of the gradient (2-4 B per parameter,
+        against ~30 B the Adam update moves), with the update's threads."""
+        self.settle()
+        if self.grad is None:
+            return True
+        grad = self.grad[:self.group.trainable_numel]
+        if grad.device.type == "cpu" and grad.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return math.isfinite(sum_of_squares(grad, num_threads=num_threads))
+        return bool(torch.isfinite(grad).all())
+
+
+def released_gradient(name: str) -> OffloadError:
+    return OffloadError(
+        f"the gradient of {name!r} was given back after its update (the nvme tier keeps only a window of "
+        "gradients in host memory), but torch would now add to it or step on it again: call zero_grad() after "
+        "every step(), or leave grad_accumulation_steps unset")

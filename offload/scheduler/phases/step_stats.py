@@ -1,0 +1,53 @@
+"""The step's counters, and `engine.stats()` assembled from them and from each tier's own counters."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Dict, List
+
+from offload.scheduler.blocks.block import Block
+from offload.scheduler.grads.nonfinite import NonFiniteSkips
+from offload.scheduler.phases.phase_clock import PhaseClock
+from offload.scheduler.setup.placement import Tiers
+
+
+@dataclass
+class StepCounters:
+    """Counters since wrap(), reported by `engine.stats()` and kept by checkpoints (`steps`, `skipped_steps`)."""
+
+    steps: int = 0
+    skipped_steps: int = 0
+    block_updates: int = 0
+    early_block_updates: int = 0
+    update_seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+
+def engine_stats(counters: StepCounters, nonfinite: NonFiniteSkips, clock: PhaseClock, tiers: Tiers,
+                 blocks: List[Block]) -> Dict[str, float]:
+    """Every counter `engine.stats()` reports (see its docstring)."""
+    out: Dict[str, float] = asdict(counters)
+    out["skipped_steps"] += nonfinite.steps  # steps where some block had non-finite gradients
+    out["skipped_block_updates"] = nonfinite.block_skips
+    out.update(forward_seconds=clock.forward_seconds, backward_seconds=clock.backward_seconds)
+    copies, device, swap, streamer, pool = tiers.copies, tiers.device, tiers.swap, tiers.streamer, tiers.grad_pool
+    out.update(bytes_device_to_host=copies.bytes_to_host, bytes_host_to_device=copies.bytes_to_device,
+               copies_on_side_streams=copies.async_copies,
+               device_bytes=device.in_use, device_peak_bytes=device.peak,
+               device_over_budget_events=device.over_budget_events,
+               block_fetches=streamer.fetches, block_evictions=streamer.evictions,
+               block_prefetches=streamer.prefetches,
+               host_grad_bytes_peak=0 if pool is None else pool.peak,
+               host_grad_over_budget_events=0 if pool is None else pool.over_budget_events,
+               bytes_disk_read=0 if swap is None else swap.bytes_read,
+               bytes_disk_written=0 if swap is None else swap.bytes_written,
+               host_state_bytes=sum(s.host_bytes for b in blocks if b.runtime is not None
+                                    for s in b.runtime.states),  # 0 once closed: the state is freed
+               # this rank's fp32 master weights and moments, on any tier (data-parallel: its parts only)
+               optimizer_state_bytes=sum(s.optimizer_state_bytes for b in blocks if b.runtime is not None
+                                         for s in b.runtime.states))
+    if tiers.ring is not None:
+        out.update(tiers.ring.stats())
+    if tiers.staging is not None:
+        out["nvme_staging_bytes"] = tiers.staging.budget_bytes
+    return out

@@ -1,0 +1,180 @@
+"""Applying a plan: open the tiers it needs and give every block its runtime record.
+
+`plan_and_open` plans and makes the device budget, the copy context and, on the nvme tier, the swap file, the staging
+pool and the ring through which disk-resident state flows. `materialize` copies each parameter into its
+block's flat device buffer, re-points `.data`, and builds each flat group's weight home and, for groups
+that train, its state store (memory or disk) and gradient accumulator (runtime.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+from offload._system import return_freed_memory, unmap_large_allocations
+from offload.distributed.data_parallel import DataParallel
+from offload.errors import OffloadConfigError
+from offload.planner import Plan, make_plan, ring_depth_for, ring_size_for
+from offload.policy import OffloadPolicy, Tier
+from offload.scheduler.blocks.block import Block
+from offload.scheduler.ring.disk_ring import DiskRing
+from offload.scheduler.state.disk_store import DiskStore
+from offload.scheduler.grads.grad_home import GradAccumulator
+from offload.scheduler.grads.grad_window import GradPool
+from offload.scheduler.setup.initial_weights import InitialWeights
+from offload.scheduler.records.runtime import BlockRuntime, GroupRuntime, GroupState
+from offload.scheduler.state.sharded_store import ShardedStore, ShardGroup
+from offload.scheduler.state.state_store import MemoryStore, StateStore
+from offload.scheduler.weights.streamer import WeightStreamer
+from offload.tiers.copies import CopyContext
+from offload.trace import Tracer
+from offload.scheduler.weights.weight_home import DeviceHome, DiskHome, HostMirror, WeightHome
+from offload.tiers.device import DeviceTier
+from offload.tiers.disk import SwapStore, plan_swap_layout, plan_weight_layout
+from offload.tiers.host import StagingPool
+
+
+@dataclass
+class Tiers:
+    """The memory tiers one engine uses; `swap`, `staging` and `ring` exist on the nvme tier only."""
+
+    device: DeviceTier
+    copies: CopyContext
+    streamer: WeightStreamer  # the device budget's LRU of streamed blocks
+    swap: Optional[SwapStore] = None
+    staging: Optional[StagingPool] = None
+    ring: Optional[DiskRing] = None
+    grad_pool: Optional[GradPool] = None  # the nvme tier's gradient window (grad_pool.py)
+
+    def close(self) -> None:
+        """Delete the swap file and free the ring's slots and the staging pool (after the ring has drained)."""
+        if self.ring is not None:
+            self.ring.close()
+        if self.swap is not None:
+            self.swap.close()
+        if self.staging is not None:
+            self.staging.close()
+
+
+def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
+                  dp: Optional[DataParallel] = None) -> "tuple[Plan, Tiers]":
+    """The placement plan of `blocks` under the policy's budgets, and the tiers it needs, opened. In
+    data-parallel mode the swap file holds this rank's parts only, in its own directory under nvme_path."""
+    numel_of = None if dp is None else (lambda group: dp.shard_of(group.trainable_numel).numel)
+    records, swap_size = plan_swap_layout(blocks, numel_of) if policy.tier is Tier.NVME else ({}, 0)
+    largest_record = max((r.numel for r in records.values()), default=0)
+    ring = ring_size_for(largest_record) if records else None
+    plan = make_plan([b.spec(policy.tier) for b in blocks], policy.tier, policy.device_memory,
+                     policy.host_memory, ring, grad_window=policy.windowed_grads)
+    if dp is not None and plan.disk_weight_blocks:
+        raise OffloadConfigError(
+            f"data-parallel training keeps every block's weights in host memory, but host_memory="
+            f"{policy.host_memory} leaves {len(plan.disk_weight_blocks)} blocks' weights on disk: raise host_memory "
+            "(per rank), or train in one process")
+    if policy.bounds_host_memory:
+        unmap_large_allocations()  # before materializing: its temporaries too
+    device, copies = DeviceTier(policy.device, plan.device_weight_budget), CopyContext(policy.device)
+    tiers = Tiers(device, copies, WeightStreamer(device, copies))
+    if plan.grad_window_bytes is not None:
+        tiers.grad_pool = GradPool(plan.grad_window_bytes)
+    if policy.tier is Tier.NVME:
+        assert policy.nvme_path is not None
+        if not records:  # before any file exists
+            raise OffloadConfigError(
+                "tier='nvme' keeps the optimizer state on disk, but no parameter of this model requires grad: there "
+                "is no state to keep; use tier='cpu' (weights still stream under device_memory), or unfreeze the "
+                "parameters to train before offload.wrap()")
+        weights, swap_size = plan_weight_layout(blocks, plan.disk_weight_blocks, swap_size)
+        directory = policy.nvme_path
+        if dp is not None:
+            directory = os.path.join(directory, f"rank-{dp.rank}")
+            os.makedirs(directory, exist_ok=True)
+        tiers.swap = SwapStore(directory, records, swap_size, weights)
+        try:
+            tiers.staging = StagingPool(max(_round_up(plan.ring_bytes, 4096), 4096))
+            tiers.ring = DiskRing(tiers.swap, tiers.staging, plan.ring_bytes,
+                                  ring_depth_for(plan.ring_bytes, largest_record), tracer=tracer)
+        except BaseException:
+            tiers.close()  # nothing of a failed wrap() stays on disk
+            raise
+    return plan, tiers
+
+
+def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: OffloadPolicy, tiers: Tiers,
+                optimizer_group_of: Dict[nn.Parameter, int], initial: InitialWeights,
+                dp: Optional[DataParallel] = None) -> None:
+    """Give every block its flat device buffers, filled from `initial` (the parameters, a checkpoint, or an
+    initializer: one block at a time, so a model built on the meta device is never whole in memory), and its
+    runtime record (`block.runtime`); move the module's buffers to the device. `optimizer_group_of`: each
+    trainable parameter's optimizer group. `dp`: every rank starts from rank 0's weights, and keeps the
+    optimizer state of its own part of each group."""
+    streamed, on_disk = set(plan.streamed_blocks), set(plan.disk_weight_blocks)
+    for block in blocks:
+        for group in block.groups:
+            buffer = tiers.device.allocate(group.numel, group.dtype, f"block {block.name!r}")
+            if initial.copies_parameters():
+                with torch.no_grad():
+                    for slot in group.slots:
+                        buffer[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+            group.device_buffer = buffer
+            group.point_params_at(buffer)
+            for slot in group.slots:
+                slot.param.grad = None
+        initial.fill(block)
+        groups = []
+        for group in block.groups:
+            if dp is not None:
+                assert group.device_buffer is not None
+                dp.broadcast_from_first(group.device_buffer)
+            state = None
+            if group.trainable_numel:
+                shard = None if dp is None else dp.shard_of(group.trainable_numel)
+                store = _state_store(group, policy, tiers) if shard is None else \
+                    ShardedStore(_state_store(ShardGroup(group, shard), policy, tiers), shard)
+                grads = GradAccumulator(group, torch.device("cpu") if store.on_host else policy.device,
+                                        tiers.copies, tiers.grad_pool, None if shard is None else shard.padded)
+                state = GroupState(group, store, grads, [optimizer_group_of[s.param] for s in group.trainable_slots],
+                                   shard)
+            group.runtime = GroupRuntime(block, group, _weight_home(block, group, policy, tiers, streamed, on_disk,
+                                                                    state is not None), state)
+            groups.append(group.runtime)
+        block.runtime = BlockRuntime(block, groups, streamed=block.name in streamed)
+        if block.runtime.streamed:
+            tiers.streamer.adopt(block)  # released before the next block takes its device memory
+        return_freed_memory()  # the temporaries of filling this block: not kept as RSS into the next
+    initial.finish(module, policy.device)
+    for sub in module.modules():
+        for key, buf in sub._buffers.items():
+            if buf is not None and buf.device != policy.device:
+                sub._buffers[key] = buf.to(policy.device)
+            if buf is not None and dp is not None:
+                dp.broadcast_from_first(sub._buffers[key])
+
+
+def _state_store(group, policy: OffloadPolicy, tiers: Tiers) -> StateStore:
+    if tiers.ring is not None:
+        return DiskStore(group, tiers.ring)
+    on_host = policy.tier is not Tier.GPU
+    return MemoryStore(group, torch.device("cpu") if on_host else policy.device, on_host)
+
+
+def _weight_home(block: Block, group, policy: OffloadPolicy, tiers: Tiers, streamed: set, on_disk: set,
+                 trains: bool) -> WeightHome:
+    """Disk for blocks the plan puts there, a whole host copy for other streamed blocks, an upload source
+    for resident trainable weights whose state is on the host of a GPU, else the device alone."""
+    if block.name in on_disk:
+        assert tiers.ring is not None
+        return DiskHome(group, tiers.ring, tiers.copies)
+    if block.name in streamed:
+        return HostMirror(group, tiers.copies, whole=True)
+    if trains and policy.tier is not Tier.GPU and policy.device.type != "cpu":
+        return HostMirror(group, tiers.copies, whole=False)  # an upload sends all of it, updated or not
+    return DeviceHome(group)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple

@@ -1,0 +1,93 @@
+"""The one AdamW update loop, run over whatever a `StateStore` hands it, and its hyperparameters.
+
+The maths is torch.optim.AdamW's, per parameter: a parameter that received no gradient since the last
+`zero_grad` is skipped (no decay, no step count), exactly as AdamW skips `grad is None`. Spans say which
+element ranges to update at which step with which group's hyperparameters: one span for the whole group
+in the usual case (runtime.py, `GroupState.advance_steps`), one per parameter otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from offload.optim.functional import adam_step_flat
+from offload.scheduler.state.state_store import StateStore
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    """Hyperparameters read from `engine.optimizer.param_groups` when an update is scheduled."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+    @staticmethod
+    def from_group(group: dict) -> "AdamHyper":
+        beta1, beta2 = group["betas"]
+        return AdamHyper(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                         float(group["weight_decay"]))
+
+
+UpdateSpan = Tuple[int, int, int, AdamHyper]  # elements [start, stop), the Adam step, its hyperparameters
+
+
+def adamw(store: StateStore, grad: Tensor, spans: List[UpdateSpan], grad_scale: float, out: Optional[Tensor],
+          num_threads: Optional[int]) -> None:
+    """One AdamW step of `spans` of the store's state, chunk by chunk; new compute weights go to `out`
+    (element 0 = the group's first trainable element) or, when the store keeps the weights, into the
+    chunk's own weight area. A failure hands the chunk back unwritten (`abandon`)."""
+    if not store.writes_compute_copy:
+        out = None
+    for start, stop in store.chunks():
+        chunk = store.load(start, stop)
+        target, base = (out, 0) if chunk.weights is None else (chunk.weights, start)
+        try:
+            for a, b, step, hyper in spans:
+                lo, hi = max(a, start), min(b, stop)
+                if lo >= hi:
+                    continue
+                state = (chunk.master[lo - start:hi - start], grad[lo:hi], chunk.exp_avg[lo - start:hi - start],
+                         chunk.exp_avg_sq[lo - start:hi - start])
+                piece = None if target is None else target[lo - base:hi - base]
+                if store.uses_cpu_kernel:
+                    adam_step_flat(*state, step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+                                   eps=hyper.eps, weight_decay=hyper.weight_decay, adamw=True,
+                                   grad_scale=grad_scale, out=piece, num_threads=num_threads)
+                else:
+                    _adamw_torch(*state, step, hyper, grad_scale, piece)
+        except BaseException:
+            store.abandon(chunk)
+            raise
+        store.store(chunk)
+
+
+def clip_scale(norms: List[float], max_norm: float) -> Tuple[float, float]:
+    """(total norm, gradient scale) exactly as torch.nn.utils.clip_grad_norm_ computes them in fp32: the
+    norm of the per-parameter norms, then min(max_norm / (total + 1e-6), 1)."""
+    total = torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float32), 2)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return float(total), float(coef)
+
+
+def _adamw_torch(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int,
+                 hyper: AdamHyper, grad_scale: float, out: Optional[Tensor]) -> None:
+    """torch.optim.AdamW's single-tensor maths, for state kept on the compute device (the gpu tier)."""
+    g = grad.float()
+    if grad_scale != 1.0:
+        g = g * grad_scale
+    param.mul_(1.0 - hyper.lr * hyper.weight_decay)
+    exp_avg.lerp_(g, 1.0 - hyper.beta1)
+    exp_avg_sq.mul_(hyper.beta2).addcmul_(g, g, value=1.0 - hyper.beta2)
+    bias_correction1 = 1.0 - hyper.beta1**step
+    bias_correction2_sqrt = (1.0 - hyper.beta2**step) ** 0.5
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(hyper.eps)
+    param.addcdiv_(exp_avg, denom, value=-hyper.lr / bias_correction1)
+    if out is not None:
+        out.copy_(param)

@@ -1,0 +1,179 @@
+"""The nvme tier's `StateStore`: a group's master weights and moments in a swap-file record.
+
+Host memory holds only the ring's slots: an update streams the record through the engine's `DiskRing`
+chunk by chunk (read ahead, update, write behind), and a checkpoint moves it through two of the ring's
+slots, so neither ever holds a whole record. Chunks follow the ring's boundaries, so every piece the swap
+checksums sealed is read whole and verified, and a checkpoint load seals exactly the pieces the ring will
+read back. See docs/design.md [Note: the nvme step pipeline].
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Tuple
+
+from offload.io.future import wait_all
+from offload.scheduler.blocks.block import FlatGroup
+from offload.scheduler.state.state_store import Cloned, Fill, Span, StateChunk, SwapSections, Views
+
+if TYPE_CHECKING:
+    from offload.scheduler.ring.disk_ring import DiskRing
+    from offload.tiers.disk import SwapStore
+
+
+class DiskStore:
+    """A swap-file record, written with the group's current weights and zero moments when made."""
+
+    uses_cpu_kernel = True
+    writes_compute_copy = True
+    reads_ahead = True
+
+    def __init__(self, group: FlatGroup, ring: "DiskRing") -> None:
+        assert group.device_buffer is not None, "allocate the device buffer first"
+        self.group = group
+        self._ring = ring
+        weights = group.device_buffer
+
+        def fill(start: int, stop: int, sections: Views) -> None:
+            master, exp_avg, exp_avg_sq = sections
+            master.copy_(weights[start:stop])
+            on_disk = ring.weights_of(sections, group)
+            if on_disk is not None:
+                on_disk.copy_(weights[start:stop])
+            exp_avg.zero_()
+            exp_avg_sq.zero_()
+
+        ring.write_fresh(group, fill)
+
+    @property
+    def on_host(self) -> bool:
+        return True  # its gradient accumulator is; the state itself is on disk
+
+    @property
+    def swap(self) -> "SwapStore":
+        """The swap file holding this record."""
+        return self._ring.swap
+
+    @property
+    def nbytes_in_memory(self) -> int:
+        return 0
+
+    # ----- update side -----
+    def chunks(self) -> List[Span]:
+        """The element ranges the ring moves this record in."""
+        return self._ring.chunks(self.group)
+
+    def announce(self) -> None:
+        """Start reading this record ahead of its update (called when the update is scheduled)."""
+        self._ring.announce([self.group])
+
+    def load(self, start: int, stop: int) -> StateChunk:
+        sections = self._ring.load(self.group, start, stop)
+        return StateChunk(start, stop, *sections, weights=self._ring.weights_of(sections, self.group))
+
+    def store(self, chunk: StateChunk) -> None:
+        self._ring.store(self.group, chunk.start, chunk.stop, (chunk.master, chunk.exp_avg, chunk.exp_avg_sq))
+
+    def abandon(self, chunk: StateChunk) -> None:
+        """The update failed: the slot goes back unwritten and the disk keeps the old state."""
+        self._ring.abandon((chunk.master, chunk.exp_avg, chunk.exp_avg_sq))
+
+    def discard(self) -> None:
+        """The announced update will not run (non-finite gradients): release the reads started for it."""
+        self._ring.discard(self.group)
+
+    def settle(self) -> None:
+        """Finish every write in flight and drop reads ahead: the swap file then holds the current state."""
+        self._ring.drain()
+
+    # ----- checkpoint side -----
+    def swap_sections(self) -> Optional[SwapSections]:
+        """The record's sections in the swap file, for copy-on-write clones (after `settle`)."""
+        self.settle()
+        fd, offsets, nbytes = self._ring.swap.section_spans(self.group)
+        return SwapSections(fd, offsets, nbytes)
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[Iterator[Tuple[int, int, Views]]]:
+        """The record as host chunks in order (read-only; a chunk's views are valid until the next one)."""
+        self.settle()
+        with self._ring.borrow(2) as slots:
+            chunks = self._read_chunks(slots)
+            try:
+                yield chunks
+            finally:
+                chunks.close()  # a read still in flight into the other slot finishes before it goes back
+
+    def _read_chunks(self, slots: List[Views]) -> Iterator[Tuple[int, int, Views]]:
+        """Chunk i is read into one slot while the caller writes chunk i-1 from the other (when the ring lends
+        two), so the swap file's reads overlap the checkpoint's writes."""
+        chunks = self.chunks()
+        swap = self._ring.swap
+
+        def read(i: int):
+            start, stop = chunks[i]
+            views = tuple(section[:stop - start] for section in slots[i % len(slots)])
+            return views, swap.submit(False, self.group, start, stop, views)  # type: ignore[arg-type]
+
+        pending = read(0) if chunks else None
+        try:
+            for i, (start, stop) in enumerate(chunks):
+                assert pending is not None
+                views, futures = pending
+                pending = None
+                wait_all(futures)
+                if i + 1 < len(chunks) and len(slots) > 1:
+                    pending = read(i + 1)
+                yield start, stop, views  # type: ignore[misc]
+                if pending is None and i + 1 < len(chunks):
+                    pending = read(i + 1)  # one slot: the next read starts once the caller is done with this one
+        finally:
+            if pending is not None:
+                try:
+                    wait_all(pending[1])
+                except Exception:  # noqa: BLE001 - dropped: nobody reads this chunk; the caller's error stands
+                    pass
+
+    def write(self, fill: Fill, cloned: Cloned = (0, 0, 0)) -> None:
+        """New state chunk by chunk: chunk i is filled while chunk i-1 is written. `cloned[i]`: the swap file
+        already holds that many leading elements of section i (cloned copy-on-write); they are sealed, not
+        written. A `fill` that fails leaves the record partly written, which the load reports."""
+        self.settle()
+        with self._ring.borrow(2) as slots:
+            in_flight: List[Callable[[], None]] = []
+            try:
+                for i, (start, stop) in enumerate(self.chunks()):
+                    if len(in_flight) == len(slots):
+                        in_flight.pop(0)()  # this slot's previous write is done before it is filled again
+                    views = tuple(section[:stop - start] for section in slots[i % len(slots)])
+                    fill(start, stop, views)  # type: ignore[arg-type]
+                    in_flight.append(self._store_chunk(start, stop, views, cloned))  # type: ignore[arg-type]
+                while in_flight:
+                    in_flight.pop(0)()
+            finally:
+                for finish in in_flight:  # an error above: no slot goes back with a write still reading it
+                    try:
+                        finish()
+                    except Exception:  # noqa: BLE001 - the first error is already on its way up
+                        pass
+
+    def _store_chunk(self, start: int, stop: int, views: Views, cloned: Cloned) -> Callable[[], None]:
+        """Start writing the chunk's sections, except what a clone already put in the file; the returned
+        function waits for the writes and seals the whole chunk of each section as one piece (the ring reads
+        it back as one)."""
+        swap, group = self._ring.swap, self.group
+        futures, adopted = [], []
+        for index, (view, below) in enumerate(zip(views, cloned)):
+            if below <= start:
+                futures.append(swap.submit_section(True, group, index, start, view))
+                continue
+            if below < stop:  # the unaligned tail of a cloned section
+                futures.append(swap.submit_section(True, group, index, below, view[below - start:]))
+            adopted.append((index, view))
+
+        def finish() -> None:
+            wait_all(futures)
+            for index, view in adopted:  # after the tail's write: one seal replaces the tail's
+                swap.adopt(group, index, start, view)
+
+        return finish

@@ -1,0 +1,180 @@
+"""Where one flat group's optimizer state lives: the `StateStore` protocol every tier implements.
+
+The update loop (update.py) and the checkpoint code see only this protocol: they ask for the state chunk
+by chunk and hand each chunk back. A memory store (this file: host memory for the cpu tier, the compute
+device for the gpu tier) has one chunk, the tensors themselves; the disk store (disk_store.py, the nvme
+tier) streams a swap-file record through the staging ring. A new place for the state (a rank's shard, a
+store on another device) is a new implementation of this protocol, not a new branch in the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, List, NamedTuple, Optional, Protocol, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from offload.scheduler.blocks.block import FlatGroup
+
+Views = Tuple[Tensor, Tensor, Tensor]  # master, exp_avg, exp_avg_sq: fp32, contiguous
+Span = Tuple[int, int]  # elements [start, stop) of the group's trainable range
+Fill = Callable[[int, int, Views], None]  # writes a chunk's new state into host views
+Cloned = Sequence[int]  # per section, how many leading elements a swap file already holds (cloned)
+
+
+class StateChunk(NamedTuple):
+    """Elements [start, stop) of a group's state, loaded for an update; `weights` is where the new compute
+    weights go when the store keeps them too (disk-resident weights), else None."""
+
+    start: int
+    stop: int
+    master: Tensor
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    weights: Optional[Tensor] = None
+
+
+class SwapSections(NamedTuple):
+    """Where a disk-resident record's three sections are, for copy-on-write clones section by section."""
+
+    fd: int
+    offsets: Tuple[int, int, int]  # file offset of each section (4 KiB-aligned)
+    nbytes: int  # data bytes of each section (4 x numel; the padding after it is not state)
+
+
+class StateStore(Protocol):
+    """fp32 master weights and Adam moments of one flat group's trainable range, wherever they live.
+
+    Update side: `announce` (on the training thread, when the update is scheduled: reads may start now),
+    then on the worker, for each span of `chunks()`:
+    `load`, update in place, `store` (or `abandon` when the update failed). `discard` drops what
+    `announce` started when the update will not run. Checkpoint side (no update running): `settle`, then
+    `reading()` / `write(fill)`."""
+
+    group: FlatGroup
+    uses_cpu_kernel: bool  # fp32 state in host memory: the fused CPU Adam; else torch maths on the device
+    writes_compute_copy: bool  # False when the master weights are the compute weights (fp32 on the gpu tier)
+    reads_ahead: bool  # `announce` starts reads that the ring keeps in its slots until `load` or `discard`
+
+    @property
+    def nbytes_in_memory(self) -> int: ...
+
+    @property
+    def on_host(self) -> bool: ...
+
+    def chunks(self) -> List[Span]: ...
+
+    def announce(self) -> None: ...
+
+    def load(self, start: int, stop: int) -> StateChunk: ...
+
+    def store(self, chunk: StateChunk) -> None: ...
+
+    def abandon(self, chunk: StateChunk) -> None: ...
+
+    def discard(self) -> None: ...
+
+    def settle(self) -> None: ...
+
+    def reading(self) -> "contextlib.AbstractContextManager[Iterator[Tuple[int, int, Views]]]": ...
+
+    def write(self, fill: Fill, cloned: Cloned = (0, 0, 0)) -> None: ...
+
+    def swap_sections(self) -> Optional[SwapSections]: ...
+
+
+def overwrite_master(store: StateStore, weights: Tensor, ranges: Sequence[Tuple[int, int]]) -> None:
+    """New master weights for `ranges` of the group's trainable range (`weights`: that range, any dtype and
+    device), keeping the Adam moments, as torch.optim.AdamW keeps them when the user writes weights into
+    the model: chunk by chunk through the store's own update path (`load`, change, `store`), so the disk
+    store needs no memory of its own; chunks no range touches are not read."""
+    for start, stop in store.chunks():
+        hits = [(max(a, start), min(b, stop)) for a, b in ranges if a < stop and b > start]
+        if not hits:
+            continue
+        chunk = store.load(start, stop)
+        try:
+            for a, b in hits:
+                chunk.master[a - start:b - start].copy_(weights[a:b])
+                if chunk.weights is not None:
+                    chunk.weights[a - start:b - start].copy_(weights[a:b])
+        except BaseException:
+            store.abandon(chunk)
+            raise
+        store.store(chunk)
+
+
+class MemoryStore:
+    """State as three tensors on `device`: host memory (cpu tier, the fused CPU Adam) or the compute
+    device (gpu tier, torch maths). On the gpu tier with fp32 compute weights the master weights are the
+    device buffer itself (no second copy)."""
+
+    def __init__(self, group: FlatGroup, device: torch.device, on_host: bool) -> None:
+        assert group.device_buffer is not None, "allocate the device buffer first"
+        n = group.trainable_numel
+        self.group = group
+        self._on_host = on_host
+        self.uses_cpu_kernel = on_host
+        self.reads_ahead = False
+        weights = group.device_buffer[:n]
+        aliased = group.dtype == torch.float32 and not on_host
+        self.master = weights if aliased else weights.to(device, torch.float32, copy=True)
+        self.writes_compute_copy = not aliased
+        self.exp_avg = torch.zeros(n, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=device)
+
+    @property
+    def on_host(self) -> bool:
+        return self._on_host
+
+    @property
+    def nbytes_in_memory(self) -> int:
+        own_master = 0 if not self.writes_compute_copy else self.master.nbytes
+        return own_master + self.exp_avg.nbytes + self.exp_avg_sq.nbytes
+
+    # ----- update side: one chunk, the tensors themselves; nothing to read ahead or write back -----
+    def chunks(self) -> List[Span]:
+        return [(0, self.group.trainable_numel)]
+
+    def announce(self) -> None:
+        pass
+
+    def load(self, start: int, stop: int) -> StateChunk:
+        return StateChunk(start, stop, self.master[start:stop], self.exp_avg[start:stop], self.exp_avg_sq[start:stop])
+
+    def store(self, chunk: StateChunk) -> None:
+        pass
+
+    def abandon(self, chunk: StateChunk) -> None:
+        pass
+
+    def discard(self) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+    # ----- checkpoint side -----
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[Iterator[Tuple[int, int, Views]]]:
+        """The state as one host chunk (read-only): the tensors themselves on the host, copies from a device."""
+        views = tuple(t.detach().to("cpu").contiguous() for t in (self.master, self.exp_avg, self.exp_avg_sq))
+        yield iter([(0, self.group.trainable_numel, views)])  # type: ignore[list-item]
+
+    def write(self, fill: Fill, cloned: Cloned = (0, 0, 0)) -> None:
+        """New state from `fill`: straight into host tensors (a load verified the files before anything
+        changes), through host staging for device tensors."""
+        targets = (self.master, self.exp_avg, self.exp_avg_sq)
+        n = self.group.trainable_numel
+        if all(t.device.type == "cpu" and t.is_contiguous() for t in targets):
+            fill(0, n, targets)
+            return
+        staged = tuple(torch.empty(t.shape, dtype=t.dtype) for t in targets)
+        fill(0, n, staged)  # type: ignore[arg-type]
+        with torch.no_grad():
+            for target, source in zip(targets, staged):
+                target.copy_(source)
+
+    def swap_sections(self) -> Optional[SwapSections]:
+        return None

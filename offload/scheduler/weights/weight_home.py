@@ -1,0 +1,204 @@
+"""Where one flat group's compute weights live between uses: one home object per group.
+
+- `DeviceHome`: on the device only (the usual case when they fit, and always when the CPU computes with
+  the state on the host): the update writes the device buffer itself.
+- `HostMirror`: a (pinned on CUDA) host copy the update writes and the device is fed from: the whole
+  group for a streamed block (the host copy is then the authoritative one, fetched at each use), or only
+  the trainable range of a resident block whose state is on the host of a CUDA machine (an upload source).
+- `DiskHome`: the nvme tier's blocks the plan puts on disk: the weights live in the swap file, the update
+  writes them there through the ring (the store's chunk weights), and every fetch reads them back.
+
+Callers need only these operations: where the update writes (`update_target`), bring the updated weights
+to the device (`push`) or all of them into a regrown buffer (`fetch`), read the current ones on the host
+(`host_weights`), replace them (`replace`, a checkpoint load). Residency, the budget and the LRU are the
+streamer's (streaming.py); CUDA events are the copy context's (streams.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Protocol
+
+import torch
+from torch import Tensor
+
+from offload.scheduler.blocks.block import FlatGroup
+from offload.tiers.copies import CopyContext
+
+if TYPE_CHECKING:
+    from offload.scheduler.ring.disk_ring import DiskRing
+
+
+class WeightHome(Protocol):
+    """The operations every home offers; `resident` says whether the group's device buffer holds data."""
+
+    pushes: bool  # an update writes elsewhere than the device buffer: `push` must follow it
+    reads_ahead_from_disk: bool  # a prefetch starts disk reads (`prefetch`) instead of a fetch
+
+    def update_target(self) -> Optional[Tensor]: ...
+
+    def release_source(self) -> None: ...
+
+    def push(self, resident: bool) -> None: ...
+
+    def fetch(self) -> None: ...
+
+    def host_weights(self) -> Tensor: ...
+
+    def replace(self, flat: Tensor, resident: bool) -> None: ...
+
+    def prefetch(self) -> bool: ...
+
+    def cancel_prefetch(self) -> None: ...
+
+
+class DeviceHome:
+    """Weights on the compute device only."""
+
+    pushes = False
+    reads_ahead_from_disk = False
+
+    def __init__(self, group: FlatGroup) -> None:
+        assert group.device_buffer is not None
+        self._group = group
+        self._buffer = group.device_buffer
+
+    def update_target(self) -> Optional[Tensor]:
+        return self._buffer[:self._group.trainable_numel]
+
+    def release_source(self) -> None:
+        pass
+
+    def push(self, resident: bool) -> None:
+        pass
+
+    def fetch(self) -> None:
+        raise AssertionError("a block whose weights stay on the device is never fetched")
+
+    def host_weights(self) -> Tensor:
+        return self._buffer.detach().to("cpu")
+
+    def replace(self, flat: Tensor, resident: bool) -> None:
+        self._buffer.copy_(flat)
+
+    def prefetch(self) -> bool:
+        return False
+
+    def cancel_prefetch(self) -> None:
+        pass
+
+
+class HostMirror:
+    """A host copy the update writes; uploads (asynchronous on CUDA, see [Note: CUDA streams]) feed the device.
+    `whole`: the copy holds the whole group and is the authoritative one (a streamed block); else only the
+    trainable range, next to device weights that stay resident."""
+
+    pushes = True
+    reads_ahead_from_disk = False
+
+    def __init__(self, group: FlatGroup, copies: CopyContext, whole: bool) -> None:
+        assert group.device_buffer is not None
+        self._group = group
+        self._copies = copies
+        self._whole = whole
+        numel = group.numel if whole else group.trainable_numel
+        self.host = copies.empty_host(numel, group.dtype)  # pinned on CUDA: uploads read it asynchronously
+        self.host.copy_(group.device_buffer[:numel])
+
+    def update_target(self) -> Optional[Tensor]:
+        return self.host[:self._group.trainable_numel]
+
+    def release_source(self) -> None:
+        """Block until the last upload has read the host copy (before anything overwrites it)."""
+        self._copies.release_source(self._group.key)
+
+    def push(self, resident: bool) -> None:
+        if resident:
+            n = self._group.trainable_numel
+            assert self._group.device_buffer is not None
+            self._copies.upload(self._group.key, self._group.device_buffer[:n], self.host[:n])
+        self._copies.use_upload(self._group.key)  # the compute stream waits for it
+
+    def fetch(self) -> None:
+        assert self._whole and self._group.device_buffer is not None
+        self._copies.upload(self._group.key, self._group.device_buffer, self.host)
+
+    def host_weights(self) -> Tensor:
+        if self._whole:
+            return self.host
+        assert self._group.device_buffer is not None
+        return self._group.device_buffer.detach().to("cpu")
+
+    def replace(self, flat: Tensor, resident: bool) -> None:
+        self.release_source()  # an upload may still read the host copy
+        self.host.copy_(flat[:self.host.numel()])
+        if resident or not self._whole:
+            assert self._group.device_buffer is not None
+            self._group.device_buffer.copy_(flat)
+
+    def prefetch(self) -> bool:
+        return False  # the streamer fetches host-mirrored blocks ahead itself, within the budget
+
+    def cancel_prefetch(self) -> None:
+        pass
+
+
+class DiskHome:
+    """Compute weights in the swap file, moved disk -> staging slot -> device slot by slot. A prefetch starts
+    the disk reads ahead (`prefetch`), the next fetch or push finishes them; an update of the block makes
+    them stale (`cancel_prefetch`)."""
+
+    pushes = True
+    reads_ahead_from_disk = True
+
+    def __init__(self, group: FlatGroup, ring: "DiskRing", copies: CopyContext) -> None:
+        assert group.device_buffer is not None
+        self._group = group
+        self._ring = ring
+        self._copies = copies
+        self._read_ahead: Optional[list] = None  # the ring's handle of reads a prefetch started
+        ring.write_weights(group, group.device_buffer.to("cpu"))
+
+    def update_target(self) -> Optional[Tensor]:
+        return None  # the update writes the new weights into the store's chunks, and the ring to disk
+
+    def release_source(self) -> None:
+        pass
+
+    def push(self, resident: bool) -> None:
+        if resident:
+            self.fetch()
+        self._copies.use_upload(self._group.key)
+
+    def fetch(self) -> None:
+        buffer = self._group.device_buffer
+        assert buffer is not None
+        handle, self._read_ahead = self._read_ahead, None
+        with torch.no_grad():
+            if handle:
+                self._ring.finish_weights_read(handle, buffer, self._copies.to_device)
+            else:
+                self._ring.read_weights(self._group, buffer, self._copies.to_device)
+
+    def host_weights(self) -> Tensor:
+        weights = torch.empty(self._group.numel, dtype=self._group.dtype)
+        self._ring.read_weights(self._group, weights, lambda dst, src: dst.copy_(src))
+        return weights
+
+    def replace(self, flat: Tensor, resident: bool) -> None:
+        self.cancel_prefetch()  # reads a prefetch started would return the old weights
+        self._ring.write_weights(self._group, flat.to(self._group.dtype).contiguous())
+        if resident:
+            assert self._group.device_buffer is not None
+            self._group.device_buffer.copy_(flat)
+
+    def prefetch(self) -> bool:
+        """Start the disk reads of the weights without blocking; False when the ring has no slots to spare."""
+        if self._read_ahead is None:
+            assert self._group.device_buffer is not None
+            self._read_ahead = self._ring.start_weights_read(self._group, self._group.device_buffer.element_size())
+        return self._read_ahead is not None
+
+    def cancel_prefetch(self) -> None:
+        handle, self._read_ahead = self._read_ahead, None
+        if handle:
+            self._ring.cancel_weights_read(handle)
