@@ -180,26 +180,41 @@ class SwapStore:
         """Fill `into` (a record-sized buffer, see `state_views`) with the group's state; raises on a short or
         failed read."""
         numel = _check_record_buffer(self.records[group.key], into)
-        for future in self.submit(False, group, 0, numel, state_views(into, numel)):
+        for future in self.read_chunk(group, 0, numel, state_views(into, numel)):
             future.result()
 
     def write(self, group: "FlatGroup", source: Tensor) -> None:
         numel = _check_record_buffer(self.records[group.key], source)
-        for future in self.submit(True, group, 0, numel, state_views(source, numel)):
+        for future in self.write_chunk(group, 0, numel, state_views(source, numel)):
             future.result()
 
-    def submit(self, write: bool, group: "FlatGroup", start: int, stop: int,
-               sections: Tuple[Tensor, Tensor, Tensor], weights: Optional[Tensor] = None) -> List[IOFuture]:
-        """Start reading (or writing) elements [start, stop) of the group's three sections from (into) the
-        given fp32 tensors, and of its compute weights from (into) `weights` when given and the weights are
-        on disk; returns one future per piece. The caller keeps the tensors alive and orders a read after
-        any write of the same range."""
+    # The read_/write_ pairs below start I/O and return its futures without waiting (`read` and `write`
+    # above are the blocking whole-record moves). The caller keeps the tensors alive until the futures are
+    # done and orders a read after any write of the same range (the ring: ring_slots.WriteOrder).
+    def read_chunk(self, group: "FlatGroup", start: int, stop: int, sections: Tuple[Tensor, Tensor, Tensor],
+                   weights: Optional[Tensor] = None) -> List[IOFuture]:
+        """Start reading elements [start, stop) of the group's three sections into the given fp32 tensors,
+        and of its compute weights into `weights` when given and the weights are on disk; one future per
+        piece."""
+        return self._chunk(self.read_section, self.read_weights, group, start, stop, sections, weights)
+
+    def write_chunk(self, group: "FlatGroup", start: int, stop: int, sections: Tuple[Tensor, Tensor, Tensor],
+                    weights: Optional[Tensor] = None) -> List[IOFuture]:
+        """Start writing elements [start, stop) of the group's three sections from the given fp32 tensors,
+        and of its compute weights from `weights` when given and the weights are on disk; one future per
+        piece."""
+        return self._chunk(self.write_section, self.write_weights, group, start, stop, sections, weights)
+
+    def _chunk(self, section_io: Callable[..., IOFuture], weights_io: Callable[..., IOFuture], group: "FlatGroup",
+               start: int, stop: int, sections: Tuple[Tensor, Tensor, Tensor],
+               weights: Optional[Tensor]) -> List[IOFuture]:
+        """The body of `read_chunk` and `write_chunk`, given the direction's section and weights methods."""
         futures: List = []
         try:
             if weights is not None and group.key in self.weights:
-                futures.append(self.submit_weights(write, group, start, weights[:stop - start]))
+                futures.append(weights_io(group, start, weights[:stop - start]))
             for index, tensor in enumerate(sections):
-                futures.append(self.submit_section(write, group, index, start, tensor[:stop - start]))
+                futures.append(section_io(group, index, start, tensor[:stop - start]))
         except BaseException:
             try:  # the pieces already started use the caller's buffers: finish them before it reuses them
                 wait_all(futures)
@@ -208,34 +223,51 @@ class SwapStore:
             raise
         return futures
 
-    def submit_section(self, write: bool, group: "FlatGroup", index: int, start: int, tensor: Tensor) -> IOFuture:
-        """Read (write) elements [start, start + numel) of one section (0 master, 1 exp_avg, 2 exp_avg_sq)
-        into (from) the fp32 `tensor`: sealed before a write, verified after a read (`_transfer`)."""
+    def read_section(self, group: "FlatGroup", index: int, start: int, tensor: Tensor) -> IOFuture:
+        """Start reading elements [start, start + numel) of one section (0 master, 1 exp_avg, 2 exp_avg_sq)
+        into the fp32 `tensor`; verified against its seals once read (`_read`)."""
+        return self._read(*self._section_piece(group, index, start), start, tensor)
+
+    def write_section(self, group: "FlatGroup", index: int, start: int, tensor: Tensor) -> IOFuture:
+        """Start writing the fp32 `tensor` to elements [start, start + numel) of one section (0 master,
+        1 exp_avg, 2 exp_avg_sq); sealed before it is written (`_write`)."""
+        return self._write(*self._section_piece(group, index, start), start, tensor)
+
+    def _section_piece(self, group: "FlatGroup", index: int, start: int) -> Tuple[tuple, int, str]:
+        """(checksum key, file offset, block) of a section's piece from element `start`."""
         record = self.records[group.key]
-        offset = record.offset + index * record.section_bytes + 4 * start
-        return self._transfer(write, (group.key, index), start, tensor, offset, record.block)
+        return (group.key, index), record.offset + index * record.section_bytes + 4 * start, record.block
 
     def adopt(self, group: "FlatGroup", index: int, start: int, tensor: Tensor) -> None:
         """The file already holds `tensor` at elements [start, ...) of a section (a checkpoint cloned it there
         copy-on-write): seal it as if it had been written, so later reads of the piece are verified."""
         self.checksums.seal((group.key, index), start, tensor)
 
-    def submit_weights(self, write: bool, group: "FlatGroup", start: int, tensor: Tensor) -> IOFuture:
-        """Read (write) the group's compute weights from element `start` into (from) `tensor` (its dtype)."""
-        record = self.weights[group.key]
-        offset = record.offset + start * record.itemsize
-        return self._transfer(write, (group.key, "weights"), start, tensor, offset, record.block)
+    def read_weights(self, group: "FlatGroup", start: int, tensor: Tensor) -> IOFuture:
+        """Start reading the group's compute weights from element `start` into `tensor` (its dtype)."""
+        return self._read(*self._weights_piece(group, start), start, tensor)
 
-    def _transfer(self, write: bool, key: tuple, start: int, tensor: Tensor, offset: int, block: str):
-        """One piece of a record: sealed before it is written, verified after it is read (disk_checksums.py)."""
-        nbytes = tensor.numel() * tensor.element_size()
-        if write:
-            self.checksums.seal(key, start, tensor)  # before the bytes can reach the file: no reader ever
-            self.bytes_written += nbytes              # checks new bytes against an old seal
-            return self._io.pwrite(tensor, self._file, offset)
-        self.bytes_read += nbytes
+    def write_weights(self, group: "FlatGroup", start: int, tensor: Tensor) -> IOFuture:
+        """Start writing `tensor` (the group's compute dtype) to the group's compute weights from element
+        `start`."""
+        return self._write(*self._weights_piece(group, start), start, tensor)
+
+    def _weights_piece(self, group: "FlatGroup", start: int) -> Tuple[tuple, int, str]:
+        record = self.weights[group.key]
+        return (group.key, "weights"), record.offset + start * record.itemsize, record.block
+
+    def _read(self, key: tuple, offset: int, block: str, start: int, tensor: Tensor):
+        """One piece of a record, verified after it is read (disk_checksums.py)."""
+        self.bytes_read += tensor.numel() * tensor.element_size()
         future = self._io.pread(tensor, self._file, offset)
         return VerifiedRead(future, lambda: self.checksums.verify(key, start, tensor, self.path, block, offset))
+
+    def _write(self, key: tuple, offset: int, block: str, start: int, tensor: Tensor):
+        """One piece of a record, sealed before it is written (disk_checksums.py): no reader ever checks new
+        bytes against an old seal."""
+        self.checksums.seal(key, start, tensor)
+        self.bytes_written += tensor.numel() * tensor.element_size()
+        return self._io.pwrite(tensor, self._file, offset)
 
     def section_spans(self, group: "FlatGroup") -> Tuple[int, Tuple[int, int, int], int]:
         """(file descriptor, file offset of each of the three sections, data bytes per section = 4 x numel),

@@ -293,7 +293,8 @@ class DiskRing:
     # ----- internals ---------------------------------------------------------------------------------
     def _submit(self, write: bool, slot: Slot, group: "FlatGroup", start: int, stop: int) -> List[IOFuture]:
         weights = slot.weights(group.dtype, stop - start) if group.key in self._store.weights else None
-        return self._store.submit(write, group, start, stop, slot.cut(stop - start), weights)
+        submit = self._store.write_chunk if write else self._store.read_chunk
+        return submit(group, start, stop, slot.cut(stop - start), weights)
 
     def _finish_write(self, entry: _InFlight) -> None:
         """Wait for a write, then unregister it and return its slot. [Note: a write stays registered until it

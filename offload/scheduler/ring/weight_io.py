@@ -60,7 +60,7 @@ class DiskWeightIO:
             for start, stop in pieces:
                 slot = self._slots.free.pop()
                 staged = slot.raw[:(stop - start) * itemsize].view(group.dtype)
-                taken.append((slot, start, stop, staged, self._store.submit_weights(False, group, start, staged)))
+                taken.append((slot, start, stop, staged, self._store.read_weights(group, start, staged)))
         return taken
 
     def finish_weights_read(self, handle: list, dst: Tensor, copy: Callable[[Tensor, Tensor], None]) -> None:
@@ -95,7 +95,8 @@ class DiskWeightIO:
                 staged = slot.raw[:(stop - start) * tensor.element_size()].view(tensor.dtype)
                 if write:
                     copy(staged, tensor[start:stop])
-                future = self._store.submit_weights(write, group, start, staged)
+                submit = self._store.write_weights if write else self._store.read_weights
+                future = submit(group, start, staged)
                 self._ring._wait([future])
                 if not write:
                     copy(tensor[start:stop], staged)

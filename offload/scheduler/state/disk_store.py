@@ -113,7 +113,7 @@ class DiskStore:
         def read(i: int):
             start, stop = chunks[i]
             views = tuple(section[:stop - start] for section in slots[i % len(slots)])
-            return views, swap.submit(False, self.group, start, stop, views)  # type: ignore[arg-type]
+            return views, swap.read_chunk(self.group, start, stop, views)  # type: ignore[arg-type]
 
         pending = read(0) if chunks else None
         try:
@@ -165,10 +165,10 @@ class DiskStore:
         futures, adopted = [], []
         for index, (view, below) in enumerate(zip(views, cloned)):
             if below <= start:
-                futures.append(swap.submit_section(True, group, index, start, view))
+                futures.append(swap.write_section(group, index, start, view))
                 continue
             if below < stop:  # the unaligned tail of a cloned section
-                futures.append(swap.submit_section(True, group, index, below, view[below - start:]))
+                futures.append(swap.write_section(group, index, below, view[below - start:]))
             adopted.append((index, view))
 
         def finish() -> None:
