@@ -61,8 +61,8 @@ def test_an_announcement_while_a_chunk_is_being_loaded_never_reads_it_ahead(tmp_
         group = groups[0]
         ring.write_fresh(group, lambda a, b, sec: [t.fill_(1.0) for t in sec])
         ring.drain()
-        take_slot = ring._slots.take
-        ring._slots.take = lambda: (ring.announce([group]), take_slot())[1]  # the worst moment to announce
+        take_slot = ring._order.take
+        ring._order.take = lambda: (ring.announce([group]), take_slot())[1]  # the worst moment to announce
         for expected in (1.0, 2.0, 3.0):
             for start, stop in ring.chunks(group):
                 sections = ring.load(group, start, stop)
@@ -90,13 +90,13 @@ def test_a_write_error_met_by_the_training_thread_is_raised_by_the_workers_next_
     with _ring(tmp_path, nn.Sequential(nn.Linear(64, 100)), 4 * min_ring_bytes()) as (ring, groups):
         group = groups[0]
         ring.write_fresh(group, lambda a, b, sec: [t.fill_(1.0) for t in sec])
-        real_reap = ring._reap_finished_writes
+        real_reap = ring._order.reap
 
         def failing_reap():
-            ring._reap_finished_writes = real_reap
+            ring._order.reap = real_reap
             raise OSError(5, "write failed")
 
-        ring._reap_finished_writes = failing_reap
+        ring._order.reap = failing_reap
         ring.announce([group])  # does not raise on the training thread
         start, stop = ring.chunks(group)[0]
         with pytest.raises(OSError, match="write failed"):
@@ -113,18 +113,18 @@ def test_flush_writes_keeps_the_reads_ahead_and_drain_drops_them(tmp_path):
     with _ring(tmp_path, nn.Sequential(nn.Linear(64, 100)), 4 * min_ring_bytes()) as (ring, groups):
         group = groups[0]
         first = ring.chunks(group)[0]
-        reap = ring._reap_finished_writes
-        ring._reap_finished_writes = lambda: None  # the writes count as in flight, however fast the disk
+        reap = ring._order.reap
+        ring._order.reap = lambda: None  # the writes count as in flight, however fast the disk
         ring.write_fresh(group, lambda a, b, sec: [t.fill_(1.0) for t in sec])
         ring.announce([group])
-        ring._reap_finished_writes = reap
+        ring._order.reap = reap
         assert (group.key, first[0]) not in ring._reads, "a read must wait for the write of its range"
         ring.flush_writes()
-        assert not ring._writes and (group.key, first[0]) in ring._reads, "flush starts the reads that waited"
+        assert not ring._order.in_flight() and (group.key, first[0]) in ring._reads, "flush starts the reads that waited"
         ring.flush_writes()
         assert (group.key, first[0]) in ring._reads, "flushing writes keeps the reads ahead"
         sections = ring.load(group, *first)
         assert all(bool((t == 1.0).all()) for t in sections)
         ring.store(group, *first, sections)
         ring.drain()
-        assert not ring._reads and not ring._writes and len(ring._slots.free) == ring.depth
+        assert not ring._reads and not ring._order.in_flight() and len(ring._slots.free) == ring.depth

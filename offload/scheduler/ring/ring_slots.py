@@ -1,32 +1,55 @@
-"""The nvme staging ring's slots: `depth` host buffers leased once from the StagingPool, a free list, and
-the lock and condition variable that guard it.
+"""The nvme staging ring's slots, and the order of the I/O over them.
 
-A slot holds one chunk: three fp32 sections (master, exp_avg, exp_avg_sq) of `chunk_numel` elements, then
-room for the chunk's compute weights when its group's weights live on disk. Who holds a slot besides the free
-list (a read ahead, a chunk being updated, a write in flight, a weight move, a checkpoint) is the ring's
-business (offload/scheduler/disk_ring.py): the pool only hands slots out and takes them back. When none is
-free, `take` asks the ring for its oldest write in flight and retires it; the ring's rules (its module doc)
-make that always possible.
+`SlotPool`: `depth` host buffers leased once from the StagingPool, their free list, and the lock and
+condition variable that guard it. It only hands out free slots and takes them back; it calls nobody.
 
-Thread safety: `lock` guards `free` and the ring's own bookkeeping (one lock, so the ring can take a slot and
-register what it holds in one step); `take` and `give_back` take it themselves, and never wait on I/O under it.
+`WriteOrder`: the ring's writes in flight and the rules that order everything else after them. Two paths
+move bytes through the slots: optimizer-state chunks (disk_ring.py: `announce`, `load`, `store`) and
+disk-resident compute weights (weight_io.py). Both take their slots, wait for the disk and meet write errors
+through this one object, so each rule is written once:
+
+- a read of a range waits for the in-flight write of that range (`wait_for_writes_of`; a read issued ahead
+  is not issued at all while one is in flight, `take_ahead_locked`);
+- a slot is reused only after its write has completed: a write keeps its slot until it is retired (waited
+  for, then unregistered and the slot given back, `retire`); `take` retires the oldest write when no slot
+  is free, and `reap` retires the completed ones without blocking;
+- reads ahead never take the last free slot (`take_ahead_locked` keeps `KEEP_FOR_LOAD`), so the worker's
+  next `load` always finds a free slot or a write to retire: no deadlock when the announced order and the
+  update order differ;
+- an error of a write reaped on the training thread is kept (`deferring_errors`) and raised on the worker
+  (`raise_deferred`, at its next `load` or `drain`), where it fails an update instead of escaping a hook.
+
+Why the rules sit with the slots and not with either path: each one decides when a slot may be handed out
+or when a slot's bytes are current, under the pool's one lock; so neither path reaches into the other, and
+the pool needs no callback into the ring to free a slot (`WriteOrder.take` does that).
+
+Thread safety: `SlotPool.lock` guards the free list, the writes in flight and the deferred error (one lock,
+so a path can take a slot and register what it holds in one step). Methods named `*_locked` expect the
+caller to hold it; the others take it themselves, and never wait on I/O under it.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Deque, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from offload.errors import OffloadConfigError
+from offload.io.future import IOFuture, wait_all
 from offload.planner import CHUNK_GRANULE, SLOT_BYTES_PER_ELEMENT, min_ring_bytes
+from offload.trace import Tracer
 
 if TYPE_CHECKING:
+    from offload.scheduler.blocks.block import FlatGroup
     from offload.tiers.host import HostBuffer, StagingPool
+
+KEEP_FOR_LOAD = 1  # free slots a read ahead leaves: the one the worker's next `load` may need
 
 
 @dataclass
@@ -48,16 +71,25 @@ class Slot:
         return master[:numel], exp_avg[:numel], exp_avg_sq[:numel]
 
 
+@dataclass
+class InFlight:
+    """I/O of elements [start, stop) of a group in flight over one slot: a chunk's read or write."""
+
+    slot: Slot
+    group: "FlatGroup"
+    start: int
+    stop: int
+    futures: List[IOFuture]
+
+    def overlaps(self, group: "FlatGroup", start: int, stop: int) -> bool:
+        return self.group is group and self.start < stop and start < self.stop
+
+
 class SlotPool:
     """`depth` slots leased once from `pool` (their total is at most `ring_bytes`), handed out and taken back.
+    Which slot is free to hand out is `WriteOrder`'s business: take slots through it."""
 
-    `oldest_write()` (called with `lock` held) names the ring's oldest write in flight, or None; `retire(it)`
-    (called without the lock) waits for that write and gives its slot back. `take` uses them when no slot is
-    free.
-    """
-
-    def __init__(self, pool: "StagingPool", ring_bytes: int, depth: int, oldest_write: Callable[[], Optional[object]],
-                 retire: Callable[[object], None]) -> None:
+    def __init__(self, pool: "StagingPool", ring_bytes: int, depth: int) -> None:
         slot_bytes = ring_bytes // depth
         chunk = slot_bytes // SLOT_BYTES_PER_ELEMENT // CHUNK_GRANULE * CHUNK_GRANULE
         if chunk <= 0:
@@ -76,8 +108,6 @@ class SlotPool:
         self.free: List[Slot] = list(self.slots)  # guarded by `lock`
         self.lock = threading.Lock()
         self._slot_returned = threading.Condition(self.lock)
-        self._oldest_write = oldest_write
-        self._retire = retire
 
     def close(self) -> None:
         """Let go of the slots when every one is free (nothing reads or writes into them): their leases go back
@@ -88,19 +118,15 @@ class SlotPool:
                 self.free.clear()
                 self.slots.clear()
 
-    def take(self) -> Slot:
-        """A free slot; retires the oldest write when none is free (always possible, see disk_ring's module doc)."""
-        while True:
-            with self.lock:
-                if not self.slots:
-                    raise OffloadConfigError("the nvme staging ring is closed")
-                if self.free:
-                    return self.free.pop()
-                oldest = self._oldest_write()
-                if oldest is None:  # only reads ahead hold slots: wait for one to be consumed
-                    self._slot_returned.wait(timeout=1.0)
-                    continue
-            self._retire(oldest)
+    def pop_free_locked(self) -> Optional[Slot]:
+        """A free slot, or None when none is; raises once the pool is closed. The caller holds `lock`."""
+        if not self.slots:
+            raise OffloadConfigError("the nvme staging ring is closed")
+        return self.free.pop() if self.free else None
+
+    def wait_for_return_locked(self, timeout: float) -> None:
+        """Wait (releasing `lock`, which the caller holds) until a slot is given back, at most `timeout` s."""
+        self._slot_returned.wait(timeout=timeout)
 
     def give_back(self, slot: Slot) -> None:
         with self.lock:
@@ -111,19 +137,148 @@ class SlotPool:
         self.free.append(slot)
         self._slot_returned.notify_all()
 
-    @contextlib.contextmanager
-    def borrow(self, count: int = 1) -> Iterator[List[Tuple[Tensor, Tensor, Tensor]]]:
-        """`count` slots' three fp32 sections (`chunk_numel` elements each), given back on exit (at most `depth`)."""
-        slots = [self.take() for _ in range(min(count, self.depth))]
-        try:
-            yield [slot.sections for slot in slots]
-        finally:
-            for slot in slots:
-                self.give_back(slot)
-
     def slot_of(self, tensor: Tensor) -> Slot:
         """The slot whose first section `tensor` starts (a chunk's master section, as `Slot.cut` made it)."""
         for slot in self.slots:
             if slot.sections[0].data_ptr() == tensor.data_ptr():
                 return slot
         raise ValueError("not a view of a ring slot")
+
+
+class WriteOrder:
+    """The writes in flight over `slots` and the ordering rules of the module docstring; every wait for the
+    disk goes through `wait`, which times it (`io_wait_seconds`) as a "disk wait" span of `tracer`."""
+
+    def __init__(self, slots: SlotPool, tracer: Optional[Tracer] = None) -> None:
+        self._slots = slots
+        self._lock = slots.lock
+        self._tracer = tracer or Tracer()
+        self._writes: Deque[InFlight] = collections.deque()  # oldest first; guarded by the lock
+        self._deferred: Optional[BaseException] = None  # a write error met on the training thread
+        self.io_wait_seconds = 0.0
+
+    # ----- slots -------------------------------------------------------------------------------------
+    def take(self) -> Slot:
+        """A slot for I/O the caller needs now: a free one, else the oldest write's once it has completed
+        (always possible: reads ahead leave `KEEP_FOR_LOAD` slots free or held by writes). Raises a failed
+        write's error (its slot is back either way)."""
+        while True:
+            with self._lock:
+                slot = self._slots.pop_free_locked()
+                if slot is not None:
+                    return slot
+                oldest = self._writes[0] if self._writes else None
+                if oldest is None:  # only reads ahead (or borrowers) hold slots: wait for one to come back
+                    self._slots.wait_for_return_locked(timeout=1.0)
+                    continue
+            self.retire(oldest)
+
+    def take_ahead_locked(self, count: int, group: "FlatGroup", start: int, stop: int,
+                          keep: int = KEEP_FOR_LOAD) -> Optional[List[Slot]]:
+        """`count` free slots for reads ahead of elements [start, stop) of `group`, or None: while a write of
+        the range is in flight (read it once the write is done), or when taking them would leave fewer than
+        `keep` slots free. The caller holds the lock and registers what it submits before releasing it."""
+        if len(self._slots.free) < count + keep or self.writing_locked(group, start, stop):
+            return None
+        return [self._slots.free.pop() for _ in range(count)]
+
+    # ----- writes in flight ------------------------------------------------------------------------
+    def register_locked(self, write: InFlight) -> None:
+        """A write just submitted (the caller holds the lock since before it submitted: no read ahead sees the
+        range without its write); it keeps its slot until retired."""
+        self._writes.append(write)
+
+    def writing_locked(self, group: "FlatGroup", start: int, stop: int) -> bool:
+        """Whether a write of elements [start, stop) of `group` is in flight; the caller holds the lock."""
+        return any(w.overlaps(group, start, stop) for w in self._writes)
+
+    def in_flight(self) -> int:
+        """How many writes are registered (submitted and not yet retired)."""
+        with self._lock:
+            return len(self._writes)
+
+    def wait_for_writes_of(self, group: "FlatGroup", start: int, stop: int) -> None:
+        """Before a read of elements [start, stop) of `group`: retire the writes of that range in flight, so the
+        read sees the last write of it."""
+        with self._lock:
+            overlapping = [w for w in self._writes if w.overlaps(group, start, stop)]
+        for write in overlapping:
+            self.retire(write)
+
+    def retire(self, write: InFlight) -> None:
+        """Wait for a write, then unregister it and give its slot back; raises its error after.
+        [Note: a write stays registered until it is done] Reads ahead on another thread check the writes for
+        overlaps: a write taken off the list while still in flight would let them read the chunk's old bytes.
+        Exactly one thread unregisters an entry (by identity, under the lock), and only that one gives the slot
+        back."""
+        try:
+            self.wait(write.futures)
+        finally:
+            with self._lock:
+                index = next((i for i, w in enumerate(self._writes) if w is write), None)
+                if index is not None:
+                    del self._writes[index]
+                    self._slots.give_back_locked(write.slot)
+
+    def reap(self) -> None:
+        """Retire the writes that have completed (oldest first, never blocking); a failed write raises here,
+        in whichever thread reaps it (on the training thread, inside `deferring_errors`)."""
+        while True:
+            with self._lock:
+                if not self._writes or not all(f.done() for f in self._writes[0].futures):
+                    return
+                oldest = self._writes[0]
+            self.retire(oldest)
+
+    def retire_all(self) -> None:
+        """Wait for every write in flight, giving their slots back; raise the first error after all are done."""
+        first: Optional[BaseException] = None
+        while True:
+            with self._lock:
+                if not self._writes:
+                    break
+                oldest = self._writes[0]
+            try:
+                self.retire(oldest)
+            except BaseException as exc:  # noqa: B902 - re-raised below, after the other writes are done
+                first = first or exc
+        if first is not None:
+            raise first
+
+    # ----- errors met on the training thread -------------------------------------------------------
+    @contextlib.contextmanager
+    def deferring_errors(self) -> Iterator[None]:
+        """For the training thread (announcements, prefetches): an error raised inside (a write reaped there,
+        a read ahead that failed to submit) is kept for the worker's next `raise_deferred`, so it fails an
+        update (which poisons the engine) instead of escaping from a hook in the middle of scheduling a step.
+        Of several, the first is kept."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - kept and raised on the worker
+            with self._lock:
+                self._deferred = self._deferred or exc
+
+    def reap_or_defer(self) -> bool:
+        """`reap` on the training thread: False when it met an error (kept for the worker)."""
+        with self.deferring_errors():
+            self.reap()
+            return True
+        return False
+
+    def raise_deferred(self) -> None:
+        """On the worker: raise (once) the error the training thread kept, if any."""
+        with self._lock:
+            error, self._deferred = self._deferred, None
+        if error is not None:
+            raise error
+
+    # ----- waits -------------------------------------------------------------------------------------
+    def wait(self, futures: List[IOFuture]) -> None:
+        """Wait for every request of a piece of I/O, then raise the first error: a slot is handed back only
+        when the kernel no longer reads into or writes from it, even when one of its requests failed."""
+        begin = time.perf_counter()
+        try:
+            with self._tracer.span("disk wait"):
+                wait_all(futures)
+        finally:
+            self.io_wait_seconds += time.perf_counter() - begin

@@ -1,104 +1,134 @@
 """Reads and writes of disk-resident compute weights, through the nvme ring's slots.
 
 When the plan puts a block's weights on disk, every fetch reads them from the swap file and every update's
-new weights are written back: both go through the staging ring's slots (offload/scheduler/ring_slots.py), a
-slot's worth at a time. They follow the ring's ordering rules (offload/scheduler/disk_ring.py): a read of a
-group waits for the ring's writes of it in flight, and a prefetch never takes the ring's last free slots, so
-the chunk the step worker needs next can always get one.
+new weights are written back: both go through the staging ring's slots (ring_slots.SlotPool), a slot's worth
+at a time. They follow the ring's ordering rules, which live in one object shared with the chunk path
+(ring_slots.WriteOrder): a read or write of a group first retires the ring's writes of it in flight, slots
+come from `WriteOrder.take`, a prefetch takes its slots with `take_ahead_locked` (never the ring's last
+free slots, so the chunk the step worker needs next can always get one), and an error a prefetch meets on
+the training thread is kept for the worker. This class knows nothing of the chunk path (disk_ring.py),
+which only hands these moves on.
 
-Thread safety: the ring's lock (the pool's `lock`) guards the free list and the ring's writes in flight; a
-prefetch checks both and takes its slots in one step under it. Waits on I/O happen outside it.
+Thread safety: the pool's lock guards the free list and the writes in flight; a prefetch checks both and
+takes its slots in one step under it. Waits on I/O happen outside it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, List, NamedTuple, Optional, Tuple
 
 from torch import Tensor
 
 from offload.planner import SLOT_BYTES_PER_ELEMENT
+from offload.scheduler.ring.ring_slots import KEEP_FOR_LOAD
 
 if TYPE_CHECKING:
+    from offload.io.future import IOFuture
     from offload.scheduler.blocks.block import FlatGroup
-    from offload.scheduler.ring.disk_ring import DiskRing
-    from offload.scheduler.ring.ring_slots import SlotPool
+    from offload.scheduler.ring.ring_slots import Slot, SlotPool, WriteOrder
     from offload.tiers.disk import SwapStore
+
+# A prefetch leaves one more slot free than a chunk's read ahead: the worker's next `load`, and one chunk read
+# ahead of it, so prefetching weights on the training thread never stops the update's reads from overlapping.
+KEEP_FOR_CHUNKS = KEEP_FOR_LOAD + 1
+
+
+class WeightRead(NamedTuple):
+    """One piece of a prefetch: a slot, the elements [start, stop) it receives as `staged`, and its read."""
+
+    slot: "Slot"
+    start: int
+    stop: int
+    staged: Tensor
+    future: "IOFuture"
 
 
 class DiskWeightIO:
-    """The compute-weight moves of `ring`, over its slot pool: its waits (`DiskRing._wait`) and its writes in
-    flight (`_wait_writes_of`, `_reap_finished_writes`, `_writing`) order them after the state's writes."""
+    """The compute-weight moves over `slots`, ordered after the state's writes by `order`."""
 
-    def __init__(self, ring: "DiskRing", slots: "SlotPool", store: "SwapStore") -> None:
-        self._ring = ring
+    def __init__(self, slots: "SlotPool", order: "WriteOrder", store: "SwapStore") -> None:
         self._slots = slots
+        self._order = order
         self._store = store
 
     def read_weights(self, group: "FlatGroup", dst: Tensor, copy: Callable[[Tensor, Tensor], None]) -> None:
-        """Read the group's disk-resident compute weights, slot by slot, and `copy(dst_piece, staged)` each."""
-        self._move_weights(False, group, dst, copy)
+        """Read the group's disk-resident compute weights, slot by slot, and `copy(dst_piece, staged)` each.
+        Reads take a slot's worth at a time (several of the pieces `write_weights` sealed, each verified)."""
+        self._order.wait_for_writes_of(group, 0, group.numel)
+        for start, stop in _pieces(group.numel, self._per_slot(dst.element_size())):
+            slot = self._order.take()
+            try:
+                staged = _staged(slot, start, stop, dst)
+                self._order.wait([self._store.read_weights(group, start, staged)])
+                copy(dst[start:stop], staged)
+            finally:
+                self._slots.give_back(slot)
 
     def write_weights(self, group: "FlatGroup", src: Tensor) -> None:
-        """Write the group's compute weights (all of `src`) to its weight record, through the slots."""
-        self._move_weights(True, group, src, lambda staged, piece: staged.copy_(piece))
+        """Write the group's compute weights (all of `src`) to its weight record, through the slots. Writes go
+        in the updates' chunks, so each piece they seal is one an update's read covers whole and verifies."""
+        self._order.wait_for_writes_of(group, 0, group.numel)
+        for start, stop in _pieces(group.numel, self._slots.chunk_numel):
+            slot = self._order.take()
+            try:
+                staged = _staged(slot, start, stop, src)
+                staged.copy_(src[start:stop])
+                self._order.wait([self._store.write_weights(group, start, staged)])
+            finally:
+                self._slots.give_back(slot)
 
-    def start_weights_read(self, group: "FlatGroup", itemsize: int) -> Optional[list]:
+    def start_weights_read(self, group: "FlatGroup", itemsize: int) -> Optional[List[WeightRead]]:
         """Issue reads of the group's disk-resident weights into free slots without blocking (a prefetch);
-        None when that would take the ring's last free slots or a write of the group is still in flight.
-        Complete it with `finish_weights_read`, or `cancel_weights_read`."""
-        try:
-            self._ring._reap_finished_writes()
-        except Exception as exc:  # noqa: BLE001 - a prefetch is optional: keep the error for the worker
-            self._ring._defer(exc)
+        None when that would take the ring's last free slots (`KEEP_FOR_CHUNKS` stay) or a write of the group
+        is still in flight. Complete it with `finish_weights_read`, or `cancel_weights_read`."""
+        if not self._order.reap_or_defer():  # a prefetch is optional: a write's error goes to the worker
             return None
-        per_slot = self._slots.chunk_numel * SLOT_BYTES_PER_ELEMENT // itemsize
-        pieces = [(a, min(a + per_slot, group.numel)) for a in range(0, group.numel, per_slot)]
+        pieces = _pieces(group.numel, self._per_slot(itemsize))
         with self._slots.lock:
-            if len(self._slots.free) < len(pieces) + 2 or self._ring._writing(group):
+            slots = self._order.take_ahead_locked(len(pieces), group, 0, group.numel, keep=KEEP_FOR_CHUNKS)
+            if slots is None:
                 return None
-            taken = []
-            for start, stop in pieces:
-                slot = self._slots.free.pop()
-                staged = slot.raw[:(stop - start) * itemsize].view(group.dtype)
-                taken.append((slot, start, stop, staged, self._store.read_weights(group, start, staged)))
+            taken: List[WeightRead] = []
+            try:
+                for slot, (start, stop) in zip(slots, pieces):
+                    staged = slot.raw[:(stop - start) * itemsize].view(group.dtype)
+                    taken.append(WeightRead(slot, start, stop, staged, self._store.read_weights(group, start, staged)))
+            except BaseException:
+                for slot in slots[len(taken):]:  # no read targets these
+                    self._slots.give_back_locked(slot)
+                raise
         return taken
 
-    def finish_weights_read(self, handle: list, dst: Tensor, copy: Callable[[Tensor, Tensor], None]) -> None:
+    def finish_weights_read(self, handle: List[WeightRead], dst: Tensor,
+                            copy: Callable[[Tensor, Tensor], None]) -> None:
+        """Wait for a prefetch's reads and `copy(dst_piece, staged)` each; its slots go back."""
         try:
-            for _slot, start, stop, staged, future in handle:
-                self._ring._wait([future])
-                copy(dst[start:stop], staged)
+            for piece in handle:
+                self._order.wait([piece.future])
+                copy(dst[piece.start:piece.stop], piece.staged)
         finally:
             self.cancel_weights_read(handle)
 
-    def cancel_weights_read(self, handle: list) -> None:
+    def cancel_weights_read(self, handle: List[WeightRead]) -> None:
         """Return a prefetch's slots (after its reads are done: the kernel writes into them)."""
-        for slot, _start, _stop, _staged, future in handle:
+        for piece in handle:
             try:
-                future.result()
-            except Exception:
-                pass  # a failed prefetch is dropped; the synchronous read reports the error
+                piece.future.result()
+            except Exception:  # noqa: BLE001, S110 - a failed prefetch is dropped; a synchronous read reports it
+                pass
             finally:
-                self._slots.give_back(slot)
+                self._slots.give_back(piece.slot)
         handle.clear()
 
-    def _move_weights(self, write: bool, group: "FlatGroup", tensor: Tensor, copy) -> None:
-        self._ring._wait_writes_of(group, 0, group.numel)
-        # Writes go in the updates' chunks, so each piece they seal is one an update's read covers whole and
-        # verifies; reads take a slot's worth at a time (several sealed pieces, each verified).
-        per_slot = self._slots.chunk_numel * SLOT_BYTES_PER_ELEMENT // tensor.element_size()
-        per_piece = self._slots.chunk_numel if write else per_slot
-        for start in range(0, group.numel, per_piece):
-            stop = min(start + per_piece, group.numel)
-            slot = self._slots.take()
-            try:
-                staged = slot.raw[:(stop - start) * tensor.element_size()].view(tensor.dtype)
-                if write:
-                    copy(staged, tensor[start:stop])
-                submit = self._store.write_weights if write else self._store.read_weights
-                future = submit(group, start, staged)
-                self._ring._wait([future])
-                if not write:
-                    copy(tensor[start:stop], staged)
-            finally:
-                self._slots.give_back(slot)
+    def _per_slot(self, itemsize: int) -> int:
+        """Weight elements of `itemsize` bytes one slot holds (all of its bytes)."""
+        return self._slots.chunk_numel * SLOT_BYTES_PER_ELEMENT // itemsize
+
+
+def _pieces(numel: int, per_piece: int) -> List[Tuple[int, int]]:
+    return [(start, min(start + per_piece, numel)) for start in range(0, numel, per_piece)]
+
+
+def _staged(slot: "Slot", start: int, stop: int, like: Tensor) -> Tensor:
+    """The slot's first bytes as elements [start, stop) of `like`'s dtype."""
+    return slot.raw[:(stop - start) * like.element_size()].view(like.dtype)
