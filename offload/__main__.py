@@ -16,7 +16,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     doctor.add_argument("--dir", default=None, help="directory to choose the I/O backend for (default: the temp dir)")
     from offload.cli import demo as demo_module
     from offload.cli import estimate as estimate_module
-    from offload.cli.verify import add_arguments as add_verify_arguments, run as run_verify
+    from offload.cli.verify import add_arguments as add_verify_arguments
+    from offload.cli.verify import run as run_verify
 
     demo_module.add_arguments(sub.add_parser("demo", help="a short nvme-tier training run and its efficiency"))
     estimate_module.add_arguments(sub.add_parser("estimate", help="memory per tier for a model size and budgets"))

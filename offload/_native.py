@@ -12,7 +12,7 @@ from typing import Optional
 
 _C: Optional[ModuleType]
 try:
-    from offload import _C  # type: ignore[attr-defined, no-redef]
+    from offload import _C
 
     _IMPORT_ERROR: Optional[str] = None
 except ImportError as exc:  # the extension was not built, or failed to load (e.g. a missing symbol)

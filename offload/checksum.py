@@ -40,7 +40,7 @@ def _as_bytes(data: Data) -> memoryview:
             raise OffloadConfigError(f"checksums read host memory; got a tensor on {data.device}")
         if not data.is_contiguous():
             raise OffloadConfigError("checksums need a contiguous tensor")
-        return memoryview(data.reshape(-1).view(torch.uint8).numpy())
+        return data.reshape(-1).view(torch.uint8).numpy().data  # ndarray.data: the array's bytes as a memoryview
     return memoryview(data).cast("B")
 
 

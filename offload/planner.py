@@ -200,12 +200,14 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
         ring = ring or RingSize(0, 0)
         window = grad_window_bytes(blocks) if grad_window else None
         host_left, ring_bytes = _reserve_nvme_host(blocks, host_left, ring, window)
-    device_left = None if device_budget is None else device_budget - workspace
-    if device_left is not None and total_weights > device_budget:
-        # Streaming: keep room for the blocks in flight, two of the largest when the budget allows.
-        # See docs/design.md [Note: weight streaming].
-        in_flight = 2 * largest.weight_bytes if device_left >= 2 * largest.weight_bytes else largest.weight_bytes
-        device_left -= in_flight
+    device_left: Optional[int] = None
+    if device_budget is not None:
+        device_left = device_budget - workspace
+        if total_weights > device_budget:
+            # Streaming: keep room for the blocks in flight, two of the largest when the budget allows.
+            # See docs/design.md [Note: weight streaming].
+            in_flight = 2 * largest.weight_bytes if device_left >= 2 * largest.weight_bytes else largest.weight_bytes
+            device_left -= in_flight
     placements = []
     for block in blocks:
         if device_left is None or block.weight_bytes <= device_left:

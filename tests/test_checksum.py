@@ -8,8 +8,7 @@ import zlib
 import pytest
 import torch
 
-from offload import _native
-from offload import checksum
+from offload import _native, checksum
 from offload.errors import OffloadConfigError
 
 needs_native = pytest.mark.skipif(_native._C is None, reason="offload._C is not built")

@@ -35,7 +35,7 @@ def test_demo_learns_and_reports_efficiency(tmp_path, capsys):
     assert rc == 0
     assert "offload plan (tier=nvme)" in out and "data: TokenWindows(" in out
     losses = [float(x) for x in re.findall(r"step +\d+ +loss ([0-9.]+)", out)]
-    assert len(losses) == 12 and all(l == l for l in losses)
+    assert len(losses) == 12 and not np.isnan(losses).any()
     assert losses[-1] < losses[0] - 0.5  # ln(64) = 4.16 at the start; the 16 used ids alone are worth 1.4
     efficiency = float(re.search(r"efficiency = bound / step = ([0-9.]+)", out).group(1))
     assert efficiency > 0

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from offload.__main__ import main
-from offload.parity import verify
 from offload.cli.verify_model import tiny_gpt
+from offload.parity import verify
 from tests.models import one_intraop_thread
 
 _threads = pytest.fixture(autouse=True, scope="module")(one_intraop_thread)

@@ -27,7 +27,7 @@ def native_rows() -> List[Row]:
         reason = _native.native_import_error() or "unknown"
         return [("native core (offload._C)", "MISSING", f"{reason}; pure-PyTorch fallbacks in use. "
                  "Rebuild with `pip install -v .` to see the compiler's error.")]
-    rows = [("native core (offload._C)", "ok", str(Path(C.__file__).name))]
+    rows = [("native core (offload._C)", "ok", Path(C.__file__).name if C.__file__ else C.__name__)]
     if hasattr(C, "adam_step"):
         rows.append(("fused CPU Adam", "ok", f"{C.adam_isa()} kernel (chosen at run time), "
                      f"up to {usable_cores()} threads"))
@@ -86,7 +86,7 @@ def cuda_rows() -> List[Row]:
         detail = f"torch {torch.__version__} is a CPU build; the compute device is the CPU"
     else:
         detail = f"torch {torch.__version__} has CUDA {torch.version.cuda} but sees no device"
-    built_text = (f"offload._C built with CUDA runtime {C.cuda_runtime_version}" if built
+    built_text = (f"offload._C built with CUDA runtime {C.cuda_runtime_version}" if C is not None and built
                   else "offload._C built without the CUDA toolkit (pinning goes through torch)")
     return [("CUDA", "usable" if usable else "not usable", detail), ("CUDA in offload._C", str(built), built_text)]
 

@@ -165,10 +165,11 @@ def run(args: argparse.Namespace) -> int:
         try:
             plan = estimate(shape, tier, dtype, device_memory, host_memory, grad_window=window)
         except OffloadConfigError as exc:
-            plan = _with_window(shape, tier, dtype, device_memory, host_memory) if not (window or clipping) else None
-            if plan is None:
+            windowed = None if window or clipping else _with_window(shape, tier, dtype, device_memory, host_memory)
+            if windowed is None:
                 print(f"tier={tier.value:<5} does not fit: {exc}")
                 continue
+            plan = windowed
             print(f"tier={tier.value:<5} fits with grad_accumulation_steps declared and no clipping (gradients "
                   f"windowed: {_human(plan.grad_window_bytes)} on the host); without: {exc}")
         fits_any = True

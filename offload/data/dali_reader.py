@@ -87,11 +87,16 @@ class DaliWindowStream:
     def _build(self, files: TokenFiles, prefetch: int, o_direct: bool, threads: int) -> Any:
         from nvidia.dali import fn, pipeline_def, types
 
-        gpu = self._device is not None
-        device_id = (self._device.index if self._device.index is not None else torch.cuda.current_device()) if gpu else None
+        device = self._device
+        gpu = device is not None
+        device_id: Optional[int] = None
+        if device is not None:
+            device_id = device.index if device.index is not None else torch.cuda.current_device()
 
-        @pipeline_def(batch_size=self._sampler.batch_size, num_threads=threads, device_id=device_id,
-                      prefetch_queue_depth=max(1, prefetch), exec_dynamic=True)
+        # The ignore: DALI 2.4's typed overloads of pipeline_def omit exec_dynamic and device_id=None (a CPU-only
+        # pipeline), which its implementation takes (**pipeline_kwargs, passed on to Pipeline).
+        @pipeline_def(batch_size=self._sampler.batch_size, num_threads=threads,  # type: ignore[call-overload]
+                      device_id=device_id, prefetch_queue_depth=max(1, prefetch), exec_dynamic=True)
         def windows() -> Any:
             regions = fn.external_source(source=self._regions, num_outputs=2 * self._shards, batch=True,
                                          batch_info=True)
@@ -100,7 +105,7 @@ class DaliWindowStream:
                                       dont_use_mmap=o_direct, use_o_direct=o_direct)
                      for k, shard in enumerate(files.shards)]
             joined = parts[0] if len(parts) == 1 else fn.cat(*parts, axis=0)
-            return fn.cast(joined, dtype=types.INT64)
+            return fn.cast(joined, dtype=types.DALIDataType.INT64)
 
         pipe = windows()
         pipe.build()

@@ -21,6 +21,10 @@ from offload.errors import OffloadConfigError, OffloadError
 from offload.integrations.transformers import _require
 
 transformers, _accelerate = _require()  # MissingDependencyError naming the install command when either is missing
+# The bases, from the module _require returned: Any to mypy, so the overrides are not tied to one release's
+# annotations (the tests run them against the installed transformers)
+Trainer: Any = transformers.Trainer
+TrainerCallback: Any = transformers.TrainerCallback
 
 CHECKPOINT_SUBDIR = "offload"  # engine.save's directory inside the Trainer's checkpoint-N
 TRAINING_ARGS_FILE = "training_args.bin"  # as the Trainer names it
@@ -33,7 +37,7 @@ FROM_ARGS = {  # offload.wrap options the Trainer's arguments decide; given in o
 }
 
 
-class OffloadTrainer(transformers.Trainer):
+class OffloadTrainer(Trainer):
     """`transformers.Trainer` whose model trains through `offload.wrap(model, **offload)`.
 
     Args:
@@ -48,6 +52,8 @@ class OffloadTrainer(transformers.Trainer):
             `optimizer_cls_and_kwargs=`, `model_init=`, an optimizer other than AdamW, fp16, DeepSpeed, FSDP,
             several GPUs in one process, ...), naming what to use instead.
     """
+
+    optimizer: Optional[torch.optim.Optimizer]  # the Trainer's; here engine.optimizer, prepared by accelerate
 
     def __init__(self, model: Optional[nn.Module] = None, args: Any = None, *more: Any,
                  offload: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> None:
@@ -147,9 +153,9 @@ class OffloadTrainer(transformers.Trainer):
         """The Trainer's accelerator, with its `clip_grad_norm_` (the Trainer's only way to clip and to measure
         the gradient norm) going to the engine, which holds the gradients."""
         super().create_accelerator_and_postprocess()
-        self.accelerator.clip_grad_norm_ = self._clip_grad_norm_through_engine  # type: ignore[method-assign]
+        self.accelerator.clip_grad_norm_ = self._clip_grad_norm_through_engine
         self._prepare_model = self.accelerator.prepare_model
-        self.accelerator.prepare_model = self._prepare_without_ddp  # type: ignore[method-assign]
+        self.accelerator.prepare_model = self._prepare_without_ddp
 
     def _prepare_without_ddp(self, model: nn.Module, device_placement: Optional[bool] = None,
                              evaluation_mode: bool = False) -> nn.Module:
@@ -236,7 +242,7 @@ class OffloadTrainer(transformers.Trainer):
             group.update(kept)
 
 
-class _ZeroEngineGrads(transformers.TrainerCallback):
+class _ZeroEngineGrads(TrainerCallback):
     """`engine.zero_grad()` after each optimizer step, where the Trainer calls `model.zero_grad()`: that clears
     `.grad`, which the engine notices only at the next gradient, so a checkpoint saved right after the step
     would still count gradients as pending (and an nvme gradient window would not be given back yet)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -27,6 +27,9 @@ from offload.api import wrap
 from offload.engine.engine import Engine
 from offload.errors import OffloadConfigError
 from offload.policy import Tier, bounds_host_memory
+
+if TYPE_CHECKING:  # at run time transformers comes from _require, which names the install command when missing
+    from transformers import PreTrainedModel
 
 INSTALL = 'pip install transformers accelerate  (or pip install "offload[hf]")'
 
@@ -121,7 +124,7 @@ def build_empty(config: Any, model_class: Optional[Any] = None) -> nn.Module:
     return model
 
 
-def _call_with_dtype(make: Callable[..., nn.Module], config: Any, dtype: torch.dtype) -> nn.Module:
+def _call_with_dtype(make: Callable[..., PreTrainedModel], config: Any, dtype: torch.dtype) -> PreTrainedModel:
     try:
         return make(config, dtype=dtype)  # transformers >= 4.56
     except TypeError as error:

@@ -9,6 +9,7 @@ bounded executor, so many chunks are in flight at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ctypes
 import errno
 import os
@@ -69,7 +70,7 @@ class AiofilesEngine:
         self._ready = threading.Event()
         self._thread.start()
         self._ready.wait()
-        self._tasks: List["asyncio.Future[None]"] = []
+        self._tasks: List["concurrent.futures.Future[None]"] = []  # run_coroutine_threadsafe's
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self._loop)

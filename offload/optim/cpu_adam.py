@@ -7,7 +7,7 @@ Why a real Optimizer subclass: param groups, LR schedulers, `state_dict()`/`load
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Tuple, Union
+from typing import Any, Callable, Iterable, Optional, Tuple, Union, overload
 
 import torch
 from torch import Tensor
@@ -76,6 +76,12 @@ class CPUAdam(torch.optim.Optimizer):
         if self._pool is None:
             self._pool = native.ThreadPool(self._num_threads)
         return self._pool
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:

@@ -95,6 +95,7 @@ class StagingPool:
         if want_pin and not torch.cuda.is_available():
             raise OffloadConfigError("pin=True needs CUDA, which is not available: pass pin=None or pin=False")
         C = _native._C
+        self._native = C  # the arena's module, kept: _native._C may be swapped out later (tests do)
         self._arena = C.HostArena(budget_bytes) if C is not None else None
         if want_pin:
             self._pin()
@@ -140,10 +141,10 @@ class StagingPool:
         return False, f"{first}; torch cudaHostRegister error {code}"
 
     def _unregister(self) -> None:
+        assert self._arena is not None and self._native is not None  # only a native arena is locked here
         ptr = self._arena.base_ptr
-        C = _native._C
         if self.pin_reason.endswith("(offload._C)"):
-            C.cuda_host_unregister(ptr)
+            self._native.cuda_host_unregister(ptr)
         else:
             torch.cuda.cudart().cudaHostUnregister(ptr)
 
@@ -156,10 +157,10 @@ class StagingPool:
         if not isinstance(nbytes, int) or nbytes < 0:
             raise OffloadConfigError(f"nbytes must be a non-negative int, got {nbytes!r}")
         if self._arena is not None:
-            C = _native._C
+            assert self._native is not None  # the arena is the native core's
             try:
                 lease = self._arena.lease(nbytes, wait, -1.0 if timeout is None else float(timeout))
-            except C.ArenaExhausted as exc:
+            except self._native.ArenaExhausted as exc:
                 raise OffloadMemoryError(f"{exc}: raise the pool's budget (host_memory) or release buffers") from None
             return HostBuffer(lease, nbytes, lease.ptr)
         return self._lease_fallback(nbytes, wait, timeout)

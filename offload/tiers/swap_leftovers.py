@@ -41,7 +41,8 @@ def hold_lock(fd: int, path: str) -> None:
 
 def remove_leftovers(directory: str) -> List[str]:
     """Remove swap files of dead runs in `directory` (with their layouts); returns what was removed."""
-    removed, freed = [], 0
+    removed: List[str] = []
+    freed = 0
     try:
         names = os.listdir(directory)
     except OSError:
