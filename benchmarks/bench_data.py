@@ -1,5 +1,6 @@
-"""Random LM windows from a token file on disk: offload.data.TokenWindows (DALI with and without O_DIRECT, numpy
-memmap) against a torch DataLoader over np.memmap, and the disk bound for the same reads, interleaved round by round.
+"""Random LM windows from a token file on disk: offload.data.TokenWindows (DALI with and without O_DIRECT, numpy:
+one preadv per window) against a torch DataLoader over np.memmap, and the disk bound for the same reads,
+interleaved round by round.
 
     python benchmarks/bench_data.py                  # 8 GiB of uint16 tokens in 2 GiB shards, batch 8 x 2048, 5 rounds
     python benchmarks/bench_data.py --file tok.npy   # reuse a token file (or a directory of shards)
@@ -314,7 +315,7 @@ def main() -> None:
         except ImportError as exc:
             for name in ("offload.data dali, O_DIRECT", "offload.data dali, page cache"):
                 skipped[name] = f"DALI not importable ({exc})"
-        rivals["offload.data numpy (auto on CPU: memmap, MADV_RANDOM, thread)"] = token_windows("numpy", None)
+        rivals["offload.data numpy (auto on CPU: preadv, FADV_RANDOM, thread)"] = token_windows("numpy", None)
         rivals[f"torch DataLoader, {args.workers} workers, np.memmap"] = data_loader(args.workers, WARMUP + batches)
         rivals[BOUND_QD] = bound_in_flight(32)
         rivals[BOUND_1] = bound_one_at_a_time
