@@ -231,8 +231,8 @@ class DiskRing:
         self._order.raise_deferred()
 
     def close(self) -> None:
-        """After `drain` (close): give the slots' host memory back to the staging pool now. The ring's objects
-        refer to each other (cycles), so without this the memory would wait for a garbage collection."""
+        """After `drain` (close): give the slots' host memory back to the staging pool now, not whenever the
+        last reference to the ring (a store, a weight home) goes."""
         self._slots.close()
 
     def flush_writes(self) -> None:
