@@ -155,8 +155,8 @@ def worker(spec_path: str) -> None:
     import torch.distributed as dist
 
     import offload
-    from offload.cli.demo import DemoGPT
     from offload._system import usable_cores
+    from offload.cli.demo import DemoGPT
     from tests.proc_status import CAN_RESET_PEAK, reset_peak, status
 
     warnings.simplefilter("ignore", UserWarning)
@@ -388,10 +388,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         ranks = sorted({d["rank"] for d in results[rival]})
         for datas in per_round.values():
             steps += [max(ts) for ts in zip(*(d["step_seconds"] for d in datas))]
-        med = lambda key, rank: summarize([d[key] for d in results[rival] if d["rank"] == rank])[0]  # noqa: E731
-        peak = [med("peak_rss", k) for k in ranks]
-        growth = [med("peak_rss", k) - med("baseline_rss", k) for k in ranks]
-        state = [med("state_bytes", k) for k in ranks]
+        runs = results[rival]
+        peak = [_median_of(runs, "peak_rss", k) for k in ranks]
+        growth = [_median_of(runs, "peak_rss", k) - _median_of(runs, "baseline_rss", k) for k in ranks]
+        state = [_median_of(runs, "state_bytes", k) for k in ranks]
         n_params = results[rival][0]["params"]
         losses = {round(d["losses"][-1], 5) for d in results[rival]}
         median, p20, p80 = summarize(steps)
@@ -403,7 +403,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                    state_B_param=f"{max(state) / n_params:.2f}",
                    last_loss=" ".join(f"{v:.4f}" for v in sorted(losses)))
         if results[rival][0]["device_peak"] is not None:
-            row["device_peak_MB"] = fmt_ranks([med("device_peak", k) for k in ranks])
+            row["device_peak_MB"] = fmt_ranks([_median_of(runs, "device_peak", k) for k in ranks])
         rows.append(row)
         if results[rival][0]["note"]:
             notes.append(f"{label}: {'torch.optim.AdamW ' if rival == 'ddp' else ''}{results[rival][0]['note']}")
@@ -444,3 +444,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _median_of(runs: List[dict], key: str, rank: int) -> float:
+    """The median of `key` over one rank's runs."""
+    return summarize([d[key] for d in runs if d["rank"] == rank])[0]

@@ -41,8 +41,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import offload  # noqa: E402
 from common import append_csv, machine_header, print_table  # noqa: E402
+
+import offload  # noqa: E402
 from offload.cli.estimate import ModelShape, estimate  # noqa: E402
 from offload.measure import DiskProbe, dram_bandwidth  # noqa: E402
 from offload.planner import Location  # noqa: E402

@@ -27,11 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import offload  # noqa: E402
 from common import append_csv, machine_header, print_table, summarize  # noqa: E402
+
+import offload  # noqa: E402
 from offload.cli.demo import DemoGPT  # noqa: E402
 from offload.measure import DiskProbe, dram_bandwidth, step_bound  # noqa: E402
-
 
 # The model of `python -m offload demo`: a GPT-style stack with tied embedding and output.
 GPT = DemoGPT
@@ -117,7 +117,7 @@ def main(argv: List[str] = None) -> None:
     probe = DiskProbe(swap_dir, sample_bytes=(8 if args.quick else 64) << 20, samples=args.rounds)
     samples: Dict[str, List[float]] = {name: [] for name in rivals}
     bandwidths: List[float] = []
-    for name, run in rivals.items():  # warm-up: first-step allocations, profiles
+    for run in rivals.values():  # warm-up: first-step allocations, profiles
         run()
     before = {name: e.stats() for name, e in engines.items()}
     for _ in range(args.rounds):

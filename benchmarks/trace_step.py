@@ -27,8 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import offload  # noqa: E402
 from common import machine_header, print_table  # noqa: E402
+
+import offload  # noqa: E402
 from offload.cli.demo import DemoGPT  # noqa: E402
 
 Span = Tuple[str, str, float, float, str]  # (thread, kind, start, end, label)

@@ -61,4 +61,4 @@ def _tell(observer: PhaseObserver, name: str, detail: str, start: float, end: fl
     try:
         observer.on_span(name, detail, start, end)
     except Exception as exc:  # noqa: BLE001 - reported, not propagated
-        warnings.warn(f"offload: trace observer {observer!r} raised {type(exc).__name__}: {exc}", RuntimeWarning)
+        warnings.warn(f"offload: trace observer {observer!r} raised {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)

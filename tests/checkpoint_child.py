@@ -103,7 +103,7 @@ def memory(directory: str) -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1)
     train(engine, scheduler, range(1))
     engine.synchronize()
-    groups = [(g, s) for _b, g, s in engine.checkpoint_groups()]
+    groups = [(g, s) for _b, g, s in engine._checkpoints.checkpoint_groups()]
     state_bytes = 12 * sum(g.trainable_numel for g, s in groups if s is not None)
     record_bytes = max(12 * g.trainable_numel for g, s in groups if s is not None)
     chunk_bytes = 12 * int(engine.stats()["nvme_chunk_numel"])

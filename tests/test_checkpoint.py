@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -222,7 +222,7 @@ def xfs_dir(tmp_path):
 def _clonable_bytes(engine):
     """Bytes a section-by-section clone covers: each record's three sections, rounded down to 4 KiB."""
     return sum(3 * (4 * g.trainable_numel // reflink.BLOCK * reflink.BLOCK)
-               for _b, g, s in engine.checkpoint_groups() if s is not None)
+               for _b, g, s in engine._checkpoints.checkpoint_groups() if s is not None)
 
 
 def _xfs_resume(clone_expected, xfs_dir, tmp_path, monkeypatch):
@@ -232,7 +232,7 @@ def _xfs_resume(clone_expected, xfs_dir, tmp_path, monkeypatch):
         engine.save(xfs_dir / "ckpt", scheduler=scheduler, rng=True)
         saved = engine.state_dict()
         clonable, state_bytes = _clonable_bytes(engine), 12 * sum(
-            g.trainable_numel for _b, g, s in engine.checkpoint_groups() if s is not None)
+            g.trainable_numel for _b, g, s in engine._checkpoints.checkpoint_groups() if s is not None)
         losses = train(engine, scheduler, range(K, K + M))  # rewrites every swap record: the clone must not change
     import offload.checkpoint.reader as reader
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -73,7 +75,7 @@ def test_memory_strings_parse_once():
 
 def test_policy_is_frozen_and_typed():
     policy = OffloadPolicy(tier=Tier.CPU)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         policy.lr = 1.0  # type: ignore[misc]
     with pytest.raises(OffloadConfigError):
         OffloadPolicy(tier="cpu")  # type: ignore[arg-type]  (strings are parsed by Tier.parse, in wrap)

@@ -84,6 +84,6 @@ def test_nvme_peak_rss_growth_within_host_memory(tmp_path, streamed):
     assert result["state_bytes"] >= 4 * result["host_memory"]
     bound = result["host_memory"] + result["device_memory"] + RSS_SLACK
     assert result["growth"] <= bound, result
-    assert all(l == l for l in result["losses"]) and result["losses"][-1] < result["losses"][0]
+    assert all(loss == loss for loss in result["losses"]) and result["losses"][-1] < result["losses"][0]
     if streamed:
         assert result["disk_weights"] > 0  # the host budget could not hold the streamed weights

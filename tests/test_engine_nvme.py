@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import offload
-from offload.errors import OffloadError
-from offload.errors import OffloadConfigError
+from offload.errors import OffloadConfigError, OffloadError
 from tests.models import TinyGPT, make_batches, one_intraop_thread
 
 _threads = pytest.fixture(autouse=True, scope="module")(one_intraop_thread)

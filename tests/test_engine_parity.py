@@ -11,6 +11,7 @@ import copy
 import os
 import tempfile
 import warnings
+
 import pytest
 import torch
 

@@ -165,7 +165,7 @@ def test_non_finite_gradient_norm_skips_the_step_with_a_warning():
 
 def test_an_update_that_fails_surfaces_at_the_next_use_of_its_block(monkeypatch):
     from offload.errors import OffloadError
-    from offload.scheduler.records.runtime import GroupState
+    from offload.scheduler.records.group_state import GroupState
 
     model = Net()
     engine = offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", overlap_step=True)
@@ -186,7 +186,7 @@ def test_an_update_that_fails_surfaces_at_the_next_use_of_its_block(monkeypatch)
 
 
 def test_a_failure_never_reported_is_raised_by_close(monkeypatch):
-    from offload.scheduler.records.runtime import GroupState
+    from offload.scheduler.records.group_state import GroupState
 
     model = Net()
     engine = offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", overlap_step=True)
@@ -200,7 +200,7 @@ def test_a_failure_never_reported_is_raised_by_close(monkeypatch):
 
 def test_without_overlap_step_a_failed_update_raises_from_step(monkeypatch):
     from offload.errors import OffloadError
-    from offload.scheduler.records.runtime import GroupState
+    from offload.scheduler.records.group_state import GroupState
 
     model = Net()
     engine = offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu")
@@ -233,7 +233,7 @@ def test_after_a_failed_update_the_engine_refuses_to_train_or_save_until_a_check
                                                                                                  monkeypatch):
     """Some blocks updated and some not: training on (or saving) would silently use inconsistent state."""
     from offload.errors import OffloadError
-    from offload.scheduler.records.runtime import GroupState
+    from offload.scheduler.records.group_state import GroupState
 
     torch.manual_seed(0)
     model = Net()
@@ -282,7 +282,7 @@ def test_stats_split_the_time_into_forward_backward_and_updates():
 
 
 def _broken_update(monkeypatch):
-    from offload.scheduler.records.runtime import GroupState
+    from offload.scheduler.records.group_state import GroupState
 
     real = GroupState.update
     monkeypatch.setattr(GroupState, "update", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
@@ -298,7 +298,7 @@ def test_a_load_that_fails_leaves_a_failed_engine_failed_and_a_good_load_recover
         model(torch.ones(4, 8)).sum().backward()
         repair = _broken_update(monkeypatch)
         engine.step()  # the failure is not seen yet: the next load must still count it
-        with pytest.raises(Exception):
+        with pytest.raises(OffloadError):  # the checkpoint is missing
             engine.load(tmp_path / "missing")
         repair()
         with pytest.raises(OffloadError, match="failed earlier.*boom"):

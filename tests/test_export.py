@@ -160,9 +160,9 @@ def test_peak_memory_is_one_group_not_the_model(tmp_path, monkeypatch):
     group tensors still alive (a view keeps its base alive) must be one group's, never more."""
     with _engine("cpu", tmp_path) as engine:
         _train(engine, 1)
-        groups = [g for _b, g, _s in engine.checkpoint_groups()]
+        groups = [g for _b, g, _s in engine._checkpoints.checkpoint_groups()]
         live = []
-        original = engine.group_weights
+        original = engine._checkpoints.group_weights
 
         def fresh(group):
             flat = original(group).clone()
@@ -177,7 +177,7 @@ def test_peak_memory_is_one_group_not_the_model(tmp_path, monkeypatch):
             largest_write[0] = max(largest_write[0], tensor.numel() * tensor.element_size())
             return write(self, name, tensor)
 
-        monkeypatch.setattr(engine, "group_weights", fresh)
+        monkeypatch.setattr(engine._checkpoints, "group_weights", fresh)
         monkeypatch.setattr(export.TensorFileWriter, "write", recording)
         engine.save_pretrained(tmp_path / "export")  # one shard holding the whole model: still one group at a time
     assert len(live) == len(groups) > 3
@@ -212,7 +212,7 @@ def test_a_failed_export_leaves_the_directory_as_it_was(tmp_path, monkeypatch):
 
 def test_max_shard_size_forms(tmp_path):
     with _engine("cpu", tmp_path) as engine:
-        total = sum(g.nbytes for _b, g, _s in engine.checkpoint_groups())
+        total = sum(g.nbytes for _b, g, _s in engine._checkpoints.checkpoint_groups())
         for size in (total // 4, f"{total // 4}B", f"{total / 4e3}KB"):
             engine.save_pretrained(tmp_path / "e", max_shard_size=size)
             assert export.INDEX_FILE in os.listdir(tmp_path / "e"), size

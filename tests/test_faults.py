@@ -15,8 +15,8 @@ import torch
 import offload
 from offload.errors import OffloadConfigError, OffloadIntegrityError, OffloadIOError
 from tests.checkpoint_child import make_engine, train
-from tests.test_checkpoint import _damage
 from tests.models import TinyGPT, make_batches, one_intraop_thread
+from tests.test_checkpoint import _damage
 
 _threads = pytest.fixture(autouse=True, scope="module")(one_intraop_thread)
 
@@ -254,10 +254,10 @@ def test_ctrl_c_during_step_applies_the_whole_step(tmp_path):
     with plain:
         train(plain, plain_scheduler, range(2))
         expected = plain.state_dict()
-    from offload.scheduler.phases.pipeline import StepPipeline
+    from offload.scheduler.records.block_runtime import BlockRuntime
 
     engine, scheduler = make_engine("cpu", str(tmp_path))
-    submit, calls = StepPipeline.submit_update, []
+    submit, calls = BlockRuntime.schedule_update, []
 
     def interrupted(*args, **kwargs):
         calls.append(1)
@@ -267,12 +267,12 @@ def test_ctrl_c_during_step_applies_the_whole_step(tmp_path):
 
     with engine:
         train(engine, scheduler, range(1))
-        StepPipeline.submit_update = interrupted
+        BlockRuntime.schedule_update = interrupted
         try:
             with pytest.raises(KeyboardInterrupt):
                 train(engine, scheduler, range(1, 2))
         finally:
-            StepPipeline.submit_update = submit
+            BlockRuntime.schedule_update = submit
         assert len(calls) == 6 and engine.stats()["steps"] == 2  # every block scheduled; the step counted
         engine.zero_grad()
         scheduler.step()  # the interrupt skipped the training loop's scheduler.step()

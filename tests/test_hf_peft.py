@@ -129,13 +129,13 @@ def test_modules_to_save_of_a_streamed_block_are_saved(tmp_path: Path) -> None:
 
 
 def _spy_group_reads(engine: Any) -> list:
-    """The keys of the flat groups `engine.group_weights` reads from now on, in order."""
+    """The keys of the flat groups the engine reads (its checkpoint adapter's `group_weights`) from now on."""
     read = []
-    group_weights = engine.group_weights
+    group_weights = engine._checkpoints.group_weights
 
     def spy(group: Any) -> torch.Tensor:
         read.append(group.key)
         return group_weights(group)
 
-    engine.group_weights = spy
+    engine._checkpoints.group_weights = spy
     return read

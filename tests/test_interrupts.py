@@ -11,7 +11,7 @@ import threading
 import torch
 
 import offload
-from offload.scheduler.records.runtime import GroupState
+from offload.scheduler.records.group_state import GroupState
 from tests.models import TinyGPT, make_batches
 
 
@@ -150,7 +150,7 @@ def test_ctrl_c_while_step_schedules_applies_the_step_and_stats_say_so(monkeypat
     has counted the step, and it is applied exactly (README: "Ctrl-C during step()")."""
     import time
 
-    from offload.scheduler.phases import pipeline
+    from offload.scheduler.modes import reduction
 
     batches = make_batches(2, 1)
     torch.manual_seed(0)
@@ -161,7 +161,7 @@ def test_ctrl_c_while_step_schedules_applies_the_step_and_stats_say_so(monkeypat
         for ((idx, tgt),) in batches:
             _step(plain, idx, tgt)
         expected = plain.state_dict()
-    real_norm = pipeline.global_norm
+    real_norm = reduction.global_norm
 
     def slow_norm(*args, **kwargs):
         time.sleep(0.8)  # the SIGINT lands here, 0.3 s into step()
@@ -170,7 +170,7 @@ def test_ctrl_c_while_step_schedules_applies_the_step_and_stats_say_so(monkeypat
     with offload.wrap(model, **options) as engine:
         (idx, tgt), = batches[0]
         engine(idx, tgt).backward()
-        monkeypatch.setattr(pipeline, "global_norm", slow_norm)
+        monkeypatch.setattr(reduction, "global_norm", slow_norm)
         assert _interrupted(engine.step), "the interrupt must reach the user"
         monkeypatch.undo()
         assert engine.stats()["steps"] == 1  # counted: the step is applied

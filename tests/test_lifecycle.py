@@ -174,7 +174,7 @@ def test_a_dropped_engine_with_a_failed_update_warns_as_close_does(tmp_path):
     _train(engine, steps=1)
     (idx, targets), = make_batches(1, 1, seed=3)[0]
     engine(idx, targets).backward()
-    engine._pipeline.worker.submit(0, lambda: 1 / 0)  # an update that fails, never reported
+    engine._pipeline._services.worker.submit(0, lambda: 1 / 0)  # an update that fails, never reported
     with pytest.warns(RuntimeWarning, match="dropped without close.*ZeroDivisionError"):
         del engine
         gc.collect()
@@ -231,9 +231,9 @@ def test_a_dropped_engine_collected_on_its_own_worker_thread_is_released_from_an
     model = TinyGPT()
     engine = _wrap(model, "nvme", tmp_path)
     _train(engine, steps=1)
-    engine._pipeline.worker.submit(0, engine._dropped)  # what a collection on the worker would run
+    engine._pipeline._services.worker.submit(0, engine._dropped)  # what a collection on the worker would run
     releasing = [t for t in threading.enumerate() if t.name == "offload-release"]
-    engine._pipeline.worker._thread.join(timeout=30)
+    engine._pipeline._services.worker._thread.join(timeout=30)
     for thread in releasing + [t for t in threading.enumerate() if t.name == "offload-release"]:
         thread.join(timeout=30)
     assert _step_threads() == before and _swap_files(tmp_path) == []
@@ -316,17 +316,17 @@ def test_six_engines_dropped_in_a_loop_keep_one_thread_one_swap_file_and_one_rin
 
 
 def test_a_dropped_worker_stops_its_thread_and_does_not_keep_its_callback_owner():
-    """The thread is a GC root: it holds neither the StepWorker nor (weakly only) the object whose bound
-    method is the read-ahead callback, so both can be collected, and the worker's finalizer stops it."""
+    """The thread is a GC root: it holds neither the StepWorker nor (weakly only) its queue observer (the
+    ring's read-ahead), so both can be collected, and the worker's finalizer stops it."""
     from offload.scheduler.worker.step_worker import StepWorker
 
     class Owner:
-        def read_ahead(self, upcoming):
+        def queued(self, upcoming):
             pass
 
     before = _step_threads()
     owner = Owner()
-    worker = StepWorker(1, on_next=owner.read_ahead)
+    worker = StepWorker(1, observer=owner)
     worker.submit(0, lambda: None)
     worker.wait(0)
     owner_ref, worker_ref = weakref.ref(owner), weakref.ref(worker)

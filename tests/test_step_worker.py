@@ -17,7 +17,13 @@ from offload.scheduler.worker.step_worker import StepWorker
 def test_queued_updates_run_in_priority_order_and_same_block_in_order():
     gate, started = threading.Event(), threading.Event()
     ran, seen = [], []
-    worker = StepWorker(1, on_next=seen.append)  # the order the ring is told to read ahead
+
+    class Ring:  # what the ring is told to read ahead, in order
+        def queued(self, block_indices):
+            seen.append(block_indices)
+
+    ring = Ring()
+    worker = StepWorker(1, observer=ring)
     try:
         worker.submit(99, lambda: (started.set(), gate.wait()), priority=0)  # hold the thread
         started.wait()

@@ -144,7 +144,7 @@ def test_deepcopy_keeps_the_wrapped_dtypes(dtype):
 def test_deepcopy_right_after_step_waits_for_the_pending_updates(monkeypatch):
     """step() may return before the updates run (overlap_step); the copy must hold the stepped weights. The
     updates are held for 0.2 s, so a copy that does not wait holds the weights of before the step."""
-    from offload.scheduler.records.runtime import GroupState
+    from offload.scheduler.records.group_state import GroupState
 
     overlap = {"overlap_step": True} if "overlap_step" in inspect.signature(offload.wrap).parameters else {}
 
@@ -210,7 +210,7 @@ def test_deepcopy_of_a_failed_engines_model_is_refused():
     model = TinyGPT()
     with pytest.warns(RuntimeWarning, match="failed update"):
         with _wrap(model, device_memory=BUDGET) as engine:
-            engine.mark_inconsistent(RuntimeError("disk gone"))
+            engine._checkpoints.mark_inconsistent(RuntimeError("disk gone"))
             with pytest.raises(OffloadError, match="update failed.*engine.load"):
                 copy.deepcopy(model)
 

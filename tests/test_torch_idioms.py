@@ -86,7 +86,7 @@ def test_model_state_dict_right_after_step_holds_the_updated_weights(tmp_path, m
     """With overlap_step, step() returns before the updates run; model.state_dict() must still read the
     weights after the step, as with torch. Before: the weights of before or midway through the update.
     The updates are held for 0.2 s after each step(), so a read that does not wait sees the old weights."""
-    from offload.scheduler.records.runtime import GroupState
+    from offload.scheduler.records.group_state import GroupState
 
     batches = make_batches(3, 1)
     torch.manual_seed(0)
@@ -296,7 +296,7 @@ def test_a_bf16_write_keeps_the_fp32_master_of_the_weights_it_did_not_touch(tmp_
 
 
 def test_a_write_while_an_update_is_pending_is_refused_with_overlap_step(monkeypatch):
-    from offload.scheduler.records.runtime import GroupState
+    from offload.scheduler.records.group_state import GroupState
 
     release = threading.Event()
     real = GroupState.update
@@ -315,7 +315,7 @@ def test_a_write_while_an_update_is_pending_is_refused_with_overlap_step(monkeyp
 def test_a_sub_module_state_dict_after_an_overlapped_step_holds_the_updated_weights(monkeypatch):
     """The state-dict hooks sit on every module that owns parameters, so `model.h[0].state_dict()` waits
     for that block's update as `model.state_dict()` does."""
-    from offload.scheduler.records.runtime import GroupState
+    from offload.scheduler.records.group_state import GroupState
 
     release = threading.Event()
     real = GroupState.update

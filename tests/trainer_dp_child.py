@@ -16,9 +16,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, sys.argv[1])
 
-from tests.test_hf_trainer import _args, _dataset, _logged, _model, _offload  # noqa: E402
-from offload.integrations.transformers import OffloadTrainer  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+from offload.integrations.transformers import OffloadTrainer  # noqa: E402
+from tests.test_hf_trainer import _args, _dataset, _logged, _model, _offload  # noqa: E402
 
 
 def main() -> None:

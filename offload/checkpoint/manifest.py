@@ -54,7 +54,7 @@ def read_manifest(directory: str) -> Dict[str, Any]:
 
 def jsonable_group(group: Dict[str, Any]) -> Dict[str, Any]:
     """A param group's hyperparameters that survive JSON (numbers, strings, bools, lists of them)."""
-    out = {}
+    out: Dict[str, Any] = {}
     for key, value in group.items():
         if key == "params":
             continue

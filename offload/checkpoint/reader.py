@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Union
 
 import torch
 from torch import Tensor
@@ -23,8 +23,8 @@ from torch import Tensor
 from offload.checkpoint import rng as rng_state
 from offload.checkpoint import state_io
 from offload.checkpoint.atomic import resolve
-from offload.checkpoint.reflink import BLOCK, clone_range
 from offload.checkpoint.manifest import MODEL_FILE, OPTIMIZER_FILE, read_manifest
+from offload.checkpoint.reflink import BLOCK, clone_range
 from offload.checkpoint.sharded import PartsReader
 from offload.checkpoint.tensor_file import TensorFileReader
 from offload.checkpoint.writer import STATE_KINDS, _progress, optimizer_key
@@ -34,6 +34,7 @@ from offload.errors import OffloadConfigError, OffloadIntegrityError, OffloadIOE
 if TYPE_CHECKING:
     from offload.checkpoint.target import CheckpointTarget
 
+OptimizerReader = Union[TensorFileReader, PartsReader]  # one file, or the parts several ranks saved
 VERIFY_BYTES = 16 << 20  # the first pass reads through one buffer of this size (two halves), whatever the size
 
 
@@ -130,7 +131,7 @@ def _rng_file_of(engine: "CheckpointTarget", manifest: Dict[str, Any], directory
     return files[rank]
 
 
-def _partly_loaded(exc: Exception) -> tuple:
+def _partly_loaded(exc: Union[OffloadIntegrityError, OffloadIOError]) -> tuple:
     """The error's arguments, its message saying the engine is now partly loaded (the checkpoint had been
     verified, so the file changed or failed to read during the load)."""
     note = ("; this happened after the checkpoint was verified, while loading it (the file changed or could "
@@ -142,7 +143,7 @@ def _partly_loaded(exc: Exception) -> tuple:
     return (f"{exc}{note}", exc.path)
 
 
-def _check_entries(engine: "CheckpointTarget", groups, weights: TensorFileReader, optim: TensorFileReader) -> None:
+def _check_entries(engine: "CheckpointTarget", groups, weights: TensorFileReader, optim: "OptimizerReader") -> None:
     """Every tensor the load will read exists with the size it needs (weights may be of another dtype)."""
     for _block, group, state in groups:
         for slot in group.slots:
@@ -157,7 +158,7 @@ def _check_entries(engine: "CheckpointTarget", groups, weights: TensorFileReader
             weights.require(name, buffer.numel())
 
 
-def _load_tensors(engine: "CheckpointTarget", groups, weights: TensorFileReader, optim: TensorFileReader,
+def _load_tensors(engine: "CheckpointTarget", groups, weights: TensorFileReader, optim: "OptimizerReader",
                   steps: Dict[str, int], bar: Any) -> None:
     clone_state = {"try": True}
     for _block, group, state in groups:
@@ -181,15 +182,17 @@ def _load_tensors(engine: "CheckpointTarget", groups, weights: TensorFileReader,
                 buffer.copy_(host)
 
 
-def _load_record(optim: TensorFileReader, group: Any, state: Any, clone_state: Dict[str, bool]) -> None:
+def _load_record(optim: "OptimizerReader", group: Any, state: Any, clone_state: Dict[str, bool]) -> None:
     """One group's optimizer state, chunk by chunk. Into the nvme tier each section's block-aligned part
     is first cloned from the checkpoint (copy-on-write, same file system, sections aligned as the swap
     record's); every chunk is still read, for its checksums and the swap file's seals, and only the part
     no clone covered is written."""
     names = [[optimizer_key(kind, slot.name) for slot in group.trainable_slots] for kind in STATE_KINDS]
     cloned = [0, 0, 0]
-    target = state.store.swap_sections() if clone_state["try"] else None
+    single_file = isinstance(optim, TensorFileReader)  # parts saved by several ranks are read, never cloned
+    target = state.state_store.swap_sections() if clone_state["try"] and single_file else None
     if target is not None:
+        assert isinstance(optim, TensorFileReader)
         aligned = target.nbytes // BLOCK * BLOCK
         for index, offset in enumerate(target.offsets):
             span = optim.span(names[index])
@@ -204,7 +207,7 @@ def _load_record(optim: TensorFileReader, group: Any, state: Any, clone_state: D
             for slot, first, _lo, piece in state_io.pieces(group, start, stop, view):
                 optim.read_at(names[index][slot], 4 * first, piece)
 
-    state.store.write(fill, cloned)
+    state.state_store.write(fill, cloned)
 
 
 def _read_cast(reader: TensorFileReader, name: str, out: Tensor) -> None:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import random
-from typing import Any, Dict
+from typing import Any, Dict, Tuple, cast
 
 import numpy as np
 import torch
 
 
 def capture() -> Dict[str, Any]:
-    np_state = np.random.get_state()
+    np_state = cast(Tuple[Any, ...], np.random.get_state())  # legacy form: (name, keys, pos, gauss?, gauss)
     state: Dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),

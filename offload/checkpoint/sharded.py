@@ -18,7 +18,7 @@ failed makes every rank raise, and the previous checkpoint stays.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor
@@ -54,7 +54,7 @@ def parts_of(groups: list) -> Parts:
     for _block, group, state in groups:
         if state is None:
             continue
-        lo, hi = state.shard.lo, state.shard.hi
+        lo, hi = state.part
         for slot in group.trainable_slots:
             a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
             if a < b:
@@ -99,16 +99,16 @@ def save_parts(engine: "CheckpointTarget", dp: "DataParallel", path: str, statef
             files[name] = _write_part_file(groups, mine, os.path.join(tmp, name), algorithm, bar)
     except (OSError, OffloadIOError) as exc:
         error = _described(exc, path)
-    results = dp.all_gather_object((error, files, mine))
-    failed = [(rank, err) for rank, (err, _f, _m) in enumerate(results) if err is not None]  # type: ignore[misc]
+    results = cast(List[Tuple[Optional[str], Dict[str, Any], Parts]], dp.all_gather_object((error, files, mine)))
+    failed = [(rank, err) for rank, (err, _f, _m) in enumerate(results) if err is not None]
     committed: Optional[str] = None
     if not failed and dp.rank == 0:
         try:
             every: Dict[str, Dict[str, Any]] = {}
-            for _err, theirs, _m in results:  # type: ignore[misc]
+            for _err, theirs, _m in results:
                 every.update(theirs)
             _write_manifest(engine, tmp, layout, algorithm, every, dp.world,
-                            [m for _e, _f, m in results], stateful, rng)  # type: ignore[misc]
+                            [m for _e, _f, m in results], stateful, rng)
             fsync_dir(tmp)
             publish(tmp, path)
             committed = path
@@ -146,12 +146,12 @@ def _write_part_file(groups: list, mine: Parts, path: str, algorithm: str, bar: 
         for _block, group, state in groups:
             if state is None:
                 continue
-            with state.store.reading() as chunks:
+            with state.state_store.reading() as chunks:
                 for start, stop, views in chunks:
                     for kind, view in zip(STATE_KINDS, views):
                         for index, first, _lo, piece in state_io.pieces(group, start, stop, view):
                             name = group.trainable_slots[index].name
-                            data = memoryview(piece.contiguous().view(torch.uint8).numpy())
+                            data = piece.contiguous().view(torch.uint8).numpy().data
                             writer.put(f"{kind}/{name}", 4 * (first - mine[name][0]), data)
                     bar.update(12 * (stop - start))
         writer.close()

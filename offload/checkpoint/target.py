@@ -1,19 +1,56 @@
-"""What the checkpoint code needs of an engine: the `CheckpointTarget` protocol `offload.Engine` implements.
+"""What the checkpoint code needs of an engine: the `CheckpointTarget` protocol, and of each trainable flat
+group, the `GroupStateView` protocol.
 
-The reader and writer reach an engine only through these names, so the engine's inside can change without
-touching checkpoints, and a test can hand them any object that keeps the promises.
+The reader and writer reach an engine only through these names (offload/engine/checkpoints.py adapts an
+Engine to them), so the engine's inside can change without touching checkpoints, and a test can hand them
+any object that keeps the promises.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, Optional, Protocol, Tuple
+import contextlib
+from typing import Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from offload.policy import OffloadPolicy
 from offload.scheduler.blocks.block import Block, FlatGroup
-from offload.scheduler.records.runtime import GroupState
+from offload.scheduler.state.state_store import Cloned, Fill, SwapSections, Views
+
+
+class CheckpointStore(Protocol):
+    """A group's optimizer state store, as a checkpoint streams it (state/state_store.py)."""
+
+    def reading(self) -> "contextlib.AbstractContextManager[Iterator[Tuple[int, int, Views]]]": ...
+
+    def write(self, fill: Fill, cloned: Cloned = (0, 0, 0)) -> None: ...
+
+    def swap_sections(self) -> Optional[SwapSections]: ...
+
+
+class GroupStateView(Protocol):
+    """What a checkpoint reads and replaces of one trainable flat group's optimizer state."""
+
+    @property
+    def steps(self) -> List[int]:
+        """Each trainable parameter's Adam step count."""
+        ...
+
+    def restore_steps(self, steps: Sequence[int]) -> None: ...
+
+    @property
+    def has_pending_grads(self) -> bool:
+        """Gradients not yet stepped on (a checkpoint taken now would lose them)."""
+        ...
+
+    @property
+    def state_store(self) -> CheckpointStore: ...
+
+    @property
+    def part(self) -> Tuple[int, int]:
+        """[lo, hi): the elements of the group's trainable range this rank keeps (all of it in one process)."""
+        ...
 
 
 class CheckpointTarget(Protocol):
@@ -21,7 +58,7 @@ class CheckpointTarget(Protocol):
     policy: OffloadPolicy
     optimizer: torch.optim.Optimizer
 
-    def checkpoint_groups(self) -> Iterator[Tuple[Block, FlatGroup, Optional[GroupState]]]:
+    def checkpoint_groups(self) -> Iterator[Tuple[Block, FlatGroup, Optional[GroupStateView]]]:
         """Every block's flat groups with their optimizer state (None: nothing trainable), all updates
         applied first."""
         ...

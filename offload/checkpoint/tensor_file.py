@@ -69,7 +69,7 @@ def _header(entries: Sequence[Entry], metadata: Optional[Dict[str, str]], align:
 
 
 def _bytes_of(tensor: Tensor) -> memoryview:
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 class TensorFileWriter:

@@ -24,8 +24,16 @@ from tqdm import tqdm
 from offload.checkpoint import rng as rng_state
 from offload.checkpoint import state_io
 from offload.checkpoint.atomic import atomic_directory
-from offload.checkpoint.manifest import (FORMAT, MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STATEFUL_FILES, VERSION,
-                                         jsonable_group, write_manifest)
+from offload.checkpoint.manifest import (
+    FORMAT,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    RNG_FILE,
+    STATEFUL_FILES,
+    VERSION,
+    jsonable_group,
+    write_manifest,
+)
 from offload.checkpoint.reflink import BLOCK
 from offload.checkpoint.tensor_file import Entry, TensorFileWriter
 from offload.checksum import checksum, preferred_algorithm
@@ -122,7 +130,7 @@ def _layout(engine: "CheckpointTarget", groups: list) -> _Layout:
 
 def _save(engine: "CheckpointTarget", path: str, stateful: Dict[str, Any], rng: bool, progress: Optional[bool]) -> str:
     groups = list(engine.checkpoint_groups())  # waits for pending updates first
-    if any(state is not None and any(state.grads.has_grad) for _b, _g, state in groups):
+    if any(state is not None and state.has_pending_grads for _b, _g, state in groups):
         warnings.warn("offload: saving between backward() and step(): accumulated gradients are not part of a "
                       "checkpoint; save after step()/zero_grad() to resume exactly", RuntimeWarning, stacklevel=3)
     algorithm = preferred_algorithm()
@@ -215,7 +223,7 @@ def _write_record(optim: TensorFileWriter, group: Any, state: Any, try_clone: bo
     the per-tensor checksums. Returns (bytes cloned, whether every clone tried worked)."""
     names = [[optimizer_key(kind, slot.name) for slot in group.trainable_slots] for kind in STATE_KINDS]
     cloned = [0, 0, 0]  # per section: leading elements the clone covered
-    source = state.store.swap_sections() if try_clone else None
+    source = state.state_store.swap_sections() if try_clone else None
     complete = True
     if source is not None:
         aligned = source.nbytes // BLOCK * BLOCK
@@ -224,7 +232,7 @@ def _write_record(optim: TensorFileWriter, group: Any, state: Any, try_clone: bo
                 complete = False
                 break
             cloned[index] = aligned // 4
-    with state.store.reading() as chunks:
+    with state.state_store.reading() as chunks:
         for start, stop, views in chunks:
             for index, view in enumerate(views):
                 for slot, first, lo, piece in state_io.pieces(group, start, stop, view):
@@ -235,7 +243,7 @@ def _write_record(optim: TensorFileWriter, group: Any, state: Any, try_clone: bo
 def _put(optim: TensorFileWriter, name: str, first: int, lo: int, piece: torch.Tensor, cloned: int) -> None:
     """A piece starting at element `first` of tensor `name` (element `lo` of its section): elements below
     `cloned` are in the file already, the rest is written."""
-    data = memoryview(piece.view(torch.uint8).numpy())
+    data = piece.view(torch.uint8).numpy().data
     split = 4 * min(max(cloned - lo, 0), piece.numel())
     if split:
         optim.put(name, 4 * first, data[:split], written=False)

@@ -1,10 +1,11 @@
 """The Engine: the user's model with its parameters in flat per-block buffers and AdamW run per block.
 
-Setup and the public API only. Forward and backward are the model's own; hooks (scheduler/hooks.py) call
-the step's phases (scheduler/pipeline.py), which make each block's weights ready before use, move each
+Setup and the public API only. Forward and backward are the model's own; hooks (scheduler/phases/hooks.py)
+call the step's phases (scheduler/phases/), which make each block's weights ready before use, move each
 gradient off the device as autograd produces it, and run each block's update on a background worker, so
-`step()` may return before all blocks are updated: the next use of a block waits for that block only.
-docs/design.md starts with a map of the layers and the path of one gradient.
+`step()` may return before all blocks are updated: the next use of a block waits for that block only. The
+Engine reaches the step only through `StepPipeline`'s methods. docs/design.md starts with a map of the
+layers and the path of one gradient.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import gc
 import os
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional
 
 import torch
 from torch import nn
@@ -22,27 +23,27 @@ from offload.checkpoint import load_checkpoint, save_checkpoint
 from offload.checkpoint.sharded import save_parts
 from offload.distributed.data_parallel import DataParallel
 from offload.distributed.guard import refuse_data_parallel_wrapper
+from offload.engine.checkpoints import EngineCheckpoints
 from offload.engine.release import EngineRelease
-from offload.scheduler.blocks.wrapped_mark import MARKER
 from offload.errors import OffloadConfigError, OffloadError
 from offload.param_groups import optimizer_groups
 from offload.planner import Plan
 from offload.policy import OffloadPolicy
-from offload.scheduler.blocks.block import Block, FlatGroup, build_blocks, mixed_dtype_hint, param_owners
-from offload.scheduler.phases.hooks import HookSet
+from offload.scheduler.blocks.block import Block, build_blocks, mixed_dtype_hint, param_owners
+from offload.scheduler.blocks.wrapped_mark import MARKER
+from offload.scheduler.setup.assemble import assemble
 from offload.scheduler.setup.initial_weights import InitialWeights, choose
-from offload.scheduler.phases.pipeline import StepPipeline
-from offload.scheduler.setup.placement import materialize, plan_and_open
-from offload.scheduler.records.runtime import GroupState
+from offload.scheduler.setup.placement import plan_and_open
 from offload.trace import PhaseObserver, Tracer
+
 
 class Engine:
     """Trains `module` with AdamW, its optimizer state placed per `policy`. Made by `offload.wrap`.
 
     Use it as the model (`loss = engine(batch)`), call `loss.backward()`, `engine.step()`,
     `engine.zero_grad()`. `engine.module` is the user's model (parameter identity kept), `engine.optimizer` a
-    torch Optimizer whose `param_groups` changes take effect, `engine.plan` the placement table. It is the
-    `offload.checkpoint.target.CheckpointTarget` that `save` and `load` work on.
+    torch Optimizer whose `param_groups` changes take effect, `engine.plan` the placement table. `save` and
+    `load` work on its `CheckpointTarget` adapter (engine/checkpoints.py).
     """
 
     def __init__(self, module: nn.Module, policy: OffloadPolicy, initial: Optional[InitialWeights] = None) -> None:
@@ -64,20 +65,17 @@ class Engine:
         tracer = Tracer()
         self.plan: Plan
         self.plan, tiers = plan_and_open(self.blocks, policy, tracer, dp)
+        cores = usable_cores() // (1 if dp is None else dp.local_world)  # the ranks of one machine share its cores
+        threads = max(1, cores // 2) if policy.device.type == "cpu" else max(1, cores)
         try:
-            materialize(self.blocks, module, self.plan, policy, tiers,
-                        {p: i for i, g in enumerate(groups) for p in g["params"]}, initial, dp)
-            if tiers.ring is not None:
-                tiers.ring.drain()
+            self._pipeline = assemble(self.blocks, module, policy, self.plan, tiers, tracer, groups, initial,
+                                      threads, dp)
         except BaseException:
             tiers.close()  # nothing of a failed wrap() stays on disk
             raise
-        cores = usable_cores() // (1 if dp is None else dp.local_world)  # the ranks of one machine share its cores
-        self._pipeline = StepPipeline(self.blocks, module, policy, tiers, tracer,
-                                      max(1, cores // 2) if policy.device.type == "cpu" else max(1, cores), groups, dp)
         self.optimizer = self._pipeline.optimizer
-        self._hooks = HookSet()
-        self._hooks.attach(module, self.blocks, param_owners(module), self._pipeline)
+        self._checkpoints = EngineCheckpoints(module, policy, self.optimizer, self.blocks, self._pipeline)
+        self._hooks = self._pipeline.attach_hooks(module, param_owners(module))
         mark = weakref.ref(self)
         setattr(module, MARKER, mark)
         self._release = EngineRelease(self._pipeline, self._hooks, self.blocks, module, mark)
@@ -90,8 +88,7 @@ class Engine:
     # ----- training ----------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         """The wrapped model's forward."""
-        self._pipeline.check_open()
-        self._pipeline.worker.raise_if_failed()
+        self._pipeline.check_usable()
         try:
             return self.module(*args, **kwargs)
         except RuntimeError as exc:
@@ -117,23 +114,41 @@ class Engine:
 
     def synchronize(self) -> None:
         """Wait for every pending block update, so that the module's weights are the current ones."""
-        self._pipeline.check_open()
         self._pipeline.synchronize()
 
-    def state_dict(self) -> Dict[str, torch.Tensor]:
-        """The model's state dict as full, real CPU tensors (copies), with all updates applied."""
+    def state_dict(self, names: Optional[Iterable[str]] = None) -> Dict[str, torch.Tensor]:
+        """The model's state dict as full, real CPU tensors (copies), with all updates applied; `names`: only
+        these entries (a streamed block is read from its home only when it holds one of them)."""
         self.synchronize()
-        streamed = {}
-        for block in self.blocks:
-            if block.runtime is not None and block.runtime.streamed:
-                for group in block.groups:
-                    host = self.group_weights(group)
-                    for slot in group.slots:
-                        streamed[id(slot.param)] = host[slot.offset:slot.offset + slot.numel].view(slot.shape)
         with self._pipeline.engine_reads():
             entries = self.module.state_dict(keep_vars=True)
+        if names is not None:
+            wanted = set(names)
+            unknown = sorted(wanted - set(entries))
+            if unknown:
+                raise OffloadConfigError(f"engine.state_dict(names=...): {', '.join(map(repr, unknown[:5]))} "
+                                         "not in module.state_dict(); pass names of its entries")
+            entries = {k: v for k, v in entries.items() if k in wanted}
+        needed = {id(v) for v in entries.values()}
+        streamed = {}  # values read from the groups' homes: streamed blocks', and with `names` every group's
+        for block in self.blocks:
+            if names is None and not block.record.streamed:
+                continue
+            for group in block.groups:
+                if not any(id(slot.param) in needed for slot in group.slots):
+                    continue
+                host = self._checkpoints.group_weights(group)
+                for slot in group.slots:
+                    streamed[id(slot.param)] = host[slot.offset:slot.offset + slot.numel].view(slot.shape)
         return {k: (streamed[id(v)] if id(v) in streamed else v.detach()).to("cpu", copy=True)
                 for k, v in entries.items()}
+
+    def reading_module_state(self) -> ContextManager[None]:
+        """Within it, `module.state_dict()` is allowed while blocks stream (it is refused otherwise: holding
+        every streamed parameter would bring every block to the device). For code that reads the entries'
+        names, or their values one at a time (a streamed parameter read brings its block in for that read),
+        as PEFT's `save_pretrained` does."""
+        return self._pipeline.engine_reads()
 
     def stats(self) -> Dict[str, float]:
         """Counters since `wrap()`: steps, skipped steps, block updates (and how many ran during backward),
@@ -144,7 +159,7 @@ class Engine:
     def add_observer(self, observer: PhaseObserver) -> Callable[[], None]:
         """Tell `observer.on_span(name, detail, start, end)` of every span the engine runs (step(), each
         block's update and the waits for it, disk waits; scheduler/trace.py); returns its remover."""
-        return self._pipeline.tracer.add(observer)
+        return self._pipeline.add_observer(observer)
 
     # ----- checkpoints (offload.checkpoint.target.CheckpointTarget) ------------------------------------
     def save(self, path: str, *, scheduler: Any = None, data: Any = None, rng: bool = False,
@@ -156,8 +171,10 @@ class Engine:
         self._pipeline.check_open()
         with self._pipeline.engine_reads():  # the writer reads module.state_dict() for the entries' names
             if self.data_parallel is not None:  # every rank its part, committed together (checkpoint/sharded.py)
-                return save_parts(self, self.data_parallel, path, _stateful(scheduler, data), rng, progress)
-            return save_checkpoint(self, path, stateful=_stateful(scheduler, data), rng=rng, progress=progress)
+                return save_parts(self._checkpoints, self.data_parallel, path, _stateful(scheduler, data), rng,
+                                  progress)
+            return save_checkpoint(self._checkpoints, path, stateful=_stateful(scheduler, data), rng=rng,
+                                   progress=progress)
 
     def save_pretrained(self, path: str, max_shard_size: Any = "5GB", *, progress: Optional[bool] = None) -> str:
         """Export the trained weights for `from_pretrained`, as transformers' `save_pretrained` lays them out:
@@ -173,7 +190,7 @@ class Engine:
             self.synchronize()
             return os.path.abspath(os.fspath(path))  # every rank holds the same weights: rank 0 writes them
         with self._pipeline.engine_reads():  # the exporter reads module.state_dict() for the names
-            return export_pretrained(self, path, max_shard_size, progress)
+            return export_pretrained(self._checkpoints, path, max_shard_size, progress)
 
     def load(self, path: str, *, scheduler: Any = None, data: Any = None, rng: bool = False,
              progress: Optional[bool] = None) -> dict:
@@ -183,12 +200,14 @@ class Engine:
         self._pipeline.check_open()
         if self.data_parallel is None:
             with self._pipeline.replacing_state():
-                return load_checkpoint(self, path, stateful=_stateful(scheduler, data), rng=rng, progress=progress)
+                return load_checkpoint(self._checkpoints, path, stateful=_stateful(scheduler, data), rng=rng,
+                                       progress=progress)
         failure: Optional[BaseException] = None
         manifest: dict = {}
         try:
             with self._pipeline.replacing_state():
-                manifest = load_checkpoint(self, path, stateful=_stateful(scheduler, data), rng=rng, progress=progress)
+                manifest = load_checkpoint(self._checkpoints, path, stateful=_stateful(scheduler, data), rng=rng,
+                                           progress=progress)
         except Exception as exc:  # noqa: BLE001 - raised below, after every rank knows
             failure = exc
         failed = [(rank, err) for rank, err in enumerate(self.data_parallel.all_gather_object(
@@ -198,43 +217,9 @@ class Engine:
         if failed:  # another rank could not load: this one would train on with other weights than it
             error = OffloadError(f"rank {failed[0][0]} failed to load checkpoint {path!r} ({failed[0][1]}); "
                                  "every rank must load the same checkpoint: fix that and load again")
-            self.mark_inconsistent(error)
+            self._pipeline.mark_inconsistent(error)
             raise error
         return manifest
-
-    def checkpoint_groups(self) -> Iterator[Tuple[Block, FlatGroup, Optional[GroupState]]]:
-        self.synchronize()
-        self._pipeline.weights.adopt_all()  # the saved master weights are the ones the model holds
-        for block in self.blocks:
-            assert block.runtime is not None
-            for runtime in block.runtime.groups:
-                yield block, runtime.group, runtime.state
-
-    def group_weights(self, group: FlatGroup) -> torch.Tensor:
-        assert group.runtime is not None
-        return group.runtime.home.host_weights()
-
-    def set_group_weights(self, group: FlatGroup, flat: torch.Tensor) -> None:
-        assert group.runtime is not None
-        with torch.no_grad():
-            group.runtime.replace_weights(flat)
-        assert group.runtime.block.runtime is not None
-        group.runtime.block.runtime.needs_push = False  # the device has the new weights, or fetches them
-
-    def prepare_for_load(self) -> None:
-        self._pipeline.tracker.end_step()
-        self._pipeline.reset_step()  # first: the load replaces whatever a step in progress did
-        self.zero_grad()
-
-    def mark_inconsistent(self, exc: BaseException) -> None:
-        self._pipeline.worker.fail(exc)
-
-    def checkpoint_counters(self) -> Dict[str, int]:
-        stats = self.stats()
-        return {"steps": int(stats["steps"]), "skipped_steps": int(stats["skipped_steps"])}
-
-    def restore_counters(self, counters: Dict[str, int]) -> None:
-        self._pipeline.restore_counters(counters["steps"], counters["skipped_steps"])
 
     # ----- end ---------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -18,10 +18,9 @@ from typing import Any, List, Optional
 from torch import nn
 
 from offload.scheduler.blocks.block import Block
+from offload.scheduler.blocks.wrapped_mark import MARKER
 from offload.scheduler.phases.hooks import HookSet
 from offload.scheduler.phases.pipeline import StepPipeline
-from offload.scheduler.blocks.wrapped_mark import MARKER
-
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,7 @@ class EngineRelease:
         (a DataLoader worker): the thread does not exist there, and the swap file is the parent's."""
         if self.pipeline.closed or os.getpid() != self.owner_pid:
             return
-        if self.pipeline.worker.on_own_thread():  # collected on the worker itself: it cannot wait for itself
+        if self.pipeline.on_worker_thread():  # collected on the worker itself: it cannot wait for itself
             threading.Thread(target=self.dropped, name="offload-release", daemon=True).start()
             return
         try:
@@ -64,7 +63,7 @@ class EngineRelease:
             warnings.warn(f"offload: an engine dropped without close() could not be released cleanly "
                           f"({type(failure).__name__}: {failure}); its hooks and swap file are gone, but the "
                           "model's weights may be inconsistent: call engine.close() to see such errors raised",
-                          RuntimeWarning)
+                          RuntimeWarning, stacklevel=2)
         else:
             self._warn_if_inconsistent("dropped without close()")
 
@@ -77,14 +76,14 @@ class EngineRelease:
         except Exception as exc:  # e.g. weights on a failed disk could not be read back: release all the same
             failure = exc
         finally:  # whatever failed, the hooks, records, files and the model's mark go
-            pipeline.closed = True
+            pipeline.mark_closed()
             self.hooks.remove()
             for block in self.blocks:
                 block.runtime = None
                 for group in block.groups:
                     group.runtime = None
             try:
-                pipeline.tiers.close()
+                pipeline.close_tiers()
             except Exception as exc:
                 failure = failure or exc
             if getattr(self.module, MARKER, None) is self.mark:
@@ -92,7 +91,7 @@ class EngineRelease:
         return failure
 
     def _warn_if_inconsistent(self, how: str) -> None:
-        failed = self.pipeline.worker.failure
+        failed = self.pipeline.failure
         if failed is not None:
             warnings.warn(f"offload: {how} after a failed update ({failed}); the model keeps inconsistent "
-                          "weights (some blocks updated, some not): load a checkpoint into it", RuntimeWarning)
+                          "weights (some blocks updated, some not): load a checkpoint into it", RuntimeWarning, stacklevel=2)

@@ -291,32 +291,14 @@ def _peft_state_dict(engine: Engine, model: nn.Module) -> Dict[str, torch.Tensor
 def _engine_reads(engine: Engine) -> ContextManager[None]:
     """`module.state_dict()` allowed while blocks stream, as `engine.save_pretrained` allows it to itself: PEFT
     reads state-dict names (of the model, and of each `modules_to_save` copy inside `save_pretrained`), whose
-    values it then takes from the state dict given to it. (No public Engine method offers this yet.)"""
-    return engine._pipeline.engine_reads()
+    values it then takes from the state dict given to it."""
+    return engine.reading_module_state()
 
 
 def _current_values(engine: Engine, wanted: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """CPU copies of the engine's current values of these entries (name -> the module's tensor). Parameters
-    come from their flat groups as `engine.save_pretrained` reads them (`checkpoint_groups`: every update
-    applied; `group_weights`: from the device, the host copy or the swap file), one group at a time and only
-    the groups holding one; buffers and parameters no block holds from the module."""
-    names: Dict[int, List[str]] = {}
-    for name, tensor in wanted.items():
-        names.setdefault(id(tensor), []).append(name)
-    values: Dict[str, torch.Tensor] = {}
-    for _block, group, _state in engine.checkpoint_groups():
-        slots = [slot for slot in group.slots if id(slot.param) in names]
-        if not slots:
-            continue
-        flat = engine.group_weights(group)
-        for slot in slots:
-            value = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
-            values.update((name, value) for name in names.pop(id(slot.param)))
-        del flat
-    for name, tensor in wanted.items():
-        if id(tensor) in names:
-            values[name] = tensor.detach().to("cpu", copy=True)
-    return values
+    """CPU copies of the engine's current values of these entries (every update applied), read one flat
+    group at a time and only from the groups holding one (`engine.state_dict(names=...)`)."""
+    return engine.state_dict(names=list(wanted))
 
 
 def _checked_options(offload: Optional[Mapping[str, Any]]) -> Dict[str, Any]:

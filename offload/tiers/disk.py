@@ -24,11 +24,11 @@ import torch
 from torch import Tensor
 
 from offload.errors import OffloadConfigError
+from offload.io import AsyncIO, SwapFile
+from offload.io.future import IOFuture, wait_all
+from offload.io.swap_file import file_system_of
 from offload.tiers.disk_checksums import RecordChecksums, VerifiedRead
 from offload.tiers.swap_leftovers import hold_lock, remove_leftovers
-from offload.io import AsyncIO, SwapFile
-from offload.io.swap_file import file_system_of
-from offload.io.future import IOFuture, wait_all
 
 if TYPE_CHECKING:  # descriptions only: the tiers never call into the scheduler
     from offload.scheduler.blocks.block import Block, FlatGroup

@@ -20,7 +20,8 @@ from offload.planner import BlockSpec, spec_of
 from offload.policy import Tier
 
 if TYPE_CHECKING:
-    from offload.scheduler.records.runtime import BlockRuntime, GroupRuntime
+    from offload.scheduler.records.block_runtime import BlockRuntime
+    from offload.scheduler.records.group_runtime import GroupRuntime
 
 # Normalization layers keep their fp32 parameters under a lower compute dtype, as autocast does.
 _NORM_TYPES: Tuple[type, ...] = tuple(
@@ -106,6 +107,12 @@ class Block:
         self.groups = groups
         self.residency = Residency.RESIDENT
         self.runtime: Optional["BlockRuntime"] = None  # set when an engine takes the block (runtime.py)
+
+    @property
+    def record(self) -> "BlockRuntime":
+        """Its runtime record, while an engine has it (records/block_runtime.py)."""
+        assert self.runtime is not None, f"block {self.name!r} has no runtime record (not materialized, or closed)"
+        return self.runtime
 
     @property
     def weight_bytes(self) -> int:

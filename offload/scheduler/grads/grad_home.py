@@ -1,9 +1,11 @@
-"""The gradient accumulator of one flat group: where gradients go when they leave the device.
+"""A flat group's gradient home: where its gradients go when they leave the device, until the update.
 
-A piece of its own, apart from the optimizer state (state_store.py), so that where gradients are kept
-can change (host memory today; a store on disk for models larger than RAM) without touching the update.
-With copies on side streams (CUDA) and the accumulator on the host, gradients arrive asynchronously
-(`GradDownloads`): every read settles them first.
+A piece of its own, apart from the optimizer state (state/), so that where gradients are kept can change
+without touching the update: `GradAccumulator` holds the group's flat gradient for as long as the engine
+lives (host memory, or the device on the gpu tier); `WindowedGradAccumulator` takes its buffer from the
+nvme tier's gradient window (grad_window.py) at the first gradient and gives it back after the update.
+The placement picks one per group (setup/placement.py). With copies on side streams (CUDA) and the
+accumulator on the host, gradients arrive asynchronously (`GradDownloads`): every read settles them first.
 """
 
 from __future__ import annotations
@@ -26,25 +28,22 @@ from offload.tiers.mapped import mapped_zeros
 
 class GradAccumulator:
     """The flat gradient of a group's trainable range and which of its parameters have one since `zero`.
+    `device`: where it is kept (the host, or the compute device on the gpu tier); `copies`: the device's copy
+    context, where gradients that leave the device for the host are counted (`off_device`)."""
 
-    With a `pool` (the nvme tier's gradient window, grad_pool.py) the buffer exists only from the group's
-    first gradient until its update is done (`release`); the gradients it held are then `lost`: torch would
-    still have them, so adding to one, or stepping on one again, without a zero_grad in between raises."""
-
-    def __init__(self, group: FlatGroup, device: torch.device, copies: Optional[CopyContext],
-                 pool: Optional[GradPool] = None, padded_numel: Optional[int] = None) -> None:
+    def __init__(self, group: FlatGroup, device: torch.device, copies: CopyContext, off_device: bool,
+                 padded_numel: Optional[int] = None) -> None:
         n = padded_numel if padded_numel is not None else group.trainable_numel
         self.numel = n  # the trainable range, padded to whole shards in data-parallel mode (zeros beyond it)
         self.group = group
         self.device = device
-        on_host = device.type == "cpu"
-        self.downloads = (GradDownloads(copies, n, group.dtype)
-                          if on_host and copies is not None and copies.is_async else None)
-        self.pool = pool
+        self._copies = copies
+        self._off_device = off_device
+        self.downloads = GradDownloads(copies, n, group.dtype) if device.type == "cpu" and copies.is_async else None
         self._lock = threading.Lock()  # the buffer's taking and giving back (training thread, worker)
-        self.grad: Optional[Tensor] = None if pool is not None else self._new_buffer()
+        self.grad: Optional[Tensor] = self._first_buffer()
         self.has_grad: List[bool] = [False] * len(group.trainable_slots)
-        self.lost: Set[int] = set()  # parameters whose gradient was released after its update
+        self.lost: Set[int] = set()  # parameters whose gradient was given back after its update
         # what each parameter's `.grad` holds while its gradient is here (held_grad.py)
         self.held = [HeldGrad(slot.param, slot.name) for slot in group.trainable_slots]
 
@@ -52,43 +51,31 @@ class GradAccumulator:
     def nbytes(self) -> int:
         return 0 if self.grad is None else self.grad.nbytes
 
-    @property
-    def windowed(self) -> bool:
-        return self.pool is not None
+    def _first_buffer(self) -> Optional[Tensor]:
+        return self._new_buffer()
 
     def _new_buffer(self) -> Tensor:
         if self.downloads is not None:
             return self.downloads.new_accumulator()
-        if self.pool is not None and self.device.type == "cpu":
-            return mapped_zeros(self.numel, self.group.dtype)  # its pages go back at release
         return torch.zeros(self.numel, dtype=self.group.dtype, device=self.device)
 
     def buffer(self, wait: bool = True) -> Tensor:
-        """The flat gradient, taken from the window first if it was given back (zeros: a parameter with a
-        gradient then is one zeroed with set_to_none=False). `wait=False` on the worker: it would wait for
-        itself."""
-        with self._lock:
-            if self.grad is None:
-                assert self.pool is not None
-                nbytes = self.numel * self.group.dtype.itemsize
-                self.pool.acquire(nbytes, wait)
-                self.grad = self._new_buffer()
-            return self.grad
+        """The flat gradient. `wait=False` on the worker (a windowed home must not wait for the worker)."""
+        assert self.grad is not None
+        return self.grad
 
     def release(self) -> None:
-        """The update has consumed the gradient: give its bytes back to the window."""
-        with self._lock:
-            if self.pool is None or self.grad is None:
-                return
-            self.settle()
-            self.pool.release(self.grad.nbytes)
-            self.grad = None
-            self.lost.update(i for i, has in enumerate(self.has_grad) if has)
-            self.has_grad = [False] * len(self.has_grad)
+        """The update has consumed the gradient (a windowed home gives its bytes back)."""
+
+    def must_wait_to_zero(self, set_to_none: bool) -> bool:
+        """Whether zeroing must wait for the block's pending update: it still reads the buffer, which zeros
+        in place (set_to_none=False) would change under it."""
+        return not set_to_none
 
     def accumulate(self, index: int, grad: Tensor, fresh: bool = False) -> int:
         """Add one parameter's gradient into its range (a copy for the first one since `zero`, or when `fresh`:
-        the parameter's `.grad` was cleared outside the engine); returns bytes moved."""
+        the parameter's `.grad` was cleared outside the engine); returns bytes moved (counted as bytes to the
+        host when the gradient left the device)."""
         if fresh:
             self.has_grad[index] = False
             self.lost.discard(index)
@@ -104,7 +91,10 @@ class GradAccumulator:
         else:
             target.copy_(source)
         self.has_grad[index] = True
-        return source.numel() * source.element_size()
+        nbytes = source.numel() * source.element_size()
+        if self._off_device:
+            self._copies.count_to_host(nbytes)
+        return nbytes
 
     def settle(self) -> None:
         """Finish the gradient downloads in flight (CUDA): call before reading `grad` (any thread)."""
@@ -137,9 +127,10 @@ class GradAccumulator:
                 slot.param.grad = self.held_for(index)
         if set_to_none:
             self.has_grad = [False] * len(self.has_grad)
-            if self.windowed:
-                self.release()
-                self.lost.clear()
+            self._after_zero()
+
+    def _after_zero(self) -> None:
+        pass
 
     def scale_(self, coef: float) -> None:
         """Multiply every gradient by `coef`, as torch.nn.utils.clip_grad_norm_ does to each `.grad`."""
@@ -182,6 +173,54 @@ class GradAccumulator:
         if grad.device.type == "cpu" and grad.dtype in (torch.float32, torch.bfloat16, torch.float16):
             return math.isfinite(sum_of_squares(grad, num_threads=num_threads))
         return bool(torch.isfinite(grad).all())
+
+
+class WindowedGradAccumulator(GradAccumulator):
+    """A gradient home whose buffer exists only from the group's first gradient until its update is done
+    (`release`): it comes from the nvme tier's gradient window (grad_window.py), so host memory holds a few
+    blocks' gradients, not the model's. The gradients it held are then `lost`: torch would still have
+    them, so adding to one, or stepping on one again, without a zero_grad in between raises."""
+
+    def __init__(self, group: FlatGroup, device: torch.device, copies: CopyContext, off_device: bool,
+                 pool: GradPool, padded_numel: Optional[int] = None) -> None:
+        self.pool = pool
+        super().__init__(group, device, copies, off_device, padded_numel)
+
+    def _first_buffer(self) -> Optional[Tensor]:
+        return None  # taken at the first gradient
+
+    def _new_buffer(self) -> Tensor:
+        if self.downloads is None and self.device.type == "cpu":
+            return mapped_zeros(self.numel, self.group.dtype)  # its pages go back at release
+        return super()._new_buffer()
+
+    def buffer(self, wait: bool = True) -> Tensor:
+        """The flat gradient, taken from the window first if it was given back (zeros: a parameter with a
+        gradient then is one zeroed with set_to_none=False). `wait=False` on the worker: it would wait for
+        itself."""
+        with self._lock:
+            if self.grad is None:
+                self.pool.acquire(self.numel * self.group.dtype.itemsize, wait)
+                self.grad = self._new_buffer()
+            return self.grad
+
+    def release(self) -> None:
+        """The update has consumed the gradient: give its bytes back to the window."""
+        with self._lock:
+            if self.grad is None:
+                return
+            self.settle()
+            self.pool.release(self.grad.nbytes)
+            self.grad = None
+            self.lost.update(i for i, has in enumerate(self.has_grad) if has)
+            self.has_grad = [False] * len(self.has_grad)
+
+    def must_wait_to_zero(self, set_to_none: bool) -> bool:
+        return True  # the update may still read the buffer, or give it back
+
+    def _after_zero(self) -> None:
+        self.release()
+        self.lost.clear()
 
 
 def released_gradient(name: str) -> OffloadError:

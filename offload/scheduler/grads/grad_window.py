@@ -4,7 +4,7 @@ With accumulation declared and no clipping, each block's gradient is consumed by
 backward (docs/design.md [Note: when a block may update early]), so the host needs gradient buffers only
 for the blocks between their first gradient and the end of their update: a window, not the whole model.
 An accumulator takes its bytes when its first gradient arrives and gives them back when its update is done
-(scheduler/grad_accumulator.py). When the window is full the training thread waits for an update to
+(grad_home.py). When the window is full the training thread waits for an update to
 finish; when nothing could free bytes (no update queued or running) it goes over the budget rather than
 deadlock, counted in `over_budget_events` (never wrong, reported by `engine.stats()`).
 See docs/design.md [Note: the gradient window].
@@ -13,9 +13,15 @@ See docs/design.md [Note: the gradient window].
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Optional, Protocol
 
 WAIT_SLICE_SECONDS = 0.05  # how often a waiting acquire re-checks whether anything can still free bytes
+
+
+class Updates(Protocol):
+    """Whoever gives bytes back: the step worker, while an update is queued or running."""
+
+    def has_work(self) -> bool: ...
 
 
 class GradPool:
@@ -27,18 +33,18 @@ class GradPool:
         self.peak = 0
         self.over_budget_events = 0
         self._changed = threading.Condition()
-        self._can_free: Callable[[], bool] = lambda: False
+        self._updates: Optional[Updates] = None
 
-    def bind(self, can_free: Callable[[], bool]) -> None:
-        """`can_free()`: whether an update is queued or running (the worker), which will give bytes back."""
-        self._can_free = can_free
+    def bind(self, updates: Updates) -> None:
+        """`updates.has_work()`: whether an update is queued or running, which will give bytes back."""
+        self._updates = updates
 
     def acquire(self, nbytes: int, wait: bool = True) -> None:
         """Take `nbytes`, waiting while the window is full and an update will give some back (`wait=False`:
         the worker itself, which nothing else would free bytes for)."""
         with self._changed:
             while self.in_use and self.in_use + nbytes > self.budget_bytes:
-                if not wait or not self._can_free():
+                if not wait or self._updates is None or not self._updates.has_work():
                     self.over_budget_events += 1
                     break
                 self._changed.wait(WAIT_SLICE_SECONDS)

@@ -21,9 +21,9 @@ from typing import Optional
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 
 from offload.errors import OffloadError
+from offload.scheduler.torch_internals import DISABLED_TORCH_FUNCTION, flatten
 
 _aten = torch.ops.aten
 _ACCUMULATE = (_aten.add_.Tensor, _aten.add.Tensor)  # what autograd's AccumulateGrad does with a grad present
@@ -43,21 +43,21 @@ class HeldGrad(Tensor):
         held.pending = None
         return held
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = DISABLED_TORCH_FUNCTION  # type: ignore[assignment]  # torch's own, for wrapper subclasses
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _ACCUMULATE and type(args[0]) is cls and isinstance(args[1], Tensor) \
                 and not isinstance(args[1], HeldGrad) and kwargs.get("alpha", 1) == 1:
             held = args[0]
-            held.take(args[1])
+            held.accumulate_pending(args[1])
             return held
-        leaves = tree_flatten((args, kwargs))[0]
+        leaves = flatten((args, kwargs))
         name = next(t.param_name for t in leaves if isinstance(t, HeldGrad))
         raise OffloadError(_read_error(name, str(func)))
 
-    def take(self, grad: Tensor) -> None:
+    def accumulate_pending(self, grad: Tensor) -> None:
         """Autograd accumulated `grad` into this gradient (no zero_grad since the engine took it)."""
         grad = grad.detach()
         self.pending = grad.clone() if self.pending is None else self.pending.add_(grad)
@@ -66,13 +66,13 @@ class HeldGrad(Tensor):
         pending, self.pending = self.pending, None
         return pending
 
-    def __repr__(self) -> str:  # type: ignore[override]
+    def __repr__(self, *, tensor_contents: object = None) -> str:  # type: ignore[override]  # stub names no param
         return f"HeldGrad({self.param_name!r}: the gradient is held by the offload engine)"
 
     def __deepcopy__(self, memo: dict) -> "HeldGrad":
         raise OffloadError(_read_error(self.param_name, "deepcopy"))
 
-    def __reduce_ex__(self, protocol):  # type: ignore[override]
+    def __reduce_ex__(self, protocol):
         raise OffloadError(_read_error(self.param_name, "pickle"))
 
 

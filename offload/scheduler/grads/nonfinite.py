@@ -29,7 +29,13 @@ class NonFiniteSkips:
             self._steps.add(step)
         if first:
             warnings.warn(f"offload: optimizer step {step + 1}: non-finite gradients (inf/NaN); blocks with them "
-                          f"(first: {block!r}) were not updated", RuntimeWarning)
+                          f"(first: {block!r}) were not updated", RuntimeWarning, stacklevel=2)
+
+    def reset(self) -> None:
+        """A checkpoint's counts replace these (they include its skips)."""
+        with self._lock:
+            self.block_skips = 0
+            self._steps.clear()
 
     @property
     def steps(self) -> int:

@@ -1,4 +1,4 @@
-"""The data-parallel side of one block's update, run on the step worker (data_parallel.py has the why).
+"""The data-parallel side of one block's update, run on the step worker (distributed/data_parallel.py has the why).
 
 `reduce` averages the block's gradients across the ranks into each rank's own part; `nonfinite` decides
 for all ranks together whether the block has an inf/NaN gradient; `shard_sumsq` is this rank's share of
@@ -16,7 +16,8 @@ from torch import Tensor
 
 from offload.distributed.data_parallel import DataParallel
 from offload.optim.functional import sum_of_squares
-from offload.scheduler.records.runtime import BlockRuntime, GroupState
+from offload.scheduler.records.block_runtime import BlockRuntime
+from offload.scheduler.records.group_state import GroupState
 
 
 class GradSync:

@@ -8,24 +8,34 @@ the engine's flat buffers, in host memory or on disk.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Protocol
 
 import torch
 
 from offload.errors import OffloadConfigError, OffloadError
 
 
+class StepDriver(Protocol):
+    """What `step()` and `zero_grad()` run (phases/step.py's `StepPhase`)."""
+
+    def step(self) -> None: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+
 class EngineOptimizer(torch.optim.Optimizer):
     """The groups given at `wrap()` (offload/param_groups.py); hyperparameters are read from them each time
-    updates are scheduled. Groups cannot be added later: the engine placed every parameter at `wrap()`."""
+    updates are scheduled. Groups cannot be added later: the engine placed every parameter at `wrap()`.
+    The step phase (`driver`) is attached once it exists (`drive_with`): it reads these groups."""
 
-    def __init__(self, groups: Iterable[dict], defaults: dict, step_fn: Callable[[], None],
-                 zero_grad_fn: Callable[[bool], None]) -> None:
-        self._step_fn = step_fn
-        self._zero_grad_fn = zero_grad_fn
+    def __init__(self, groups: Iterable[dict], defaults: dict) -> None:
+        self._driver: Optional[StepDriver] = None
         self._built = False
         super().__init__(list(groups), defaults)
         self._built = True
+
+    def drive_with(self, driver: StepDriver) -> None:
+        self._driver = driver
 
     def add_param_group(self, param_group: dict) -> None:
         if self._built:
@@ -41,7 +51,7 @@ class EngineOptimizer(torch.optim.Optimizer):
             "device, where GradScaler cannot unscale or check them. Train with dtype=torch.bfloat16 (no loss "
             "scaling needed) or float32")
 
-    def state_dict(self) -> dict:  # type: ignore[override]
+    def state_dict(self) -> dict:
         raise OffloadError(
             "engine.optimizer.state_dict() has no per-parameter state in torch's format: the Adam moments and "
             "fp32 master weights live in the engine's flat buffers (host memory or the swap file), so a torch-"
@@ -50,7 +60,7 @@ class EngineOptimizer(torch.optim.Optimizer):
             "offload.integrations.transformers.OffloadTrainer(model=model, args=args, ..., offload=dict(tier=...)), "
             "or your own loop: loss = engine(batch); loss.backward(); engine.step(); engine.zero_grad())")
 
-    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict) -> None:
         raise OffloadError(
             "engine.optimizer.load_state_dict() cannot restore the engine's optimizer state; resume with "
             "engine.load(path) from a checkpoint written by engine.save(path)")
@@ -61,8 +71,10 @@ class EngineOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._step_fn()
+        assert self._driver is not None
+        self._driver.step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._zero_grad_fn(set_to_none)
+        assert self._driver is not None
+        self._driver.zero_grad(set_to_none)

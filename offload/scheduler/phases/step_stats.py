@@ -8,7 +8,7 @@ from typing import Dict, List
 from offload.scheduler.blocks.block import Block
 from offload.scheduler.grads.nonfinite import NonFiniteSkips
 from offload.scheduler.phases.phase_clock import PhaseClock
-from offload.scheduler.setup.placement import Tiers
+from offload.scheduler.weights.tiers import Tiers
 
 
 @dataclass

@@ -1,11 +1,10 @@
-"""The user's own reads and writes of the module's weights, kept in step with the engine's copies.
+"""The module's own `state_dict()` / `load_state_dict()`, kept in step with the engine's copies.
 
 `model.state_dict()` and `load_state_dict()` (of the root or any module that owns parameters) wait for
-the blocks' pending updates and refuse streamed placeholders; weights written in place through the
-parameters after `wrap()` (nn.init, any module's load_state_dict, a torch.no_grad() write) become the
-master weights before the block is used or updated; a parameter frozen at wrap() and unfrozen later is
-refused at step(). See docs/design.md [Note: the module's own
-state_dict] and [Note: weights written after wrap()].
+the blocks' pending updates and refuse streamed blocks; after a load the written weights become the master
+weights (each block's record keeps writes made through its parameters: records/block_runtime.py); a
+parameter frozen at wrap() and unfrozen later is refused at step(). See docs/design.md [Note: the module's
+own state_dict] and [Note: weights written after wrap()].
 """
 
 from __future__ import annotations
@@ -14,12 +13,11 @@ import contextlib
 from typing import Iterator, List, Optional, Protocol
 
 from offload.errors import OffloadError
-from offload.scheduler.blocks.block import Block, Residency
-from offload.scheduler.records.runtime import BlockRuntime, GroupRuntime
+from offload.scheduler.blocks.block import Block
 
 
 class BlockSettler(Protocol):
-    """What the step pipeline offers here: its state and its waits."""
+    """What the synchronizer (phases/sync.py) offers here: whether the engine is closed, and its waits."""
 
     closed: bool
 
@@ -28,8 +26,6 @@ class BlockSettler(Protocol):
     def synchronize(self) -> None: ...
 
     def settle_blocks(self, blocks: List[Block]) -> None: ...
-
-    def is_pending(self, block: Block) -> bool: ...
 
 
 class ModuleWeights:
@@ -76,34 +72,19 @@ class ModuleWeights:
             blocks = self.blocks
         else:
             self._settler.settle_blocks(blocks)
-        streamed = [b.name for b in blocks if _runtime(b).streamed]
+        streamed = [b.name for b in blocks if b.record.streamed]
         if streamed:
             raise OffloadError(f"{what} the blocks streamed from host or disk (first: {streamed[0]!r}): {fix}")
 
     # ----- weights written in place ------------------------------------------------------------------
+    def after_load_state_dict(self) -> None:
+        """The loaded weights become the master weights (the Adam moments stay, as torch.optim.AdamW's do)."""
+        self.adopt_all()
+
     def adopt_all(self) -> None:
         """After a load_state_dict, before a save: every block's written weights become its master weights."""
         for block in self.blocks:
-            self.adopt(_runtime(block))
-
-    def adopt(self, runtime: BlockRuntime) -> None:
-        """Weights written in place through the parameters since the engine last looked become the master
-        weights, moments kept, as torch.optim would train on from them; the host mirror (or the swap file)
-        follows. Run before each use of the block and before its update reads the master. A released
-        streamed block's parameters read through (read_through.py): a write to one opened the block and
-        was kept when it closed."""
-        if runtime.lost_write is not None:
-            name, runtime.lost_write = runtime.lost_write, None
-            raise _written_while_pending(name, "the update overwrote the write")
-        if runtime.block.residency is Residency.RELEASED:
-            return
-        for group in runtime.groups:
-            edited = group.edited_names()
-            if not edited:
-                continue
-            if self._settler.is_pending(runtime.block) or runtime.needs_push:
-                raise _written_while_pending(edited[0], "the update would overwrite it")
-            group.keep_writes()
+            block.record.keep_writes()
 
     def refuse_unfrozen(self) -> None:
         """A parameter frozen at wrap() has no optimizer state: unfrozen later, torch would train it, and here
@@ -115,24 +96,3 @@ class ModuleWeights:
                         f"parameter {slot.name!r} was frozen at offload.wrap() and requires grad now: the engine "
                         "placed no optimizer state for it; set requires_grad before wrapping (engine.close(), then "
                         "wrap again), or freeze it again")
-
-    @staticmethod
-    def note_writes_during_update(group: GroupRuntime, block: BlockRuntime) -> None:
-        """On the worker, after a group's update: a parameter written meanwhile (overlap_step: after step()
-        returned) was overwritten by the update; the block's next use says so."""
-        edited = group.edited_slots()
-        if edited:
-            block.lost_write = group.group.trainable_slots[edited[0]].name
-            group.mark_seen()
-
-
-def _written_while_pending(name: str, consequence: str) -> OffloadError:
-    return OffloadError(
-        f"parameter {name!r} was written while its block's update was still pending (overlap_step=True: step() "
-        f"returns before the updates run), and {consequence}; call engine.synchronize() after step() before "
-        "writing weights, or leave overlap_step off")
-
-
-def _runtime(block: Block) -> BlockRuntime:
-    assert block.runtime is not None, "the block has no runtime record (not materialized, or closed)"
-    return block.runtime

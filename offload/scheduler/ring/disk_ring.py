@@ -18,7 +18,7 @@ file keeps what only chunks have: announcements, reads ahead and the chunks chec
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Tuple
 
 from torch import Tensor
 
@@ -32,7 +32,7 @@ from offload.planner import (  # the planner sizes the ring; re-exported (`__all
     ring_size_for,
 )
 from offload.scheduler.ring.ring_slots import InFlight, Slot, SlotPool, WriteOrder
-from offload.scheduler.ring.weight_io import DiskWeightIO, WeightRead
+from offload.scheduler.ring.weight_io import DiskWeightIO
 from offload.trace import Tracer
 
 if TYPE_CHECKING:
@@ -250,27 +250,10 @@ class DiskRing:
                 "nvme_chunks_moved": self.chunks_loaded, "nvme_chunks_read_ahead": self.chunks_read_ahead,
                 "nvme_io_wait_seconds": self.io_wait_seconds}
 
-    # ----- compute weights on disk: handed on to weight_io.DiskWeightIO ------------------------------
-    def read_weights(self, group: "FlatGroup", dst: Tensor, copy: Callable[[Tensor, Tensor], None]) -> None:
-        """Read the group's disk-resident compute weights, slot by slot, and `copy(dst_piece, staged)` each."""
-        self._weights.read_weights(group, dst, copy)
-
-    def write_weights(self, group: "FlatGroup", src: Tensor) -> None:
-        """Write the group's compute weights (all of `src`) to its weight record, through the slots."""
-        self._weights.write_weights(group, src)
-
-    def start_weights_read(self, group: "FlatGroup", itemsize: int) -> Optional[List[WeightRead]]:
-        """Start a prefetch of the group's weights (see DiskWeightIO.start_weights_read); None when not now."""
-        return self._weights.start_weights_read(group, itemsize)
-
-    def finish_weights_read(self, handle: List[WeightRead], dst: Tensor,
-                            copy: Callable[[Tensor, Tensor], None]) -> None:
-        """Complete a prefetch into `dst`; its slots go back."""
-        self._weights.finish_weights_read(handle, dst, copy)
-
-    def cancel_weights_read(self, handle: List[WeightRead]) -> None:
-        """Drop a prefetch; its slots go back once its reads are done."""
-        self._weights.cancel_weights_read(handle)
+    @property
+    def weights(self) -> DiskWeightIO:
+        """The moves of disk-resident compute weights through this ring's slots, in its write order."""
+        return self._weights
 
     # ----- internals ---------------------------------------------------------------------------------
     def _read_chunk(self, slot: Slot, group: "FlatGroup", start: int, stop: int) -> List["IOFuture"]:

@@ -3,13 +3,12 @@
 `plan_and_open` plans and makes the device budget, the copy context and, on the nvme tier, the swap file, the staging
 pool and the ring through which disk-resident state flows. `materialize` copies each parameter into its
 block's flat device buffer, re-points `.data`, and builds each flat group's weight home and, for groups
-that train, its state store (memory or disk) and gradient accumulator (runtime.py).
+that train, its state store (memory or disk) and gradient home (records/).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
@@ -21,43 +20,26 @@ from offload.errors import OffloadConfigError
 from offload.planner import Plan, make_plan, ring_depth_for, ring_size_for
 from offload.policy import OffloadPolicy, Tier
 from offload.scheduler.blocks.block import Block
-from offload.scheduler.ring.disk_ring import DiskRing
-from offload.scheduler.state.disk_store import DiskStore
-from offload.scheduler.grads.grad_home import GradAccumulator
+from offload.scheduler.grads.grad_home import GradAccumulator, WindowedGradAccumulator
 from offload.scheduler.grads.grad_window import GradPool
+from offload.scheduler.records.block_runtime import BlockRuntime
+from offload.scheduler.records.group_runtime import GroupRuntime
+from offload.scheduler.records.group_state import GroupState
+from offload.scheduler.records.services import BlockServices
+from offload.scheduler.ring.disk_ring import DiskRing
 from offload.scheduler.setup.initial_weights import InitialWeights
-from offload.scheduler.records.runtime import BlockRuntime, GroupRuntime, GroupState
+from offload.scheduler.state.disk_store import DiskStore
 from offload.scheduler.state.sharded_store import ShardedStore, ShardGroup
 from offload.scheduler.state.state_store import MemoryStore, StateStore
+from offload.scheduler.torch_internals import own_buffers
 from offload.scheduler.weights.streamer import WeightStreamer
-from offload.tiers.copies import CopyContext
-from offload.trace import Tracer
+from offload.scheduler.weights.tiers import Tiers
 from offload.scheduler.weights.weight_home import DeviceHome, DiskHome, HostMirror, WeightHome
+from offload.tiers.copies import CopyContext
 from offload.tiers.device import DeviceTier
 from offload.tiers.disk import SwapStore, plan_swap_layout, plan_weight_layout
 from offload.tiers.host import StagingPool
-
-
-@dataclass
-class Tiers:
-    """The memory tiers one engine uses; `swap`, `staging` and `ring` exist on the nvme tier only."""
-
-    device: DeviceTier
-    copies: CopyContext
-    streamer: WeightStreamer  # the device budget's LRU of streamed blocks
-    swap: Optional[SwapStore] = None
-    staging: Optional[StagingPool] = None
-    ring: Optional[DiskRing] = None
-    grad_pool: Optional[GradPool] = None  # the nvme tier's gradient window (grad_pool.py)
-
-    def close(self) -> None:
-        """Delete the swap file and free the ring's slots and the staging pool (after the ring has drained)."""
-        if self.ring is not None:
-            self.ring.close()
-        if self.swap is not None:
-            self.swap.close()
-        if self.staging is not None:
-            self.staging.close()
+from offload.trace import Tracer
 
 
 def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
@@ -105,7 +87,7 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
 
 
 def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: OffloadPolicy, tiers: Tiers,
-                optimizer_group_of: Dict[nn.Parameter, int], initial: InitialWeights,
+                optimizer_group_of: Dict[nn.Parameter, int], initial: InitialWeights, services: BlockServices,
                 dp: Optional[DataParallel] = None) -> None:
     """Give every block its flat device buffers, filled from `initial` (the parameters, a checkpoint, or an
     initializer: one block at a time, so a model built on the meta device is never whole in memory), and its
@@ -135,24 +117,26 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
                 shard = None if dp is None else dp.shard_of(group.trainable_numel)
                 store = _state_store(group, policy, tiers) if shard is None else \
                     ShardedStore(_state_store(ShardGroup(group, shard), policy, tiers), shard)
-                grads = GradAccumulator(group, torch.device("cpu") if store.on_host else policy.device,
-                                        tiers.copies, tiers.grad_pool, None if shard is None else shard.padded)
+                grads = _grad_home(group, store.on_host, policy, tiers, None if shard is None else shard.padded)
                 state = GroupState(group, store, grads, [optimizer_group_of[s.param] for s in group.trainable_slots],
                                    shard)
             group.runtime = GroupRuntime(block, group, _weight_home(block, group, policy, tiers, streamed, on_disk,
                                                                     state is not None), state)
             groups.append(group.runtime)
-        block.runtime = BlockRuntime(block, groups, streamed=block.name in streamed)
+        block.runtime = BlockRuntime(block, groups, block.name in streamed, services)
         if block.runtime.streamed:
             tiers.streamer.adopt(block)  # released before the next block takes its device memory
         return_freed_memory()  # the temporaries of filling this block: not kept as RSS into the next
     initial.finish(module, policy.device)
     for sub in module.modules():
-        for key, buf in sub._buffers.items():
-            if buf is not None and buf.device != policy.device:
-                sub._buffers[key] = buf.to(policy.device)
-            if buf is not None and dp is not None:
-                dp.broadcast_from_first(sub._buffers[key])
+        buffers = own_buffers(sub)
+        for key, buf in buffers.items():
+            if buf is None:
+                continue
+            if buf.device != policy.device:
+                buf = buffers[key] = buf.to(policy.device)
+            if dp is not None:
+                dp.broadcast_from_first(buf)
 
 
 def _state_store(group, policy: OffloadPolicy, tiers: Tiers) -> StateStore:
@@ -162,13 +146,23 @@ def _state_store(group, policy: OffloadPolicy, tiers: Tiers) -> StateStore:
     return MemoryStore(group, torch.device("cpu") if on_host else policy.device, on_host)
 
 
+def _grad_home(group, on_host: bool, policy: OffloadPolicy, tiers: Tiers,
+               padded_numel: Optional[int]) -> GradAccumulator:
+    """Host memory for the host tiers (the nvme tier's gradient window when the plan has one), else the
+    device."""
+    device = torch.device("cpu") if on_host else policy.device
+    if tiers.grad_pool is not None:
+        return WindowedGradAccumulator(group, device, tiers.copies, on_host, tiers.grad_pool, padded_numel)
+    return GradAccumulator(group, device, tiers.copies, on_host, padded_numel)
+
+
 def _weight_home(block: Block, group, policy: OffloadPolicy, tiers: Tiers, streamed: set, on_disk: set,
                  trains: bool) -> WeightHome:
     """Disk for blocks the plan puts there, a whole host copy for other streamed blocks, an upload source
     for resident trainable weights whose state is on the host of a GPU, else the device alone."""
     if block.name in on_disk:
         assert tiers.ring is not None
-        return DiskHome(group, tiers.ring, tiers.copies)
+        return DiskHome(group, tiers.ring.weights, tiers.copies)
     if block.name in streamed:
         return HostMirror(group, tiers.copies, whole=True)
     if trains and policy.tier is not Tier.GPU and policy.device.type != "cpu":

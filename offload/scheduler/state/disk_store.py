@@ -10,7 +10,7 @@ read back. See docs/design.md [Note: the nvme step pipeline].
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Generator, Iterator, List, Optional, Tuple
 
 from offload.io.future import wait_all
 from offload.scheduler.blocks.block import FlatGroup
@@ -104,7 +104,7 @@ class DiskStore:
             finally:
                 chunks.close()  # a read still in flight into the other slot finishes before it goes back
 
-    def _read_chunks(self, slots: List[Views]) -> Iterator[Tuple[int, int, Views]]:
+    def _read_chunks(self, slots: List[Views]) -> Generator[Tuple[int, int, Views], None, None]:
         """Chunk i is read into one slot while the caller writes chunk i-1 from the other (when the ring lends
         two), so the swap file's reads overlap the checkpoint's writes."""
         chunks = self.chunks()
@@ -124,7 +124,7 @@ class DiskStore:
                 wait_all(futures)
                 if i + 1 < len(chunks) and len(slots) > 1:
                     pending = read(i + 1)
-                yield start, stop, views  # type: ignore[misc]
+                yield start, stop, views
                 if pending is None and i + 1 < len(chunks):
                     pending = read(i + 1)  # one slot: the next read starts once the caller is done with this one
         finally:

@@ -25,9 +25,9 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from offload.scheduler.blocks.block import Block
+from offload.scheduler.torch_internals import leaves, torch_function_subclasses_disabled
 
 # Tensor properties and methods that describe a parameter without reading its values: answered at once.
 _METADATA_PROPERTIES = frozenset({
@@ -59,11 +59,11 @@ def is_metadata(func: Callable) -> bool:
 class BlockAccess(Protocol):
     """What opening a block for a read outside its forward takes (the step pipeline provides it)."""
 
-    def block_of(self, param: nn.Parameter) -> Optional[Block]: ...
+    def block_of(self, param: torch.Tensor) -> Optional[Block]: ...
 
     def open_for_read(self, block: Block) -> None: ...
 
-    def pin_views(self, tensors: Sequence[torch.Tensor]) -> None: ...
+    def pin_views(self, tensors: List[torch.Tensor]) -> None: ...
 
     def close_after_read(self, block: Block) -> None: ...
 
@@ -74,7 +74,9 @@ class _ReadThroughParameter:
     own class (`_own`)."""
 
     _access: Callable[[], Optional["ReadThrough"]]
-    _own: type
+    _own: Any  # the parameter's own class
+    data: torch.Tensor  # (a parameter's: declared for the type checker)
+    requires_grad: bool
 
     @classmethod
     def __torch_function__(cls, func: Callable, types: Any, args: Sequence[Any] = (),
@@ -82,7 +84,7 @@ class _ReadThroughParameter:
         kwargs = kwargs or {}
         owner = cls._access()
         if owner is None or is_metadata(func):
-            with torch._C.DisableTorchFunctionSubclass():
+            with torch_function_subclasses_disabled():
                 return func(*args, **kwargs)
         return owner.call(func, args, kwargs)
 
@@ -147,7 +149,7 @@ class ReadThrough:
     def call(self, func: Callable, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
         """`func(*args, **kwargs)` with the blocks of every read-through parameter among them open."""
         access = self._access
-        params = [t for t in tree_leaves((list(args), kwargs)) if isinstance(t, _ReadThroughParameter)]
+        params = [t for t in leaves((list(args), kwargs)) if isinstance(t, torch.Tensor) and reads_through(t)]
         blocks: List[Block] = []
         if access is not None:
             for param in params:
@@ -155,7 +157,7 @@ class ReadThrough:
                 if block is not None and block not in blocks:
                     blocks.append(block)
         if not blocks:
-            with torch._C.DisableTorchFunctionSubclass():
+            with torch_function_subclasses_disabled():
                 return func(*args, **kwargs)
         assert access is not None
         opened: List[Block] = []
@@ -163,15 +165,15 @@ class ReadThrough:
             for block in blocks:
                 access.open_for_read(block)
                 opened.append(block)
-            with torch._C.DisableTorchFunctionSubclass():
+            with torch_function_subclasses_disabled():
                 result = func(*args, **kwargs)
-            access.pin_views([t for t in tree_leaves(result) if isinstance(t, torch.Tensor)])
+            access.pin_views([t for t in leaves(result) if isinstance(t, torch.Tensor)])
         finally:
             for block in opened:
                 access.close_after_read(block)
         return result
 
 
-def reads_through(param: nn.Parameter) -> bool:
+def reads_through(param: torch.Tensor) -> bool:
     """Whether `param` currently reads through (its block outside its forward)."""
     return isinstance(param, _ReadThroughParameter)

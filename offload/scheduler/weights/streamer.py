@@ -30,8 +30,8 @@ from torch import Tensor
 from offload.errors import OffloadError
 from offload.scheduler.blocks.block import Block, FlatGroup, ParamSlot, Residency
 from offload.scheduler.weights.read_through import ReadThrough
-from offload.tiers.copies import CopyContext
 from offload.scheduler.weights.weight_home import WeightHome
+from offload.tiers.copies import CopyContext
 from offload.tiers.device import DeviceTier
 
 
@@ -170,7 +170,7 @@ class WeightStreamer:
             if released is not None:
                 raise self._read_outside_its_module(tensor, self._blocks[released[0]], released[1])
             return tensor
-        return PackedWeight(owner[0], owner[1], tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+        return PackedWeight(owner[0], owner[1], int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()))
 
     def unpack(self, packed: object) -> Tensor:
         """Saved-tensor unpack hook: fetch the block again and pin it while the returned view lives."""

@@ -25,7 +25,7 @@ from offload.scheduler.blocks.block import FlatGroup
 from offload.tiers.copies import CopyContext
 
 if TYPE_CHECKING:
-    from offload.scheduler.ring.disk_ring import DiskRing
+    from offload.scheduler.ring.weight_io import DiskWeightIO
 
 
 class WeightHome(Protocol):
@@ -150,13 +150,13 @@ class DiskHome:
     pushes = True
     reads_ahead_from_disk = True
 
-    def __init__(self, group: FlatGroup, ring: "DiskRing", copies: CopyContext) -> None:
+    def __init__(self, group: FlatGroup, weights: "DiskWeightIO", copies: CopyContext) -> None:
         assert group.device_buffer is not None
         self._group = group
-        self._ring = ring
+        self._disk = weights  # the ring's weight moves (ring/weight_io.py)
         self._copies = copies
         self._read_ahead: Optional[list] = None  # the ring's handle of reads a prefetch started
-        ring.write_weights(group, group.device_buffer.to("cpu"))
+        weights.write_weights(group, group.device_buffer.to("cpu"))
 
     def update_target(self) -> Optional[Tensor]:
         return None  # the update writes the new weights into the store's chunks, and the ring to disk
@@ -175,18 +175,18 @@ class DiskHome:
         handle, self._read_ahead = self._read_ahead, None
         with torch.no_grad():
             if handle:
-                self._ring.finish_weights_read(handle, buffer, self._copies.to_device)
+                self._disk.finish_weights_read(handle, buffer, self._copies.to_device)
             else:
-                self._ring.read_weights(self._group, buffer, self._copies.to_device)
+                self._disk.read_weights(self._group, buffer, self._copies.to_device)
 
     def host_weights(self) -> Tensor:
         weights = torch.empty(self._group.numel, dtype=self._group.dtype)
-        self._ring.read_weights(self._group, weights, lambda dst, src: dst.copy_(src))
+        self._disk.read_weights(self._group, weights, _host_copy)
         return weights
 
     def replace(self, flat: Tensor, resident: bool) -> None:
         self.cancel_prefetch()  # reads a prefetch started would return the old weights
-        self._ring.write_weights(self._group, flat.to(self._group.dtype).contiguous())
+        self._disk.write_weights(self._group, flat.to(self._group.dtype).contiguous())
         if resident:
             assert self._group.device_buffer is not None
             self._group.device_buffer.copy_(flat)
@@ -195,10 +195,15 @@ class DiskHome:
         """Start the disk reads of the weights without blocking; False when the ring has no slots to spare."""
         if self._read_ahead is None:
             assert self._group.device_buffer is not None
-            self._read_ahead = self._ring.start_weights_read(self._group, self._group.device_buffer.element_size())
+            self._read_ahead = self._disk.start_weights_read(self._group, self._group.device_buffer.element_size())
         return self._read_ahead is not None
 
     def cancel_prefetch(self) -> None:
         handle, self._read_ahead = self._read_ahead, None
         if handle:
-            self._ring.cancel_weights_read(handle)
+            self._disk.cancel_weights_read(handle)
+
+
+def _host_copy(dst: Tensor, src: Tensor) -> None:
+    """A staging slot's bytes into a host tensor (the weights read back for a checkpoint or an export)."""
+    dst.copy_(src)

@@ -5,7 +5,7 @@ the next forward needs the first blocks first. When updates queue up (the disk o
 bottleneck), running them in order of `priority` (the block's position in the forward order) lets the next
 forward start as soon as its first block is ready instead of after every queued update. Work for the same
 block always runs in submission order (equal priority, then sequence). Before each job the worker reports
-the order of what is still queued (`on_next`), so the nvme ring reads ahead in the order it will be used.
+the order of what is still queued (its `QueueObserver`), so the nvme ring reads ahead in the order it will be used.
 """
 
 from __future__ import annotations
@@ -13,17 +13,24 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import types
 import weakref
 from concurrent.futures import Future
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
 from offload.errors import OffloadError
 
 Job = Tuple[float, int, int, Callable[[], object], Future]  # (priority, sequence, block index, work, future)
-OnNext = Callable[[List[int]], None]  # told the block indices still queued, in the order they will run
+
+
+class QueueObserver(Protocol):
+    """Told, before each job, the block indices still queued, in the order they will run (the nvme ring
+    reads their state ahead: modes/disk_traffic.py)."""
+
+    def queued(self, block_indices: List[int]) -> None: ...
+
+
 EXIT_JOIN_SECONDS = 60.0  # how long interpreter exit waits for the update that is running
 
 
@@ -35,7 +42,7 @@ class StepWorker:
     some blocks were updated and some not, so training on would silently use inconsistent state.
     [Note: a failed update poisons the engine]"""
 
-    def __init__(self, num_threads: int, on_next: Optional[OnNext] = None) -> None:
+    def __init__(self, num_threads: int, observer: Optional[QueueObserver] = None) -> None:
         self.num_threads = num_threads
         self._queue: List[Job] = []
         self._pending: Dict[int, Future] = {}
@@ -44,11 +51,11 @@ class StepWorker:
         self.failure: Optional[BaseException] = None  # the first update that raised, until `clear_failure`
         self._lock = threading.Condition()
         # [Note: an engine dropped without close()] a running thread is a GC root: it holds the queue, never
-        # this worker, and the callback only weakly when it is a bound method (the pipeline's), so a dropped
+        # this worker, and the observer only weakly (it reaches the blocks, hence this worker), so a dropped
         # engine's pipeline and worker can be collected, and this worker's finalizer then stops the thread.
         self._thread = threading.Thread(target=_serve, name="offload-step", daemon=True,
                                         args=(self._lock, self._queue, self._stopping, num_threads,
-                                              _held_weakly(on_next)))
+                                              None if observer is None else weakref.ref(observer)))
         self._thread.start()
         # [Note: stop the worker before the interpreter exits] a daemon thread still inside a native call
         # (an Adam step, a disk wait) when Python finalizes is killed as it takes the GIL back, unwinding
@@ -170,7 +177,7 @@ class StepWorker:
 
 
 def _serve(lock: threading.Condition, queue: List[Job], stopping: threading.Event, num_threads: int,
-           on_next: Callable[[], Optional[OnNext]]) -> None:
+           observer: "Optional[weakref.ref[QueueObserver]]") -> None:
     """The worker thread: run queued jobs by priority until stopped and the queue is empty. Holds no reference
     to the StepWorker, and none to a finished job (its update holds the pipeline) while it waits."""
     torch.set_num_threads(num_threads)
@@ -185,21 +192,13 @@ def _serve(lock: threading.Condition, queue: List[Job], stopping: threading.Even
             upcoming = [job[2] for job in queue]
         if future.set_running_or_notify_cancel():
             try:
-                callback = on_next()
-                if callback is not None and upcoming:
-                    callback(upcoming)  # may raise an earlier write's error: reported with this job
+                told = None if observer is None else observer()
+                if told is not None and upcoming:
+                    told.queued(upcoming)  # may raise an earlier write's error: reported with this job
                 future.set_result(work())
             except BaseException as exc:
                 future.set_exception(exc)
-        work = future = callback = None  # type: ignore[assignment]  # not kept alive while waiting
-
-
-def _held_weakly(callback: Optional[OnNext]) -> Callable[[], Optional[OnNext]]:
-    """A getter for `callback`: a bound method (the pipeline's read-ahead) is held weakly, so the thread does
-    not keep its object alive; any other callable strongly."""
-    if isinstance(callback, types.MethodType):
-        return weakref.WeakMethod(callback)
-    return lambda: callback
+        work = future = told = None  # type: ignore[assignment]  # not kept alive while waiting
 
 
 def _update_raised(future: Future, exc: BaseException) -> bool:

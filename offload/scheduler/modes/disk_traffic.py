@@ -1,0 +1,76 @@
+"""Disk traffic: what the step does with the swap file besides loading and storing state, by tier.
+
+On the memory tiers there is none (`NoDiskTraffic`). On the nvme tier (`RingTraffic`) the ring reads
+optimizer state ahead in the order the updates will want it (from the forward on, for the updates the
+last backward starts; and, on the worker, for what is still queued), and the phases flush its writes and
+drain it around checkpoints and at close. See docs/design.md [Note: the nvme step pipeline].
+"""
+
+from __future__ import annotations
+
+from typing import List, Protocol
+
+from offload.scheduler.blocks.block import Block
+from offload.scheduler.ring.disk_ring import DiskRing
+
+
+class DiskTraffic(Protocol):
+    """What the phases ask of the disk, whatever the tier."""
+
+    def read_ahead_for_backward(self, blocks: List[Block]) -> None:
+        """The updates of these blocks will run in this order, starting during the coming backward."""
+
+    def queued(self, block_indices: List[int]) -> None:
+        """The worker's queue, in the order it will run (the worker calls this before each job)."""
+
+    def flush_writes(self) -> None:
+        """Every write in flight on disk (their errors raise here); reads ahead are kept."""
+
+    def drain(self) -> None:
+        """Every write on disk and every read ahead dropped: each staging slot back."""
+
+
+class NoDiskTraffic:
+    """The cpu and gpu tiers: the state is in memory."""
+
+    def read_ahead_for_backward(self, blocks: List[Block]) -> None:
+        pass
+
+    def queued(self, block_indices: List[int]) -> None:
+        pass
+
+    def flush_writes(self) -> None:
+        pass
+
+    def drain(self) -> None:
+        pass
+
+
+class RingTraffic:
+    """The nvme tier: the state streams through `ring`."""
+
+    def __init__(self, ring: DiskRing, blocks: List[Block]) -> None:
+        self._ring = ring
+        self._blocks = blocks
+
+    def read_ahead_for_backward(self, blocks: List[Block]) -> None:
+        self._ring.announce(_disk_groups(blocks))
+
+    def queued(self, block_indices: List[int]) -> None:
+        self._ring.announce(_disk_groups([self._blocks[i] for i in block_indices]), replace=True)
+
+    def flush_writes(self) -> None:
+        self._ring.flush_writes()
+
+    def drain(self) -> None:
+        self._ring.drain()
+
+
+def _disk_groups(blocks: List[Block]) -> list:
+    """The flat groups of these blocks whose state the ring reads ahead, in block order (as their stores
+    see them: a rank's part in data-parallel mode)."""
+    groups: list = []
+    for block in blocks:
+        assert block.runtime is not None
+        groups.extend(state.store.group for state in block.runtime.states if state.store.reads_ahead)
+    return groups

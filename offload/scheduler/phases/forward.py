@@ -1,0 +1,92 @@
+"""The forward phase: the hooks call it around the root's forward and around each module owning a block.
+
+`begin_root_forward` / `end_root_forward` enclose everything (when streaming, autograd saves streamed
+weights as handles, fetched again in backward); `pre_forward(blocks)` gets each block ready (its record
+does the work: a write kept, its pending update waited for, its new weights pushed, a streamed block made
+resident and the next one prefetched), `post_forward(blocks)` lets them go. See docs/design.md, "Map".
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+from offload.distributed.guard import refuse_outer_data_parallel
+from offload.scheduler.blocks.block import Block
+from offload.scheduler.blocks.forward_order import ForwardOrder
+from offload.scheduler.grads.backward_tracker import BackwardTracker
+from offload.scheduler.modes.selection import Modes
+from offload.scheduler.phases.phase_clock import PhaseClock
+from offload.scheduler.torch_internals import eager, is_backward
+from offload.scheduler.weights.streamer import WeightStreamer
+
+
+class ForwardPhase:
+    def __init__(self, blocks: List[Block], module: nn.Module, tracker: BackwardTracker, clock: PhaseClock,
+                 order: ForwardOrder, streamer: WeightStreamer, modes: Modes) -> None:
+        self._blocks = blocks
+        self._module = module
+        self._tracker = tracker
+        self._clock = clock
+        self._order = order
+        self._streamer = streamer
+        self._modes = modes
+        self._saved_tensor_hooks: List[object] = []
+        self._root_grad_enabled = False  # whether the root forward in progress records a graph
+
+    @eager
+    def begin_root_forward(self) -> None:
+        """Time the forward; when streaming, autograd saves streamed weights as handles (fetched again in
+        backward)."""
+        self._modes.reduction.refuse_unknown_ranks()  # a process group started after wrap()
+        refuse_outer_data_parallel(self._module)  # DDP / FSDP around the engine's module
+        self._root_grad_enabled = torch.is_grad_enabled()
+        self._clock.forward_begins()
+        if self._streamer.active:
+            context = torch.autograd.graph.saved_tensors_hooks(self._streamer.pack, self._streamer.unpack)
+            context.__enter__()
+            self._saved_tensor_hooks.append(context)
+
+    @eager
+    def end_root_forward(self) -> None:
+        if self._saved_tensor_hooks:
+            self._saved_tensor_hooks.pop().__exit__(None, None, None)  # type: ignore[attr-defined]
+        self._clock.forward_ends()
+
+    @eager
+    def pre_forward(self, blocks: List[Block]) -> None:
+        """Get each block ready for its module's forward. Runs in forward, under no_grad, and for checkpoint
+        recompute during backward (there a streamed block stays pinned until the backward ends)."""
+        in_backward = is_backward()
+        for block in blocks:
+            runtime = block.record
+            runtime.refuse_moved_parameters()
+            runtime.keep_writes()  # before the wait: a write made while the update was pending is refused
+            runtime.wait_for_update(counted=True)
+            if runtime.needs_push:
+                runtime.push()  # before a fetch, which reads the updated home anyway
+            following = self._next_in_forward_order(block) if self._order.known and not in_backward else None
+            runtime.make_resident(following, in_backward)
+            if not in_backward and self._tracker.profile is None and self._root_grad_enabled:
+                self._tracker.predict_from_forward(runtime.trainable_ids, torch.is_grad_enabled())
+            if not self._order.record(block.index) and not in_backward and block.index == self._order.first \
+                    and self._tracker.next_is_last:
+                self.read_ahead_for_backward()  # the disk is otherwise idle during the forward
+
+    @eager
+    def post_forward(self, blocks: List[Block]) -> None:
+        """The module no longer needs these blocks (also after an exception)."""
+        for block in blocks:
+            block.record.leave_forward()
+
+    def read_ahead_for_backward(self) -> None:
+        """Blocks update as their gradients complete, roughly in reverse forward order: the disk reads their
+        state as soon as slots allow (from the forward on), not when each block's gradients are in."""
+        if self._order.known and self._modes.clipping.updates_during_backward:
+            self._modes.disk.read_ahead_for_backward([self._blocks[i] for i in self._order.reversed()])
+
+    def _next_in_forward_order(self, block: Block) -> Optional[Block]:
+        following = self._order.after(block.index)
+        return None if following is None else self._blocks[following]

@@ -1,0 +1,271 @@
+"""`BlockRuntime`: one block during training (`block.runtime`), with the work each phase does for it.
+
+The phases (phases/) only dispatch: for each block they ask its record to get ready for the forward, to take
+a gradient, to schedule its update or to forget its gradients, and the record does it with its groups
+(group_runtime.py: weight home, optimizer state, gradient home) and the engine's shared services
+(services.py). State and the logic that changes it live here together, as in FSDP2's `FSDPParamGroup`.
+What a record holds per step (`updated_early`, `norms`, `shard_sumsq`) is reset by one `end_step()`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, List, Optional, Tuple
+
+from torch import nn
+
+from offload.errors import OffloadError
+from offload.scheduler.blocks.block import Block, Residency
+from offload.scheduler.grads.grad_home import released_gradient
+from offload.scheduler.grads.held_grad import HeldGrad
+from offload.scheduler.records.group_runtime import GroupRuntime
+from offload.scheduler.records.group_state import GroupState
+from offload.scheduler.records.services import BlockServices
+from offload.scheduler.state.adamw import AdamHyper
+from offload.scheduler.torch_internals import after_backward
+from offload.scheduler.worker.jobs import GroupUpdate, NormJob, UpdateJob
+
+if TYPE_CHECKING:
+    from offload.scheduler.records.slot_table import SlotRef
+
+
+class BlockRuntime:
+    """One block during training. Its residency is `block.residency`; its pending update is the worker's,
+    found by `block.index`."""
+
+    def __init__(self, block: Block, groups: List[GroupRuntime], streamed: bool, services: BlockServices) -> None:
+        self.block = block
+        self.groups = groups
+        self.streamed = streamed
+        self.services = services
+        self.trainable_ids = [id(s.param) for s in block.slots if s.trainable]  # BackwardTracker's keys
+        self.needs_push = False  # updated weights not yet sent to the device
+        self.updated_early = False  # updated during the last backward, before step()
+        self.norms: Optional[List[Tuple[nn.Parameter, float]]] = None  # gradient norms computed for clipping
+        self.shard_sumsq: Optional[float] = None  # data-parallel: sum of squares of this rank's averaged part
+        self.lost_write: Optional[str] = None  # a parameter written while its update ran (overlap_step)
+
+    @property
+    def states(self) -> List[GroupState]:
+        """The optimizer state of each flat group that has trainable parameters."""
+        return [g.state for g in self.groups if g.state is not None]
+
+    @property
+    def pushes(self) -> bool:
+        """Whether an update writes somewhere the device must then be fed from."""
+        return any(g.home.pushes for g in self.groups if g.state is not None)
+
+    @property
+    def reduced(self) -> bool:
+        """Data-parallel: this step's gradients of the block were averaged across the ranks already."""
+        return any(state.reduced_ready is not None for state in self.states)
+
+    # ----- its update -----------------------------------------------------------------------------------
+    def is_settled(self) -> bool:
+        """No update of the block is pending: its weights at home are final."""
+        return not self.services.worker.is_pending(self.block.index)
+
+    def wait_for_update(self, counted: bool) -> None:
+        """Wait for the block's pending update (an update that finished with an error raises here).
+        `counted`: the wait is the forward's, reported as waiting time."""
+        worker = self.services.worker
+        if not worker.is_pending(self.block.index):
+            worker.wait(self.block.index)  # surfaces an exception of a finished update
+            return
+        start = time.perf_counter()
+        with self.services.tracer.span("wait for update", self.block.name):
+            worker.wait(self.block.index)
+        if counted:
+            self.services.counters.wait_seconds += time.perf_counter() - start
+
+    def push(self) -> None:
+        """Send the block's updated weights from their homes to the device (a released block fetches them
+        at its next use anyway)."""
+        resident = self.block.residency is Residency.RESIDENT
+        for group in self.groups:
+            if group.state is not None:
+                group.home.push(resident)
+        self.needs_push = False
+
+    def settle(self) -> None:
+        """Its pending update done and its new weights in the parameters."""
+        self.wait_for_update(counted=False)
+        if self.needs_push:
+            self.push()
+
+    def schedule_update(self, hypers: Tuple[AdamHyper, ...], grad_scale: float, check_finite: bool) -> None:
+        """Queue the block's AdamW update on the worker (nothing when no parameter of it has a gradient).
+        `check_finite`: skip groups whose gradients hold inf/NaN (no global norm decides)."""
+        self.keep_writes()
+        parts = [GroupUpdate(g, g.state.grads.ready_indices(), g.state.hypers_of(hypers), g.home.update_target())
+                 for g in self.groups if g.state is not None]
+        services = self.services
+        if not any(part.ready for part in parts) and not services.reduction.runs_every_update(bool(parts)):
+            return
+        for part in parts:
+            if part.ready:
+                assert part.runtime.state is not None
+                part.runtime.state.store.announce()  # its reads (disk) start now, ahead of the worker reaching it
+        services.streamer.invalidate(self.block)  # disk reads a prefetch started would be stale
+        job = UpdateJob(self, parts, grad_scale, check_finite, services.counters.steps, services.jobs)
+        services.worker.submit(self.block.index, job, self.priority())
+        services.counters.block_updates += 1
+        services.order.known = True
+        if self.pushes:
+            self.needs_push = True
+
+    def update_early(self, hypers: Tuple[AdamHyper, ...]) -> None:
+        """The declared last backward completed the block's gradients (no clipping): update it now."""
+        self.updated_early = True
+        self.services.counters.early_block_updates += 1
+        self.schedule_update(hypers, 1.0, check_finite=True)
+
+    def schedule_norms(self) -> None:
+        """Queue the computation of the block's gradient norms (clipping) on the worker."""
+        self.services.worker.submit(self.block.index, NormJob(self, self.services.jobs), self.priority())
+
+    def priority(self) -> int:
+        """The worker runs the block needed soonest by the next forward first (data-parallel: in submission
+        order, the same on every rank)."""
+        return self.services.reduction.priority(self.services.order.priority(self.block.index))
+
+    # ----- its gradients ------------------------------------------------------------------------------
+    def receive_grad(self, ref: "SlotRef", param: nn.Parameter) -> None:
+        """A gradient of one of its parameters is complete for this backward (the autograd hook)."""
+        if self.updated_early:
+            raise OffloadError(
+                f"parameter of block {self.block.name!r} received a gradient after the block was updated early; "
+                "the autograd graph changed between backward passes in a way the engine cannot see ahead of time "
+                "(e.g. reentrant checkpointing of a module used twice); leave grad_accumulation_steps unset")
+        self.offload_grad(ref, param)
+
+    def offload_grad(self, ref: "SlotRef", param: nn.Parameter) -> None:
+        """Move `param.grad` into its group's gradient home and leave the stand-in there ([Note: where a
+        gradient is after backward]): a plain tensor means `.grad` was None before autograd wrote it (cleared
+        since the engine took the last one), a HeldGrad with `pending` that autograd accumulated into it."""
+        self.wait_for_update(counted=False)  # the last update may still read the gradients
+        self.services.reduction.check_arrival(self)
+        grad, grads = param.grad, ref.state.grads
+        if isinstance(grad, HeldGrad):
+            pending = grad.pop_pending()
+            if pending is None:
+                return
+            grads.accumulate(ref.index, pending)
+        else:
+            assert grad is not None
+            grads.accumulate(ref.index, grad, fresh=True)
+        param.grad = grads.held_for(ref.index)
+
+    def take_leftover_grad(self, ref: "SlotRef", param: nn.Parameter) -> None:
+        """Before the step reads the gradients: take one still in `.grad` (fewer backward calls than
+        declared, or a `.grad` the user set), and forget one cleared outside the engine (model.zero_grad())."""
+        grad, grads = param.grad, ref.state.grads
+        if grad is not None and not (isinstance(grad, HeldGrad) and grad.pending is None):
+            self.offload_grad(ref, param)
+        elif grad is not None and ref.index in grads.lost and not self.updated_early:
+            # held since an update of an earlier step gave its bytes back (nvme gradient window)
+            raise released_gradient(ref.state.group.trainable_slots[ref.index].name)
+        elif grad is None and grads.has_grad[ref.index]:
+            if self.updated_early:
+                raise zeroed_after_early_update(self.block.name)
+            grads.forget(ref.index)
+
+    def zero_grads(self, set_to_none: bool) -> None:
+        """The block's part of zero_grad(): wait for its update where it still reads the gradients, then drop
+        them (or zero them), and the step's norms and averages with them."""
+        states = self.states
+        if self.services.reduction.zero_waits or any(s.grads.must_wait_to_zero(set_to_none) for s in states):
+            self.services.worker.wait(self.block.index)
+        self.forget_averages()
+        for state in states:
+            state.grads.zero(set_to_none)
+        self.end_step()
+
+    def forget_averages(self) -> None:
+        """Data-parallel: the averaged gradients were consumed by the update, or dropped by zero_grad."""
+        for state in self.states:
+            state.reduced_ready = None
+
+    def end_step(self) -> None:
+        """Forget the step in progress (after `step()`, or when a checkpoint replaces the state)."""
+        self.updated_early = False
+        self.norms = None
+        self.shard_sumsq = None
+
+    # ----- its weights --------------------------------------------------------------------------------
+    def refuse_moved_parameters(self) -> None:
+        if self.block.residency is Residency.RESIDENT and not all(g.params_in_place() for g in self.block.groups):
+            raise OffloadError(
+                f"the parameters of block {self.block.name!r} no longer point into the engine's buffers: the model "
+                "was moved or converted after offload.wrap() (model.to(), .double(), .half(), .cuda()), so "
+                "training would not reach them; convert the model first, then wrap it (engine.close() first)")
+
+    def make_resident(self, following: Optional[Block], in_backward: bool) -> None:
+        """A streamed block made resident and pinned for its module's forward (its parameters plain for it),
+        the one after it prefetched when its weights are final; in a backward's recompute it stays pinned
+        until that backward ends ([Note: weight streaming])."""
+        if not self.streamed:
+            return
+        streamer = self.services.streamer
+        settled = following is None or following.runtime is None or following.runtime.is_settled()
+        streamer.ensure(self.block, pin=True, prefetch=following, settled=settled)
+        if in_backward:
+            streamer.pin(self.block.index)
+            after_backward(self.unpin)
+        streamer.enter_forward(self.block)
+
+    def leave_forward(self) -> None:
+        """The module is done with the block (also after an exception)."""
+        self.services.streamer.leave_forward(self.block)
+        self.unpin()
+
+    def unpin(self) -> None:
+        self.services.streamer.unpin(self.block.index)
+
+    def keep_writes(self) -> None:
+        """Weights written in place through the parameters since the engine last looked become the master
+        weights, moments kept, as torch.optim would train on from them; the host mirror (or the swap file)
+        follows. Run before each use of the block and before its update reads the master. A released
+        streamed block's parameters read through (weights/read_through.py): a write to one opened the block
+        and was kept when it closed. See docs/design.md [Note: weights written after wrap()]."""
+        if self.lost_write is not None:
+            name, self.lost_write = self.lost_write, None
+            raise written_while_pending(name, "the update overwrote the write")
+        if self.block.residency is Residency.RELEASED:
+            return
+        for group in self.groups:
+            edited = group.edited_names()
+            if not edited:
+                continue
+            if not self.is_settled() or self.needs_push:
+                raise written_while_pending(edited[0], "the update would overwrite it")
+            group.keep_writes()
+
+    def keep_writes_before_release(self) -> None:
+        """A resident streamed block about to be released: what was written through its parameters since the
+        engine last looked is kept (`GroupRuntime.keep_writes`), unless an update was scheduled since (its
+        weights would overwrite the write, or the write the update's): then the next use of the block
+        raises (`lost_write`)."""
+        for group in self.groups:
+            edited = group.edited_names()
+            if not edited:
+                continue
+            if self.needs_push:
+                self.lost_write = self.lost_write or edited[0]
+                group.mark_seen()
+            else:
+                group.keep_writes()
+
+
+def written_while_pending(name: str, consequence: str) -> OffloadError:
+    return OffloadError(
+        f"parameter {name!r} was written while its block's update was still pending (overlap_step=True: step() "
+        f"returns before the updates run), and {consequence}; call engine.synchronize() after step() before "
+        "writing weights, or leave overlap_step off")
+
+
+def zeroed_after_early_update(block_name: str) -> OffloadError:
+    return OffloadError(
+        f"zero_grad() between the last backward and step(): with grad_accumulation_steps declared, blocks "
+        f"(first: {block_name!r}) were already updated during that backward; call zero_grad() after step(), "
+        "or leave grad_accumulation_steps unset")

@@ -1,0 +1,92 @@
+"""`GroupState`: the optimizer side of one flat group that trains (`group.runtime.state`).
+
+Its state store (memory or the swap file, state/), its gradient home (grads/), each trainable slot's Adam
+step count and optimizer group, and, in data-parallel mode, this rank's part of the group. The update of a
+group runs here (`update`), over whatever the store hands the AdamW loop (state/adamw.py). The checkpoint
+code sees a group through the `GroupStateView` protocol (checkpoint/target.py), which this class keeps.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+from torch import Tensor
+
+from offload.distributed.data_parallel import Shard
+from offload.scheduler.blocks.block import FlatGroup
+from offload.scheduler.grads.grad_home import GradAccumulator
+from offload.scheduler.state.adamw import AdamHyper, UpdateSpan, adamw
+from offload.scheduler.state.state_store import StateStore
+
+
+class GroupState:
+    """The optimizer side of one flat group with trainable parameters: its state store (any tier), its
+    gradient accumulator, each trainable slot's Adam step count and optimizer group."""
+
+    def __init__(self, group: FlatGroup, store: StateStore, grads: GradAccumulator,
+                 optimizer_groups: Sequence[int], shard: Optional[Shard] = None) -> None:
+        self.group = group
+        self.store = store
+        self.grads = grads
+        self.shard = shard if shard is not None else Shard.whole(group.trainable_numel)  # this rank's part
+        # data-parallel: the parameters any rank had a gradient for, once this step's gradient is averaged
+        # into this rank's part (None before); see data_parallel.py
+        self.reduced_ready: Optional[List[int]] = None
+        self.steps: List[int] = [0] * len(group.trainable_slots)
+        self.optimizer_groups = list(optimizer_groups)  # per trainable slot: its index in optimizer.param_groups
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of fp32 master weights and Adam moments this rank keeps (its shard), on any tier."""
+        return 12 * self.shard.numel
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes this state keeps in host memory (0 when it is on the compute device)."""
+        return self.store.nbytes_in_memory + self.grads.nbytes if self.store.on_host else 0
+
+    def hypers_of(self, per_group: Tuple[AdamHyper, ...]) -> List[AdamHyper]:
+        """Each trainable slot's hyperparameters, from every optimizer group's."""
+        return [per_group[g] for g in self.optimizer_groups]
+
+    def restore_steps(self, steps: Sequence[int]) -> None:
+        """Step counts of a checkpoint, in trainable-slot order."""
+        if len(steps) != len(self.steps):
+            raise ValueError(f"{len(steps)} step counts for {len(self.steps)} trainable parameters")
+        self.steps = [int(s) for s in steps]
+
+    def update(self, ready: List[int], hypers: Sequence[AdamHyper], grad_scale: float, out: Optional[Tensor],
+               num_threads: Optional[int] = None) -> None:
+        """One AdamW step of the parameters in `ready` (taken when the update was scheduled); new compute
+        weights go to `out` when the store does not keep them. `num_threads` caps the CPU kernel's threads."""
+        self.grads.settle()
+        if ready:
+            adamw(self.store, self.grads.buffer(wait=False), self.advance_steps(ready, hypers), grad_scale, out,
+                  num_threads)
+
+    def advance_steps(self, ready: List[int], hypers: Sequence[AdamHyper]) -> List[UpdateSpan]:
+        """Count the step of every ready parameter; the spans to update: the whole group in one span when
+        every parameter is ready, at the same step and in the same optimizer group (the usual case), else
+        one span per parameter."""
+        if len(ready) == len(self.steps) and len(set(self.steps)) == 1 and len(set(hypers)) == 1:
+            self.steps = [self.steps[0] + 1] * len(self.steps)
+            return [(0, self.group.trainable_numel, self.steps[0], hypers[0])]
+        spans = []
+        for i in ready:
+            slot = self.group.trainable_slots[i]
+            self.steps[i] += 1
+            spans.append((slot.offset, slot.offset + slot.numel, self.steps[i], hypers[i]))
+        return spans
+
+    @property
+    def state_store(self) -> StateStore:
+        return self.store
+
+    @property
+    def part(self) -> Tuple[int, int]:
+        return self.shard.lo, self.shard.hi
+
+    @property
+    def has_pending_grads(self) -> bool:
+        """Whether any parameter holds a gradient not yet stepped on (a checkpoint now would lose it)."""
+        return any(self.grads.has_grad)

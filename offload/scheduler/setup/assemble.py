@@ -1,0 +1,78 @@
+"""`assemble`: one engine's training step put together, after the plan and the tiers (placement.py).
+
+The order matters: the worker exists before the blocks' records (they hold it through their services) and
+the modes are chosen once, here, from the policy and the placement; then the blocks are materialized, and
+the phases made over them. A failure stops the worker again (the caller closes the tiers).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from torch import nn
+
+from offload.distributed.data_parallel import DataParallel
+from offload.planner import Plan
+from offload.policy import OffloadPolicy
+from offload.scheduler.blocks.block import Block
+from offload.scheduler.blocks.forward_order import ForwardOrder
+from offload.scheduler.grads.backward_tracker import BackwardTracker
+from offload.scheduler.modes.selection import Modes, clipping_for, disk_traffic_for, reduction_for
+from offload.scheduler.phases.backward import BackwardPhase
+from offload.scheduler.phases.forward import ForwardPhase
+from offload.scheduler.phases.optimizer_view import EngineOptimizer
+from offload.scheduler.phases.phase_clock import PhaseClock
+from offload.scheduler.phases.pipeline import StepPipeline
+from offload.scheduler.phases.step import StepPhase
+from offload.scheduler.phases.step_stats import StepCounters
+from offload.scheduler.phases.sync import Synchronizer
+from offload.scheduler.records.module_weights import ModuleWeights
+from offload.scheduler.records.services import BlockServices
+from offload.scheduler.records.slot_table import SlotTable
+from offload.scheduler.setup.initial_weights import InitialWeights
+from offload.scheduler.setup.placement import materialize
+from offload.scheduler.state.hypers import StepHypers
+from offload.scheduler.weights.tiers import Tiers
+from offload.scheduler.worker.block_jobs import BlockJobs
+from offload.scheduler.worker.step_worker import StepWorker
+from offload.trace import Tracer
+
+
+def assemble(blocks: List[Block], module: nn.Module, policy: OffloadPolicy, plan: Plan, tiers: Tiers,
+             tracer: Tracer, optimizer_groups: List[dict], initial: InitialWeights, num_threads: int,
+             dp: Optional[DataParallel] = None) -> StepPipeline:
+    """Materialize `blocks` into their tiers and build the step over them (see the module docstring)."""
+    disk = disk_traffic_for(tiers.ring, blocks)
+    worker = StepWorker(num_threads, observer=disk)
+    try:
+        if tiers.grad_pool is not None:
+            tiers.grad_pool.bind(worker)  # an update running or queued will give bytes back
+        reduction = reduction_for(dp, worker, num_threads)
+        modes = Modes(disk, reduction, clipping_for(policy.max_grad_norm, worker, reduction))
+        counters, order = StepCounters(), ForwardOrder(len(blocks))
+        services = BlockServices(worker, tiers.streamer, tracer, counters, order, reduction,
+                                 BlockJobs(tracer, counters, num_threads, reduction))
+        group_of = {p: i for i, g in enumerate(optimizer_groups) for p in g["params"]}
+        materialize(blocks, module, plan, policy, tiers, group_of, initial, services, dp)
+        disk.drain()  # the start weights' writes on disk, every slot free
+        return _phases(blocks, module, policy, tiers, optimizer_groups, services, modes)
+    except BaseException:
+        worker.close()
+        raise
+
+
+def _phases(blocks: List[Block], module: nn.Module, policy: OffloadPolicy, tiers: Tiers,
+            optimizer_groups: List[dict], services: BlockServices, modes: Modes) -> StepPipeline:
+    slots = SlotTable(blocks, module)
+    tracker, clock = BackwardTracker(policy.grad_accumulation_steps), PhaseClock()
+    defaults = dict(lr=policy.lr, betas=policy.betas, eps=policy.eps, weight_decay=policy.weight_decay)
+    optimizer = EngineOptimizer(optimizer_groups, defaults)
+    hypers = StepHypers(optimizer.param_groups)
+    sync = Synchronizer(blocks, slots, services.worker, modes.disk, tiers.copies, tiers.streamer)
+    weights = ModuleWeights(blocks, sync)
+    forward = ForwardPhase(blocks, module, tracker, clock, services.order, tiers.streamer, modes)
+    backward = BackwardPhase(slots, tracker, clock, forward, modes.clipping, hypers)
+    step = StepPhase(blocks, slots, services, tracker, hypers, modes.clipping, backward, weights, sync, policy)
+    optimizer.drive_with(step)
+    tiers.streamer.read_through.serve(sync)  # streamed parameters read outside their forward open their block
+    return StepPipeline(blocks, forward, backward, step, sync, weights, services, tiers, tracker, clock, optimizer)
