@@ -27,7 +27,7 @@ from offload.errors import OffloadConfigError
 from offload.io import AsyncIO, SwapFile
 from offload.io.future import IOFuture, wait_all
 from offload.io.swap_file import file_system_of
-from offload.tiers.disk_checksums import RecordChecksums, VerifiedRead
+from offload.tiers.disk_checksums import ReadPiece, RecordChecksums, VerifiedRead
 from offload.tiers.swap_leftovers import hold_lock, remove_leftovers
 
 if TYPE_CHECKING:  # descriptions only: the tiers never call into the scheduler
@@ -260,7 +260,7 @@ class SwapStore:
         """One piece of a record, verified after it is read (disk_checksums.py)."""
         self.bytes_read += tensor.numel() * tensor.element_size()
         future = self._io.pread(tensor, self._file, offset)
-        return VerifiedRead(future, lambda: self.checksums.verify(key, start, tensor, self.path, block, offset))
+        return VerifiedRead(future, ReadPiece(self.checksums, key, start, tensor, self.path, block, offset))
 
     def _write(self, key: tuple, offset: int, block: str, start: int, tensor: Tensor):
         """One piece of a record, sealed before it is written (disk_checksums.py): no reader ever checks new

@@ -10,7 +10,7 @@ never written by this process (fresh preallocated zeros) has no seal and is not 
 from __future__ import annotations
 
 import threading
-from typing import Dict, Hashable, Tuple
+from typing import Dict, Hashable, NamedTuple, Tuple
 
 from torch import Tensor
 
@@ -52,12 +52,28 @@ class RecordChecksums:
                     "damaged under the running engine", path)
 
 
+class ReadPiece(NamedTuple):
+    """What a read's data is checked against once it has arrived: the seals of `key` inside
+    [start, start + numel) (`path`, `block` and `offset` for the error)."""
+
+    checksums: RecordChecksums
+    key: Hashable
+    start: int
+    data: Tensor
+    path: str
+    block: str
+    offset: int
+
+    def verify(self) -> None:
+        self.checksums.verify(self.key, self.start, self.data, self.path, self.block, self.offset)
+
+
 class VerifiedRead:
     """A read's future that checks the data against its seals once the read has completed."""
 
-    def __init__(self, future, check) -> None:
+    def __init__(self, future, piece: ReadPiece) -> None:
         self._future = future
-        self._check = check
+        self._piece = piece
         self._checked = False
 
     def done(self) -> bool:
@@ -66,6 +82,6 @@ class VerifiedRead:
     def result(self, timeout=None) -> int:
         nbytes = self._future.result(timeout)
         if not self._checked:
-            self._check()
+            self._piece.verify()
             self._checked = True
         return nbytes

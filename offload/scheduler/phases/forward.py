@@ -8,7 +8,7 @@ resident and the next one prefetched), `post_forward(blocks)` lets them go. See 
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import ContextManager, List, Optional
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ class ForwardPhase:
         self._order = order
         self._streamer = streamer
         self._modes = modes
-        self._saved_tensor_hooks: List[object] = []
+        self._saved_tensor_hooks: List[ContextManager[object]] = []
         self._root_grad_enabled = False  # whether the root forward in progress records a graph
 
     @eager
@@ -44,15 +44,14 @@ class ForwardPhase:
         refuse_outer_data_parallel(self._module)  # DDP / FSDP around the engine's module
         self._root_grad_enabled = torch.is_grad_enabled()
         self._clock.forward_begins()
-        if self._streamer.active:
-            context = torch.autograd.graph.saved_tensors_hooks(self._streamer.pack, self._streamer.unpack)
-            context.__enter__()
-            self._saved_tensor_hooks.append(context)
+        context = self._streamer.saved_tensors_hooks()
+        context.__enter__()
+        self._saved_tensor_hooks.append(context)
 
     @eager
     def end_root_forward(self) -> None:
         if self._saved_tensor_hooks:
-            self._saved_tensor_hooks.pop().__exit__(None, None, None)  # type: ignore[attr-defined]
+            self._saved_tensor_hooks.pop().__exit__(None, None, None)
         self._clock.forward_ends()
 
     @eager

@@ -61,6 +61,11 @@ class OwnerHooks:
         self._forward = forward
         self._state_dicts = state_dicts
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "OwnerHooks":
+        """`copy.deepcopy(model)` copies the module's hook dicts before the copy's engine hooks are taken
+        out (records/model_copy.py): the hook is shared, never copied (it holds the engine)."""
+        return self
+
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         self._forward.pre_forward(self._blocks)
 
@@ -81,6 +86,9 @@ class RootHooks:
         self._forward = forward
         self._backward = backward
         self._state_dicts = state_dicts
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "RootHooks":
+        return self  # as OwnerHooks.__deepcopy__
 
     def enter(self, module: nn.Module, args: Any) -> None:
         self._forward.begin_root_forward()

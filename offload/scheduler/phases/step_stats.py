@@ -30,24 +30,10 @@ def engine_stats(counters: StepCounters, nonfinite: NonFiniteSkips, clock: Phase
     out["skipped_steps"] += nonfinite.steps  # steps where some block had non-finite gradients
     out["skipped_block_updates"] = nonfinite.block_skips
     out.update(forward_seconds=clock.forward_seconds, backward_seconds=clock.backward_seconds)
-    copies, device, swap, streamer, pool = tiers.copies, tiers.device, tiers.swap, tiers.streamer, tiers.grad_pool
-    out.update(bytes_device_to_host=copies.bytes_to_host, bytes_host_to_device=copies.bytes_to_device,
-               copies_on_side_streams=copies.async_copies,
-               device_bytes=device.in_use, device_peak_bytes=device.peak,
-               device_over_budget_events=device.over_budget_events,
-               block_fetches=streamer.fetches, block_evictions=streamer.evictions,
-               block_prefetches=streamer.prefetches,
-               host_grad_bytes_peak=0 if pool is None else pool.peak,
-               host_grad_over_budget_events=0 if pool is None else pool.over_budget_events,
-               bytes_disk_read=0 if swap is None else swap.bytes_read,
-               bytes_disk_written=0 if swap is None else swap.bytes_written,
-               host_state_bytes=sum(s.host_bytes for b in blocks if b.runtime is not None
+    out.update(tiers.stats())
+    out.update(host_state_bytes=sum(s.host_bytes for b in blocks if b.runtime is not None
                                     for s in b.runtime.states),  # 0 once closed: the state is freed
                # this rank's fp32 master weights and moments, on any tier (data-parallel: its parts only)
                optimizer_state_bytes=sum(s.optimizer_state_bytes for b in blocks if b.runtime is not None
                                          for s in b.runtime.states))
-    if tiers.ring is not None:
-        out.update(tiers.ring.stats())
-    if tiers.staging is not None:
-        out["nvme_staging_bytes"] = tiers.staging.budget_bytes
     return out

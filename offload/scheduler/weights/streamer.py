@@ -20,9 +20,11 @@ the modules that own them ([Note: reading streamed weights outside their module]
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import OrderedDict
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from dataclasses import dataclass
+from typing import ContextManager, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -43,6 +45,15 @@ class PackedWeight(NamedTuple):
     storage_offset: int
     shape: Tuple[int, ...]
     stride: Tuple[int, ...]
+
+
+@dataclass
+class StreamCounts:
+    """What `engine.stats()` reports of the streaming."""
+
+    fetches: int = 0
+    evictions: int = 0
+    prefetches: int = 0
 
 
 class WeightStreamer:
@@ -66,13 +77,18 @@ class WeightStreamer:
         # a released group's placeholder: its storage address -> (block, group), and group -> that address
         self._placeholders: Dict[int, Tuple[int, FlatGroup]] = {}
         self._placeholder_of: Dict[int, int] = {}
-        self.fetches = 0
-        self.evictions = 0
-        self.prefetches = 0
+        self.counts = StreamCounts()
 
     @property
     def active(self) -> bool:
         return bool(self._blocks)
+
+    def saved_tensors_hooks(self) -> ContextManager[object]:
+        """For the root forward: while blocks stream, autograd saves a streamed weight as a handle (`pack`),
+        fetched again when the backward needs it (`unpack`)."""
+        if not self._blocks:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def adopt(self, block: Block) -> None:
         """Take a block whose weight homes hold its weights now, and release its device buffers."""
@@ -204,7 +220,7 @@ class WeightStreamer:
                 del self._placeholders[placeholder]
         block.move_to(Residency.RESIDENT)
         self._lru[block.index] = None
-        self.fetches += 1
+        self.counts.fetches += 1
 
     def _release(self, block: Block) -> None:
         if block.runtime is not None:
@@ -232,7 +248,7 @@ class WeightStreamer:
                 return
             if index != keep and self._pins.get(index, 0) == 0:
                 self._release(self._blocks[index])
-                self.evictions += 1
+                self.counts.evictions += 1
 
     def _prefetch(self, following: Block, keep: int, settled: bool) -> None:
         if following.index not in self._blocks:
@@ -243,12 +259,12 @@ class WeightStreamer:
         if any(home.reads_ahead_from_disk for home in homes):
             # overlaps this block's compute; the fetch finishes it. Not while an update may still write them.
             if settled and all(home.prefetch() for home in homes):
-                self.prefetches += 1
+                self.counts.prefetches += 1
             return
         self._make_room(following.weight_bytes, keep=keep)
         if self._device.fits(following.weight_bytes):
             self._fetch(following)
-            self.prefetches += 1
+            self.counts.prefetches += 1
 
     @staticmethod
     def _read_outside_its_module(tensor: Tensor, block: Block, group: FlatGroup) -> OffloadError:

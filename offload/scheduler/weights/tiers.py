@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional
 
 from offload.scheduler.grads.grad_window import GradPool
 from offload.scheduler.ring.disk_ring import DiskRing
@@ -25,6 +25,25 @@ class Tiers:
     staging: Optional[StagingPool] = None
     ring: Optional[DiskRing] = None
     grad_pool: Optional[GradPool] = None  # the nvme tier's gradient window (grad_pool.py)
+
+    def stats(self) -> Dict[str, float]:
+        """Each tier's own counters, for `engine.stats()`."""
+        copies, device, swap, pool, counts = self.copies, self.device, self.swap, self.grad_pool, self.streamer.counts
+        out: Dict[str, float] = dict(
+            bytes_device_to_host=copies.bytes_to_host, bytes_host_to_device=copies.bytes_to_device,
+            copies_on_side_streams=copies.async_copies,
+            device_bytes=device.in_use, device_peak_bytes=device.peak,
+            device_over_budget_events=device.over_budget_events,
+            block_fetches=counts.fetches, block_evictions=counts.evictions, block_prefetches=counts.prefetches,
+            host_grad_bytes_peak=0 if pool is None else pool.peak,
+            host_grad_over_budget_events=0 if pool is None else pool.over_budget_events,
+            bytes_disk_read=0 if swap is None else swap.bytes_read,
+            bytes_disk_written=0 if swap is None else swap.bytes_written)
+        if self.ring is not None:
+            out.update(self.ring.stats())
+        if self.staging is not None:
+            out["nvme_staging_bytes"] = self.staging.budget_bytes
+        return out
 
     def close(self) -> None:
         """Delete the swap file and free the ring's slots and the staging pool (after the ring has drained)."""
