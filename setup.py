@@ -10,7 +10,6 @@ Environment:
 import os
 import shutil
 import sys
-from glob import glob
 from pathlib import Path
 
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
