@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import offload
+from tests.faults import faulty_stores
 from tests.models import TinyGPT, make_batches, one_intraop_thread
 
 _threads = pytest.fixture(autouse=True, scope="module")(one_intraop_thread)
@@ -163,18 +164,13 @@ def test_non_finite_gradient_norm_skips_the_step_with_a_warning():
         assert engine.stats()["skipped_steps"] == 1
 
 
-def test_an_update_that_fails_surfaces_at_the_next_use_of_its_block(monkeypatch):
+def test_an_update_that_fails_surfaces_at_the_next_use_of_its_block():
     from offload.errors import OffloadError
-    from offload.scheduler.records.group_state import GroupState
 
     model = Net()
     engine = offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", overlap_step=True)
     model(torch.ones(4, 8)).backward()
-
-    def broken(self, *args, **kwargs):
-        raise RuntimeError("update failed on purpose")
-
-    monkeypatch.setattr(GroupState, "update", broken)
+    faulty_stores(engine).fail_updates(RuntimeError("update failed on purpose"))
     engine.step()  # returns before the updates run
     with pytest.raises(RuntimeError, match="update failed on purpose"):
         model(torch.ones(4, 8))  # block layers.0
@@ -185,27 +181,24 @@ def test_an_update_that_fails_surfaces_at_the_next_use_of_its_block(monkeypatch)
     assert not any(m._forward_pre_hooks for m in model.modules())
 
 
-def test_a_failure_never_reported_is_raised_by_close(monkeypatch):
-    from offload.scheduler.records.group_state import GroupState
-
+def test_a_failure_never_reported_is_raised_by_close():
     model = Net()
     engine = offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", overlap_step=True)
     model(torch.ones(4, 8)).backward()
-    monkeypatch.setattr(GroupState, "update", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("late")))
+    faulty_stores(engine).fail_updates(RuntimeError("late"))
     engine.step()
     with pytest.raises(RuntimeError, match="late"):
         engine.close()
     assert not any(m._forward_pre_hooks for m in model.modules())
 
 
-def test_without_overlap_step_a_failed_update_raises_from_step(monkeypatch):
+def test_without_overlap_step_a_failed_update_raises_from_step():
     from offload.errors import OffloadError
-    from offload.scheduler.records.group_state import GroupState
 
     model = Net()
     engine = offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu")
     model(torch.ones(4, 8)).backward()
-    monkeypatch.setattr(GroupState, "update", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("now")))
+    faulty_stores(engine).fail_updates(RuntimeError("now"))
     with pytest.raises(RuntimeError, match="now"):
         engine.step()  # it waits for the updates, so their failure is the step's
     with pytest.raises(OffloadError, match="failed earlier.*now"):
@@ -229,11 +222,9 @@ def test_changing_lr_after_an_early_update_warns():
         assert engine.stats()["early_block_updates"] > 0
 
 
-def test_after_a_failed_update_the_engine_refuses_to_train_or_save_until_a_checkpoint_is_loaded(tmp_path,
-                                                                                                 monkeypatch):
+def test_after_a_failed_update_the_engine_refuses_to_train_or_save_until_a_checkpoint_is_loaded(tmp_path):
     """Some blocks updated and some not: training on (or saving) would silently use inconsistent state."""
     from offload.errors import OffloadError
-    from offload.scheduler.records.group_state import GroupState
 
     torch.manual_seed(0)
     model = Net()
@@ -244,8 +235,8 @@ def test_after_a_failed_update_the_engine_refuses_to_train_or_save_until_a_check
         engine.save(tmp_path / "good")
         saved = engine.state_dict()
         model(torch.ones(4, 8)).sum().backward()
-        real_update = GroupState.update
-        monkeypatch.setattr(GroupState, "update", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+        faults = faulty_stores(engine)
+        faults.fail_updates(RuntimeError("boom"))
         engine.step()
         with pytest.raises(RuntimeError, match="boom"):
             model(torch.ones(4, 8))
@@ -254,7 +245,7 @@ def test_after_a_failed_update_the_engine_refuses_to_train_or_save_until_a_check
             with pytest.raises(OffloadError, match="failed earlier.*RuntimeError: boom.*engine.load"):
                 action()
         assert not (tmp_path / "bad").exists()
-        monkeypatch.setattr(GroupState, "update", real_update)
+        faults.repair()
         engine.load(tmp_path / "good")
         assert all(torch.equal(engine.state_dict()[k], v) for k, v in saved.items())
         model(torch.ones(4, 8)).sum().backward()  # training goes on from the checkpoint
@@ -281,22 +272,21 @@ def test_stats_split_the_time_into_forward_backward_and_updates():
         assert after_eval["backward_seconds"] == trained["backward_seconds"]
 
 
-def _broken_update(monkeypatch):
-    from offload.scheduler.records.group_state import GroupState
+def _broken_update(engine):
+    """The engine's updates fail from now on; returns what repairs them."""
+    faults = faulty_stores(engine)
+    faults.fail_updates(RuntimeError("boom"))
+    return faults.repair
 
-    real = GroupState.update
-    monkeypatch.setattr(GroupState, "update", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
-    return lambda: monkeypatch.setattr(GroupState, "update", real)
 
-
-def test_a_load_that_fails_leaves_a_failed_engine_failed_and_a_good_load_recovers(tmp_path, monkeypatch):
+def test_a_load_that_fails_leaves_a_failed_engine_failed_and_a_good_load_recovers(tmp_path):
     from offload.errors import OffloadError
 
     model = Net()
     with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", overlap_step=True) as engine:
         engine.save(tmp_path / "good")
         model(torch.ones(4, 8)).sum().backward()
-        repair = _broken_update(monkeypatch)
+        repair = _broken_update(engine)
         engine.step()  # the failure is not seen yet: the next load must still count it
         with pytest.raises(OffloadError):  # the checkpoint is missing
             engine.load(tmp_path / "missing")
@@ -311,7 +301,7 @@ def test_a_load_that_fails_leaves_a_failed_engine_failed_and_a_good_load_recover
     with pytest.warns(RuntimeWarning, match="closed after a failed update"):
         with offload.wrap(Net(), tier="cpu", dtype=torch.float32, device="cpu", overlap_step=True) as engine:
             engine.module(torch.ones(4, 8)).sum().backward()
-            repair = _broken_update(monkeypatch)
+            repair = _broken_update(engine)
             engine.step()
             with pytest.raises(RuntimeError, match="boom"):
                 engine.synchronize()

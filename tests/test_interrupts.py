@@ -11,7 +11,7 @@ import threading
 import torch
 
 import offload
-from offload.scheduler.records.group_state import GroupState
+from tests.faults import Faults, faulty_stores
 from tests.models import TinyGPT, make_batches
 
 
@@ -21,14 +21,12 @@ def _sigint_after(seconds: float) -> threading.Timer:
     return timer
 
 
-def _slowed_updates(monkeypatch, release: threading.Event) -> None:
-    real = GroupState.update
-
-    def held(self, *args, **kwargs):
-        release.wait(30)  # the update runs on only once the test lets it
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(GroupState, "update", held)
+def _slowed_updates(engine) -> Faults:
+    """The engine's updates from now on wait (in their state store's load, on the worker) until the test lets
+    them run on: `repair()`."""
+    faults = faulty_stores(engine)
+    faults.hold_updates()
+    return faults
 
 
 def _interrupted(action) -> bool:
@@ -49,7 +47,7 @@ def _step(engine, idx, tgt) -> None:
     engine.zero_grad()
 
 
-def test_ctrl_c_while_a_forward_waits_for_an_update_does_not_poison(tmp_path, monkeypatch):
+def test_ctrl_c_while_a_forward_waits_for_an_update_does_not_poison(tmp_path):
     batches = make_batches(3, 1)
     torch.manual_seed(0)
     model, reference_model = TinyGPT(), TinyGPT()
@@ -63,15 +61,13 @@ def test_ctrl_c_while_a_forward_waits_for_an_update_does_not_poison(tmp_path, mo
         (idx, tgt), = batches[0]
         _step(engine, idx, tgt)
         engine.synchronize()
-        release = threading.Event()
-        _slowed_updates(monkeypatch, release)
+        faults = _slowed_updates(engine)
         (idx, tgt), = batches[1]
         engine(idx, tgt).backward()
         engine.step()  # returns at once: the updates are held
         # the forward waits for the first block's held update; Ctrl-C lands in that wait
         assert _interrupted(lambda: engine(idx, tgt)), "the interrupt must reach the user"
-        release.set()
-        monkeypatch.undo()
+        faults.repair()  # the held updates run on, and later ones are not held
         engine.zero_grad()
         engine.save(tmp_path / "ckpt")  # not poisoned: saving works
         (idx, tgt), = batches[2]
@@ -81,7 +77,7 @@ def test_ctrl_c_while_a_forward_waits_for_an_update_does_not_poison(tmp_path, mo
         assert torch.equal(got[key], value), key  # the interrupted step was applied exactly once
 
 
-def test_ctrl_c_while_step_waits_for_the_updates_does_not_poison(monkeypatch):
+def test_ctrl_c_while_step_waits_for_the_updates_does_not_poison():
     """step() waits for the updates it scheduled (overlap_step off); Ctrl-C in that wait reaches the user,
     the step stays scheduled, and the next forward waits for it: the result is the uninterrupted one."""
     batches = make_batches(2, 1)
@@ -93,13 +89,11 @@ def test_ctrl_c_while_step_waits_for_the_updates_does_not_poison(monkeypatch):
             _step(plain, idx, tgt)
         expected = plain.state_dict()
     with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu") as engine:
-        release = threading.Event()
-        _slowed_updates(monkeypatch, release)
+        faults = _slowed_updates(engine)
         (idx, tgt), = batches[0]
         engine(idx, tgt).backward()
         assert _interrupted(engine.step), "the interrupt must reach the user"
-        release.set()
-        monkeypatch.undo()
+        faults.repair()  # the held updates run on, and later ones are not held
         engine.zero_grad()
         (idx, tgt), = batches[1]
         _step(engine, idx, tgt)
@@ -109,36 +103,32 @@ def test_ctrl_c_while_step_waits_for_the_updates_does_not_poison(monkeypatch):
         assert torch.equal(got[key], value), key
 
 
-def test_ctrl_c_during_save_leaves_the_engine_usable(tmp_path, monkeypatch):
+def test_ctrl_c_during_save_leaves_the_engine_usable(tmp_path):
     with offload.wrap(TinyGPT(), tier="cpu", dtype=torch.float32, device="cpu", overlap_step=True) as engine:
         ((idx, tgt),) = make_batches(1, 1)[0]
-        release = threading.Event()
-        _slowed_updates(monkeypatch, release)
+        faults = _slowed_updates(engine)
         engine(idx, tgt).backward()
         engine.step()
         engine.zero_grad()
         assert _interrupted(lambda: engine.save(tmp_path / "ckpt"))  # it waits for the held updates first
         assert not (tmp_path / "ckpt").exists()
-        release.set()
-        monkeypatch.undo()
+        faults.repair()  # the held updates run on, and later ones are not held
         engine.save(tmp_path / "ckpt")
         assert (tmp_path / "ckpt" / "manifest.json").exists()
 
 
-def test_ctrl_c_during_load_while_updates_are_pending_does_not_poison(tmp_path, monkeypatch):
+def test_ctrl_c_during_load_while_updates_are_pending_does_not_poison(tmp_path):
     """load() first finishes the queued updates (an unseen failure among them would count): a Ctrl-C in
     that wait is not a failed update either."""
     with offload.wrap(TinyGPT(), tier="cpu", dtype=torch.float32, device="cpu", overlap_step=True) as engine:
         ((idx, tgt),) = make_batches(1, 1)[0]
         engine.save(tmp_path / "ckpt")
-        release = threading.Event()
-        _slowed_updates(monkeypatch, release)
+        faults = _slowed_updates(engine)
         engine(idx, tgt).backward()
         engine.step()
         engine.zero_grad()
         assert _interrupted(lambda: engine.load(tmp_path / "ckpt"))
-        release.set()
-        monkeypatch.undo()
+        faults.repair()  # the held updates run on, and later ones are not held
         engine.save(tmp_path / "after")  # not poisoned
         engine.load(tmp_path / "ckpt")
         _step(engine, idx, tgt)

@@ -17,6 +17,7 @@ from torch import nn
 
 import offload
 from offload.errors import OffloadError
+from tests.faults import faulty_stores
 from tests.models import GRAD_ROOM, FP32LayerNorm, Layer, TinyGPT, make_batches, one_intraop_thread
 
 LAYER_BYTES = 50_432  # one TinyGPT layer in fp32
@@ -141,27 +142,19 @@ def test_deepcopy_keeps_the_wrapped_dtypes(dtype):
         _assert_holds(twin, engine.state_dict())
 
 
-def test_deepcopy_right_after_step_waits_for_the_pending_updates(monkeypatch):
+def test_deepcopy_right_after_step_waits_for_the_pending_updates():
     """step() may return before the updates run (overlap_step); the copy must hold the stepped weights. The
     updates are held for 0.2 s, so a copy that does not wait holds the weights of before the step."""
-    from offload.scheduler.records.group_state import GroupState
-
     overlap = {"overlap_step": True} if "overlap_step" in inspect.signature(offload.wrap).parameters else {}
 
-    release = threading.Event()
-    real_update = GroupState.update
-
-    def held(self, *args, **kwargs):
-        release.wait(30)
-        return real_update(self, *args, **kwargs)
-
-    monkeypatch.setattr(GroupState, "update", held)
     model = TinyGPT()
     with _wrap(model, device_memory=BUDGET, **overlap) as engine:
+        faults = faulty_stores(engine)
+        faults.hold_updates()
         before = engine.state_dict()
         (idx, tgt), = make_batches(1, 1)[0]
         engine(idx, tgt).backward()
-        threading.Timer(0.2, release.set).start()
+        threading.Timer(0.2, faults.release).start()
         engine.step()
         twin = copy.deepcopy(model)
         after = engine.state_dict()

@@ -10,6 +10,7 @@ import torch
 
 import offload
 from offload.errors import OffloadError
+from tests.faults import faulty_stores
 from tests.models import GRAD_ROOM, TinyGPT, make_batches, one_intraop_thread
 
 LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
@@ -82,36 +83,27 @@ def test_load_state_dict_into_streamed_blocks_is_refused_before_anything_changes
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_model_state_dict_right_after_step_holds_the_updated_weights(tmp_path, monkeypatch):
+def test_model_state_dict_right_after_step_holds_the_updated_weights(tmp_path):
     """With overlap_step, step() returns before the updates run; model.state_dict() must still read the
     weights after the step, as with torch. Before: the weights of before or midway through the update.
     The updates are held for 0.2 s after each step(), so a read that does not wait sees the old weights."""
-    from offload.scheduler.records.group_state import GroupState
-
     batches = make_batches(3, 1)
     torch.manual_seed(0)
     model, reference = TinyGPT(), TinyGPT()
     reference.load_state_dict(model.state_dict())
     opt = torch.optim.AdamW(reference.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
-    release = threading.Event()
-    real_update = GroupState.update
-
-    def held(self, *args, **kwargs):
-        release.wait(30)
-        return real_update(self, *args, **kwargs)
-
-    monkeypatch.setattr(GroupState, "update", held)
     with offload.wrap(model, tier="nvme", nvme_path=tmp_path, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                       dtype=torch.float32, device="cpu", overlap_step=True) as engine:
+        faults = faulty_stores(engine)
         for ((idx, tgt),) in batches:
             reference(idx, tgt).backward()
             opt.step()
             opt.zero_grad()
             model(idx, tgt).backward()
-            release.clear()
+            faults.hold_updates()
             engine.step()
             engine.zero_grad()
-            threading.Timer(0.2, release.set).start()
+            threading.Timer(0.2, faults.release).start()
             got = {k: v.clone() for k, v in model.state_dict().items()}  # right after step()
             for key, value in reference.state_dict().items():
                 torch.testing.assert_close(got[key], value, atol=TOL, rtol=TOL, msg=key)
@@ -295,31 +287,23 @@ def test_a_bf16_write_keeps_the_fp32_master_of_the_weights_it_did_not_touch(tmp_
         assert not torch.equal(written[key], written[key].bfloat16().float()), key  # real fp32 digits kept
 
 
-def test_a_write_while_an_update_is_pending_is_refused_with_overlap_step(monkeypatch):
-    from offload.scheduler.records.group_state import GroupState
-
-    release = threading.Event()
-    real = GroupState.update
-    monkeypatch.setattr(GroupState, "update", lambda self, *a, **k: (release.wait(30), real(self, *a, **k))[1])
+def test_a_write_while_an_update_is_pending_is_refused_with_overlap_step():
     model = TinyGPT()
     with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", overlap_step=True) as engine:
+        faults = faulty_stores(engine)
+        faults.hold_updates()
         ((idx, tgt),) = make_batches(1, 1)[0]
         engine(idx, tgt).backward()
         engine.step()  # returns at once: the updates are held
         torch.nn.init.zeros_(model.h[0].fc.bias)
-        threading.Timer(0.2, release.set).start()
+        threading.Timer(0.2, faults.release).start()
         with pytest.raises(OffloadError, match="'h.0.fc.bias' was written while its block's update was still pending"):
             engine(idx, tgt)
 
 
-def test_a_sub_module_state_dict_after_an_overlapped_step_holds_the_updated_weights(monkeypatch):
+def test_a_sub_module_state_dict_after_an_overlapped_step_holds_the_updated_weights():
     """The state-dict hooks sit on every module that owns parameters, so `model.h[0].state_dict()` waits
     for that block's update as `model.state_dict()` does."""
-    from offload.scheduler.records.group_state import GroupState
-
-    release = threading.Event()
-    real = GroupState.update
-    monkeypatch.setattr(GroupState, "update", lambda self, *a, **k: (release.wait(30), real(self, *a, **k))[1])
     torch.manual_seed(0)
     model, reference = TinyGPT(), TinyGPT()
     reference.load_state_dict(model.state_dict())
@@ -329,9 +313,11 @@ def test_a_sub_module_state_dict_after_an_overlapped_step_holds_the_updated_weig
     opt.step()
     with offload.wrap(model, tier="cpu", lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, dtype=torch.float32,
                       device="cpu", overlap_step=True) as engine:
+        faults = faulty_stores(engine)
+        faults.hold_updates()
         model(idx, tgt).backward()
         engine.step()  # returns at once: the updates are held
-        threading.Timer(0.2, release.set).start()
+        threading.Timer(0.2, faults.release).start()
         got = {k: v.clone() for k, v in model.h[0].state_dict().items()}
     for key, value in reference.h[0].state_dict().items():
         torch.testing.assert_close(got[key], value, atol=TOL, rtol=TOL, msg=key)
