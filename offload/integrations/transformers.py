@@ -27,6 +27,7 @@ from offload.api import wrap
 from offload.engine.engine import Engine
 from offload.errors import OffloadConfigError
 from offload.policy import Tier, bounds_host_memory
+from offload.scheduler.torch_internals import own_parameters
 
 if TYPE_CHECKING:  # at run time transformers comes from _require, which names the install command when missing
     from transformers import PreTrainedModel
@@ -172,7 +173,7 @@ def _hf_init(model: nn.Module) -> Callable[[nn.Module], None]:
         if type(module).__name__.endswith("Norm"):
             with torch.no_grad():
                 for key, value in (("weight", 1.0), ("bias", 0.0)):
-                    param = module._parameters.get(key)
+                    param = own_parameters(module).get(key)
                     if param is not None and param.is_floating_point() and bool(param.isnan().all()):
                         param.fill_(value)
 

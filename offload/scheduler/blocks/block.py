@@ -18,6 +18,7 @@ from torch import nn
 from offload.errors import OffloadConfigError, OffloadError
 from offload.planner import BlockSpec, spec_of
 from offload.policy import Tier
+from offload.scheduler.torch_internals import own_parameters
 
 if TYPE_CHECKING:
     from offload.scheduler.records.block_runtime import BlockRuntime
@@ -273,7 +274,7 @@ def param_owners(module: nn.Module) -> Dict[int, List[nn.Module]]:
     """For each parameter (by id), every module that registers it directly: tied weights have several."""
     owners: Dict[int, List[nn.Module]] = {}
     for sub in module.modules():
-        for param in sub._parameters.values():
+        for param in own_parameters(sub).values():
             if param is not None:
                 owners.setdefault(id(param), [])
                 if all(m is not sub for m in owners[id(param)]):

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, Optional, Set
 
-import torch
-
 from offload.errors import OffloadError
+from offload.scheduler.torch_internals import after_backward, graph_task_id
 
 
 class BackwardTracker:
@@ -71,10 +70,10 @@ class BackwardTracker:
         """Called during the counted backward (once is enough): autograd runs the queued callback only when
         the graph task ends without an error, so a backward that raises partway stays unfinished."""
         task = self._graph_task
-        if task is None or task == self._watched or torch._C._current_graph_task_id() != task:
+        if task is None or task == self._watched or graph_task_id() != task:
             return  # a nested task (reentrant checkpointing's recompute) would report its own end
         self._watched = task
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_watched)
+        after_backward(self._finish_watched)
 
     def _finish_watched(self) -> None:
         self._completed = self._watched

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-import torch
+from offload.scheduler.torch_internals import after_backward
 
 
 class PhaseClock:
@@ -40,7 +40,7 @@ class PhaseClock:
             return
         self._backward_task = graph_task
         self._backward_start = time.perf_counter()
-        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
+        after_backward(self._backward_ends)
 
     def _backward_ends(self) -> None:
         self.backward_seconds += time.perf_counter() - self._backward_start

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from offload.checkpoint.weight_source import WeightSource
 from offload.errors import OffloadConfigError
 from offload.scheduler.blocks.block import Block
+from offload.scheduler.torch_internals import own_buffers, own_parameters
 
 Init = Callable[[nn.Module], None]
 _LISTED = 8  # names shown per kind of mismatch
@@ -105,7 +106,7 @@ class FromSource:
             owner_path, _, key = name.rpartition(".")
             owner = module.get_submodule(owner_path) if owner_path else module
             value = self.source.read(name)
-            owner._buffers[key] = value.to(device=device, dtype=buf.dtype).clone()
+            own_buffers(owner)[key] = value.to(device=device, dtype=buf.dtype).clone()
 
 
 class ByInit:
@@ -116,13 +117,13 @@ class ByInit:
 
     def __init__(self, module: nn.Module, init: Optional[Init]) -> None:
         self.init = init
-        self._order = [m for m in module.modules() if any(p is not None for p in m._parameters.values())]
+        self._order = [m for m in module.modules() if any(p is not None for p in own_parameters(m).values())]
         self._done: Set[int] = set()  # parameters initialized so far (by id)
 
     def check(self, module: nn.Module, blocks: List[Block]) -> None:
         if self.init is None:
             bare = [name for name, m in module.named_modules()
-                    if any(p is not None for p in m._parameters.values()) and not hasattr(m, "reset_parameters")]
+                    if any(p is not None for p in own_parameters(m).values()) and not hasattr(m, "reset_parameters")]
             if bare:
                 raise OffloadConfigError(
                     f"modules without reset_parameters() hold parameters on the meta device ({len(bare)}, first: "
@@ -142,7 +143,7 @@ class ByInit:
                     group.device_buffer.fill_(float("nan"))
                 group.point_params_at(group.device_buffer)
             for module in self._order:
-                own = [p for p in module._parameters.values() if p is not None]
+                own = [p for p in own_parameters(module).values() if p is not None]
                 fresh = [p for p in own if id(p) in in_block and id(p) not in self._done]
                 if not fresh or any(p.is_meta for p in own if id(p) not in self._done and id(p) not in in_block):
                     continue  # nothing new here, or it still has parameters of a later block
@@ -184,7 +185,7 @@ def _persistent_buffers(module: nn.Module) -> List[Tuple[str, Tensor]]:
     """The buffers `module.state_dict()` holds (persistent ones), by their state-dict name."""
     out = []
     for owner_path, owner in module.named_modules():
-        for key, buf in owner._buffers.items():
+        for key, buf in own_buffers(owner).items():
             if buf is not None and key not in owner._non_persistent_buffers_set:
                 out.append((f"{owner_path}.{key}" if owner_path else key, buf))
     return out
@@ -194,7 +195,7 @@ def _refuse_meta_buffers(module: nn.Module, provided: Set[str]) -> None:
     """Buffers on the meta device that nothing will fill: named, with the fix."""
     meta = []
     for owner_path, owner in module.named_modules():
-        for key, buf in owner._buffers.items():
+        for key, buf in own_buffers(owner).items():
             name = f"{owner_path}.{key}" if owner_path else key
             if buf is not None and buf.is_meta and name not in provided:
                 meta.append(name)

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from offload.errors import OffloadError
 from offload.scheduler.blocks.block import Block, FlatGroup, ParamSlot, Residency
+from offload.scheduler.torch_internals import view_base
 from offload.scheduler.weights.read_through import ReadThrough
 from offload.scheduler.weights.weight_home import WeightHome
 from offload.tiers.copies import CopyContext
@@ -286,7 +287,7 @@ class WeightStreamer:
 
 def _slot_of(tensor: Tensor, group: FlatGroup) -> Optional[ParamSlot]:
     """The parameter `tensor` is (or is a view of), else the only one of its shape (or transposed)."""
-    base = tensor._base if tensor._base is not None else tensor
+    base = view_base(tensor)
     for slot in group.slots:
         if base is slot.param:
             return slot
