@@ -1,0 +1,230 @@
+"""`BlockJobs` with `LocalReduction` on its own (worker/block_jobs.py, modes/reduction.py): an `UpdateJob` and a
+`NormJob` of one block built with its records (records/: block runtime, group runtimes, group states with a
+`MemoryStore` and a `GradAccumulator`), run by a real `StepWorker` through the block's `BlockServices`.
+
+The block: a bf16 linear and an fp32 LayerNorm (kept fp32, [Note: compute dtypes]), so two flat groups."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Dict, Iterator, List
+
+import pytest
+import torch
+from torch import nn
+
+from offload.scheduler.blocks.block import Block, FlatGroup, build_blocks
+from offload.scheduler.blocks.forward_order import ForwardOrder
+from offload.scheduler.grads.grad_home import GradAccumulator
+from offload.scheduler.modes.reduction import LocalReduction
+from offload.scheduler.phases.step_stats import StepCounters
+from offload.scheduler.records.block_runtime import BlockRuntime
+from offload.scheduler.records.group_runtime import GroupRuntime
+from offload.scheduler.records.group_state import GroupState
+from offload.scheduler.records.services import BlockServices
+from offload.scheduler.state.adamw import AdamHyper
+from offload.scheduler.state.state_store import MemoryStore
+from offload.scheduler.weights.streamer import WeightStreamer
+from offload.scheduler.weights.weight_home import DeviceHome
+from offload.scheduler.worker.block_jobs import BlockJobs
+from offload.scheduler.worker.jobs import GroupUpdate, NormJob, UpdateJob
+from offload.scheduler.worker.step_worker import StepWorker
+from offload.tiers.copies import CopyContext
+from offload.tiers.device import DeviceTier
+from offload.trace import Tracer
+
+CPU = torch.device("cpu")
+HYPER = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+
+
+class Logged:
+    """A `StateStore` that is `inner`, logging the update-side calls (`load`, `discard`)."""
+
+    def __init__(self, inner: MemoryStore) -> None:
+        self.inner = inner
+        self.calls: List[str] = []
+
+    def load(self, start: int, stop: int):
+        self.calls.append("load")
+        return self.inner.load(start, stop)
+
+    def discard(self) -> None:
+        self.calls.append("discard")
+        self.inner.discard()
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 5)
+        self.norm = nn.LayerNorm(5)
+
+
+class Net(nn.Module):
+    """Blocks are the layers of the main layer list: "layers.0" is the one tested."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(), Layer()])
+
+
+class OneBlock:
+    """The block's records as placement builds them (setup/placement.py), and the services they work with."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        net = Net()
+        self.model = net.layers[0]
+        with torch.no_grad():
+            self.model.norm.weight.uniform_(0.5, 1.5)  # not all ones: weight decay shows
+        self.block: Block = build_blocks(net, torch.bfloat16)[0]
+        assert self.block.name == "layers.0" and len(self.block.groups) == 2
+        self.worker = StepWorker(1)
+        copies = CopyContext(CPU)
+        tracer, counters, reduction = Tracer(), StepCounters(), LocalReduction()
+        self.jobs = BlockJobs(tracer, counters, 1, reduction)
+        self.services = BlockServices(self.worker, WeightStreamer(DeviceTier(CPU, None), copies), tracer, counters,
+                                      ForwardOrder(1), reduction, self.jobs)
+        self.stores: Dict[torch.dtype, Logged] = {}
+        groups = []
+        for group in self.block.groups:
+            buffer = torch.empty(group.numel, dtype=group.dtype)
+            for slot in group.slots:
+                buffer[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+            group.device_buffer = buffer
+            group.point_params_at(buffer)
+            store = self.stores[group.dtype] = Logged(MemoryStore(group, CPU, on_host=True))
+            grads = GradAccumulator(group, CPU, copies, off_device=False)
+            state = GroupState(group, store, grads, [0] * len(group.trainable_slots))  # type: ignore[arg-type]
+            group.runtime = GroupRuntime(self.block, group, DeviceHome(group), state)
+            groups.append(group.runtime)
+        self.record = BlockRuntime(self.block, groups, False, self.services)
+        self.block.runtime = self.record
+
+    def group(self, dtype: torch.dtype) -> FlatGroup:
+        return next(g for g in self.block.groups if g.dtype == dtype)
+
+    def give_grad(self, name: str, grad: torch.Tensor) -> None:
+        """A parameter's gradient into its group's gradient home, as the backward's `on_grad` puts it."""
+        for group in self.block.groups:
+            for index, slot in enumerate(group.trainable_slots):
+                if slot.name == f"layers.0.{name}":
+                    assert group.runtime is not None and group.runtime.state is not None
+                    group.runtime.state.grads.accumulate(index, grad.to(group.dtype))
+                    return
+        raise KeyError(name)
+
+    def run_update(self, check_finite: bool = True) -> UpdateJob:
+        parts = []
+        for runtime in self.record.groups:
+            state = runtime.state
+            assert state is not None
+            parts.append(GroupUpdate(runtime, state.grads.ready_indices(), state.hypers_of((HYPER,)),
+                                     runtime.home.update_target()))
+        job = UpdateJob(self.record, parts, 1.0, check_finite, 0, self.jobs)
+        self.worker.submit(self.block.index, job)
+        self.worker.wait(self.block.index)
+        return job
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+@pytest.fixture
+def one_block() -> Iterator[OneBlock]:
+    made = OneBlock()
+    yield made
+    made.close()
+
+
+def _adamw(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """torch.optim.AdamW's first step of an fp32 copy of `param`."""
+    master = nn.Parameter(param.detach().float().clone())
+    master.grad = grad.float()
+    torch.optim.AdamW([master], lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
+                      weight_decay=HYPER.weight_decay, foreach=False).step()
+    return master.detach()
+
+
+def test_an_update_changes_exactly_the_parameters_with_a_gradient(one_block):
+    before = {name: p.detach().clone() for name, p in one_block.model.named_parameters()}
+    grads = {"fc.weight": torch.randn(5, 6), "norm.bias": torch.randn(5)}
+    for name, grad in grads.items():
+        one_block.give_grad(name, grad)
+    one_block.run_update()
+    for name, param in one_block.model.named_parameters():
+        if name not in grads:
+            assert torch.equal(param.detach(), before[name]), f"{name} has no gradient: untouched"
+            continue
+        want = _adamw(before[name], grads[name]).to(param.dtype)
+        rtol = 1e-2 if param.dtype == torch.bfloat16 else 1e-6  # bf16: the fp32 master's step, rounded
+        torch.testing.assert_close(param.detach(), want, atol=0, rtol=rtol)
+        assert not torch.equal(param.detach(), before[name])
+    for dtype in (torch.bfloat16, torch.float32):
+        runtime = one_block.group(dtype).runtime
+        assert runtime is not None and runtime.state is not None
+        names = [slot.name.removeprefix("layers.0.") for slot in runtime.group.trainable_slots]
+        assert runtime.state.steps == [1 if n in grads else 0 for n in names], "only ready parameters count a step"
+        store = runtime.state.store
+        for slot in runtime.group.trainable_slots:  # the moments of a parameter without gradient stay zero
+            moments = store.inner.exp_avg[slot.offset:slot.offset + slot.numel]
+            assert bool((moments != 0).any()) == (slot.name.removeprefix("layers.0.") in grads), slot.name
+    counters = one_block.services.counters
+    assert counters.update_seconds > 0 and one_block.jobs.nonfinite.block_skips == 0
+
+
+def test_a_group_with_a_nan_gradient_is_skipped_when_checked_and_counted(one_block):
+    before = {name: p.detach().clone() for name, p in one_block.model.named_parameters()}
+    one_block.give_grad("fc.weight", torch.randn(5, 6))
+    one_block.give_grad("norm.weight", torch.tensor([1.0, float("nan"), 0.0, 0.0, 0.0]))
+    with pytest.warns(RuntimeWarning, match=r"optimizer step 1: non-finite gradients.*first: 'layers.0'"):
+        one_block.run_update(check_finite=True)
+    assert torch.equal(one_block.model.norm.weight.detach(), before["norm.weight"]), "the NaN group keeps its weights"
+    assert not torch.equal(one_block.model.fc.weight.detach(), before["fc.weight"]), "the finite group steps"
+    nan_group = one_block.group(torch.float32).runtime
+    assert nan_group is not None and nan_group.state is not None and nan_group.state.steps == [0, 0]
+    assert one_block.stores[torch.float32].calls == ["discard"], "skipped: its reads dropped, never loaded"
+    assert one_block.stores[torch.bfloat16].calls == ["load"]
+    nonfinite = one_block.jobs.nonfinite
+    assert nonfinite.block_skips == 1 and nonfinite.steps == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per step: the second skip of step 1 is counted, not warned
+        one_block.run_update(check_finite=True)
+    assert nonfinite.block_skips == 2 and nonfinite.steps == 1
+
+
+def test_unchecked_a_nan_gradient_is_stepped_on(one_block):
+    one_block.give_grad("norm.weight", torch.full((5,), float("nan")))
+    one_block.run_update(check_finite=False)
+    assert bool(one_block.model.norm.weight.detach().isnan().all())
+    assert one_block.jobs.nonfinite.block_skips == 0
+
+
+def test_an_update_with_no_ready_gradient_never_touches_a_store(one_block):
+    before = {name: p.detach().clone() for name, p in one_block.model.named_parameters()}
+    one_block.run_update()
+    assert all(torch.equal(p.detach(), before[n]) for n, p in one_block.model.named_parameters())
+    assert all(store.calls == [] for store in one_block.stores.values())
+
+
+def test_a_norm_job_fills_the_blocks_norms_in_slot_order(one_block):
+    grads = {"fc.bias": torch.randn(5), "fc.weight": torch.randn(5, 6), "norm.weight": torch.randn(5)}
+    for name, grad in grads.items():
+        one_block.give_grad(name, grad)
+    assert one_block.record.norms is None
+    one_block.worker.submit(one_block.block.index, NormJob(one_block.record, one_block.jobs))
+    one_block.worker.wait(one_block.block.index)
+    norms = one_block.record.norms
+    assert norms is not None
+    params = dict(one_block.model.named_parameters())
+    names = {id(p): n for n, p in params.items()}
+    assert [names[id(p)] for p, _n in norms] == ["fc.weight", "fc.bias", "norm.weight"], "trainable-slot order"
+    for param, norm in norms:
+        name = names[id(param)]
+        want = torch.linalg.vector_norm(grads[name].to(param.dtype), 2, dtype=torch.float32)
+        assert norm == pytest.approx(float(want), rel=1e-6), name
+    one_block.record.end_step()
+    assert one_block.record.norms is None
