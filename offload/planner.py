@@ -266,7 +266,7 @@ def group_bytes(trainable_numel: int, dtype: torch.dtype, tier: Tier) -> Tuple[i
     """(optimizer state bytes, gradient accumulator bytes) of `trainable_numel` parameters computed in
     `dtype`: fp32 master (none on the gpu tier when the weights are fp32 already), Adam m and v, gradient."""
     master = 0 if (tier is Tier.GPU and dtype == torch.float32) else 4 * trainable_numel
-    grad = trainable_numel * torch.empty((), dtype=dtype).element_size()
+    grad = trainable_numel * dtype.itemsize
     return master + 8 * trainable_numel, grad
 
 

@@ -26,8 +26,9 @@ from offload.checkpoint.atomic import resolve
 from offload.checkpoint.manifest import MODEL_FILE, OPTIMIZER_FILE, read_manifest
 from offload.checkpoint.reflink import BLOCK, clone_range
 from offload.checkpoint.sharded import PartsReader
+from offload.checkpoint.state_io import STATE_KINDS
 from offload.checkpoint.tensor_file import TensorFileReader
-from offload.checkpoint.writer import STATE_KINDS, _progress, optimizer_key
+from offload.checkpoint.writer import _progress, optimizer_key
 from offload.checksum import checksum
 from offload.errors import OffloadConfigError, OffloadIntegrityError, OffloadIOError
 

@@ -28,6 +28,7 @@ from offload.checkpoint import rng as rng_state
 from offload.checkpoint import state_io
 from offload.checkpoint.atomic import begin, fsync_dir, publish
 from offload.checkpoint.manifest import MODEL_FILE, write_manifest
+from offload.checkpoint.state_io import STATE_KINDS
 from offload.checkpoint.tensor_file import Entry, TensorFileReader, TensorFileWriter
 from offload.checksum import preferred_algorithm
 from offload.errors import OffloadIntegrityError, OffloadIOError
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
     from offload.checkpoint.target import CheckpointTarget
     from offload.distributed.data_parallel import DataParallel
 
-STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 Parts = Dict[str, List[int]]  # parameter name -> [a, b): the elements of it a file holds
 
 

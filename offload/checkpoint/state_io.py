@@ -14,6 +14,8 @@ from torch import Tensor
 from offload.scheduler.blocks.block import FlatGroup
 from offload.scheduler.state.state_store import Views
 
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")  # a group's optimizer state, in a record's section order
+
 __all__ = ["Views", "pieces"]
 
 

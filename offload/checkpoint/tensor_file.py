@@ -48,7 +48,7 @@ class Entry:
         numel = 1
         for d in self.shape:
             numel *= d
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+        return numel * self.dtype.itemsize
 
 
 def dtype_code(dtype: torch.dtype) -> str:
@@ -212,7 +212,7 @@ class TensorFileReader:
         count = 1
         for d in shape:
             count *= d
-        itemsize = torch.empty((), dtype=have).element_size()
+        itemsize = have.itemsize
         if count != numel or stop - start != count * itemsize or (dtype is not None and have != dtype):
             raise OffloadIntegrityError(
                 f"{self.path!r}: tensor {name!r} is {have} {shape}, the model needs {numel} elements"

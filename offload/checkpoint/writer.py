@@ -35,6 +35,7 @@ from offload.checkpoint.manifest import (
     write_manifest,
 )
 from offload.checkpoint.reflink import BLOCK
+from offload.checkpoint.state_io import STATE_KINDS
 from offload.checkpoint.tensor_file import Entry, TensorFileWriter
 from offload.checksum import checksum, preferred_algorithm
 from offload.errors import OffloadIOError
@@ -42,7 +43,6 @@ from offload.errors import OffloadIOError
 if TYPE_CHECKING:
     from offload.checkpoint.target import CheckpointTarget
 
-STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 PAD = "__pad__"  # zero bytes that align each optimizer record to a file-system block (reflink.BLOCK)
 PROGRESS_BYTES = 512 << 20  # show a progress bar above this much data (a few seconds on most disks)
 

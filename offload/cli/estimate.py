@@ -64,7 +64,7 @@ def estimate(shape: ModelShape, tier: Tier, dtype: torch.dtype, device_memory: O
              host_memory: Optional[int], grad_window: bool = False) -> Plan:
     """The plan `offload.wrap` would make for a model of this shape (all parameters trainable); `grad_window`:
     accumulation declared without clipping, so the nvme tier windows the gradients."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     specs: List[BlockSpec] = [spec_of(block[0], block[1] * itemsize, [(block[1], dtype)], tier, largest * itemsize)
                               for block, largest in zip(shape.blocks, shape.largest_tensors())]
     ring = ring_size_for(max(block[1] for block in shape.blocks)) if tier is Tier.NVME else None

@@ -93,8 +93,8 @@ def _adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
     owned by the caller (CPUAdam keeps one), or None to use `num_threads` for this call only."""
     native = _native._C  # looked up per call, so a test can force the fallback
     if native is None:
-        _adam_step_torch(param, grad, exp_avg, exp_avg_sq, step, float(lr), beta1, beta2, eps, weight_decay, adamw,
-                         grad_scale, out)
+        adam_step_torch(param, grad, exp_avg, exp_avg_sq, step, float(lr), beta1, beta2, eps, weight_decay, adamw,
+                        grad_scale, out)
         return
     native.adam_step(
         param.data_ptr(), grad.data_ptr(), _DTYPE_CODES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
@@ -104,9 +104,10 @@ def _adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
     )
 
 
-def _adam_step_torch(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, adamw,
-                     grad_scale, out) -> None:
-    """The fallback: torch's single-tensor AdamW/Adam, same order of operations."""
+def adam_step_torch(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, adamw,
+                    grad_scale, out) -> None:
+    """torch's single-tensor AdamW/Adam in torch operations, same order: the fallback of the native kernel, and
+    the gpu tier's step (state on the device)."""
     p, m, v = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
     g = grad.view(-1).float()
     if grad_scale != 1.0:

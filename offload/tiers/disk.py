@@ -60,7 +60,7 @@ class SwapRecord:
 
 def section_bytes(numel: int) -> int:
     """Bytes of one fp32 section of a record of `numel` elements: padded so every section starts aligned."""
-    return _round_up(4 * numel, ALIGNMENT)
+    return round_up(4 * numel, ALIGNMENT)
 
 
 @dataclass(frozen=True)
@@ -84,17 +84,17 @@ def plan_weight_layout(blocks: List["Block"], names: Tuple[str, ...], start: int
     """Weight records (keyed by the group's layout key, `FlatGroup.key`) for the blocks named, placed from byte
     `start`; the new end."""
     records: Dict[str, WeightRecord] = {}
-    offset = _round_up(start, ALIGNMENT)
+    offset = round_up(start, ALIGNMENT)
     for block in blocks:
         if block.name not in names:
             continue
         for group in block.groups:
             params = tuple((s.name, tuple(s.shape), s.offset) for s in group.slots)
-            itemsize = torch.empty((), dtype=group.dtype).element_size()
+            itemsize = group.dtype.itemsize
             record = WeightRecord(block.name, str(group.dtype).replace("torch.", ""), offset, group.numel, itemsize,
                                   params)
             records[group.key] = record
-            offset += _round_up(record.nbytes, ALIGNMENT)
+            offset += round_up(record.nbytes, ALIGNMENT)
     return records, offset
 
 
@@ -112,7 +112,7 @@ def plan_swap_layout(blocks: List["Block"], numel_of: Optional[Callable[[Any], i
             numel = group.trainable_numel if numel_of is None else numel_of(group)
             record = SwapRecord(block.name, str(group.dtype).replace("torch.", ""), offset, numel, params)
             records[group.key] = record
-            offset += _round_up(record.nbytes, ALIGNMENT)
+            offset += round_up(record.nbytes, ALIGNMENT)
     return records, offset
 
 
@@ -304,7 +304,7 @@ def _check_record_buffer(record: SwapRecord, buffer: Tensor) -> int:
     return record.numel
 
 
-def _round_up(value: int, multiple: int) -> int:
+def round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 

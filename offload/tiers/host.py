@@ -44,7 +44,7 @@ class HostBuffer:
         """A tensor of `dtype` and `shape` over the buffer's bytes from `offset` (default: all of it, flat)."""
         if self._lease is None:
             raise OffloadConfigError("this HostBuffer was released; lease a new one from the pool")
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if offset % itemsize:
             raise OffloadConfigError(f"offset {offset} is not a multiple of {dtype}'s size {itemsize}")
         if shape is None:

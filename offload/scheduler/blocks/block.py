@@ -185,7 +185,7 @@ TRAINABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the fp
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def find_layer_list(module: nn.Module) -> Optional[str]:

@@ -62,7 +62,7 @@ class Slot:
     def weights(self, dtype: torch.dtype, numel: int) -> Tensor:
         """The slot's compute-weight area (after the three sections) as `numel` elements of `dtype`."""
         start = 3 * 4 * self.sections[0].numel()
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         return self.raw[start:start + numel * itemsize].view(dtype)
 
     def cut(self, numel: int) -> Tuple[Tensor, Tensor, Tensor]:

@@ -37,7 +37,7 @@ from offload.scheduler.weights.tiers import Tiers
 from offload.scheduler.weights.weight_home import DeviceHome, DiskHome, HostMirror, WeightHome
 from offload.tiers.copies import CopyContext
 from offload.tiers.device import DeviceTier
-from offload.tiers.disk import SwapStore, plan_swap_layout, plan_weight_layout
+from offload.tiers.disk import SwapStore, plan_swap_layout, plan_weight_layout, round_up
 from offload.tiers.host import StagingPool
 from offload.trace import Tracer
 
@@ -77,7 +77,7 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
             os.makedirs(directory, exist_ok=True)
         tiers.swap = SwapStore(directory, records, swap_size, weights)
         try:
-            tiers.staging = StagingPool(max(_round_up(plan.ring_bytes, 4096), 4096))
+            tiers.staging = StagingPool(max(round_up(plan.ring_bytes, 4096), 4096))
             tiers.ring = DiskRing(tiers.swap, tiers.staging, plan.ring_bytes,
                                   ring_depth_for(plan.ring_bytes, largest_record), tracer=tracer)
         except BaseException:
@@ -168,7 +168,3 @@ def _weight_home(block: Block, group, policy: OffloadPolicy, tiers: Tiers, strea
     if trains and policy.tier is not Tier.GPU and policy.device.type != "cpu":
         return HostMirror(group, tiers.copies, whole=False)  # an upload sends all of it, updated or not
     return DeviceHome(group)
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple

@@ -14,7 +14,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from offload.optim.functional import adam_step_flat
+from offload.optim.functional import adam_step_flat, adam_step_torch
 from offload.scheduler.state.state_store import StateStore
 
 
@@ -79,15 +79,5 @@ def clip_scale(norms: List[float], max_norm: float) -> Tuple[float, float]:
 def _adamw_torch(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int,
                  hyper: AdamHyper, grad_scale: float, out: Optional[Tensor]) -> None:
     """torch.optim.AdamW's single-tensor maths, for state kept on the compute device (the gpu tier)."""
-    g = grad.float()
-    if grad_scale != 1.0:
-        g = g * grad_scale
-    param.mul_(1.0 - hyper.lr * hyper.weight_decay)
-    exp_avg.lerp_(g, 1.0 - hyper.beta1)
-    exp_avg_sq.mul_(hyper.beta2).addcmul_(g, g, value=1.0 - hyper.beta2)
-    bias_correction1 = 1.0 - hyper.beta1**step
-    bias_correction2_sqrt = (1.0 - hyper.beta2**step) ** 0.5
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(hyper.eps)
-    param.addcdiv_(exp_avg, denom, value=-hyper.lr / bias_correction1)
-    if out is not None:
-        out.copy_(param)
+    adam_step_torch(param, grad, exp_avg, exp_avg_sq, step, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
+                    hyper.weight_decay, True, grad_scale, out)
