@@ -190,13 +190,16 @@ class WeightStreamer:
         return PackedWeight(owner[0], owner[1], int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()))
 
     def unpack(self, packed: object) -> Tensor:
-        """Saved-tensor unpack hook: fetch the block again and pin it while the returned view lives."""
+        """Saved-tensor unpack hook: fetch the block again and pin it while the returned view lives (after
+        `restore_all`, a graph built before close() reads the restored buffer, which stays)."""
         if not isinstance(packed, PackedWeight):
             return packed  # type: ignore[return-value]
-        block = self._blocks[packed.block_index]
-        self.ensure(block, pin=True)
         buffer = packed.group.device_buffer
         assert buffer is not None
+        block = self._blocks.get(packed.block_index)
+        if block is None:
+            return buffer.as_strided(packed.shape, packed.stride, packed.storage_offset)
+        self.ensure(block, pin=True)
         view = buffer.as_strided(packed.shape, packed.stride, packed.storage_offset)
         weakref.finalize(view, self.unpin, block.index)  # the pin ensure() took
         return view

@@ -190,9 +190,6 @@ def test_restore_all_brings_every_block_back_as_plain_parameters():
     assert [p.detach() for p in s.model.parameters()][0].equal(s.weights["0.weight"])
 
 
-@pytest.mark.xfail(strict=True, raises=KeyError, reason="streamer.py:196 `self._blocks[packed.block_index]`: after "
-                   "restore_all() (engine.close()) the blocks are forgotten, so a backward of a graph built before "
-                   "close() raises a bare KeyError (the block index) instead of reading the restored weights")
 def test_a_handle_packed_before_restore_all_unpacks_to_the_restored_weights():
     s = Streamed()
     block = s.blocks[0]
