@@ -67,7 +67,7 @@ def test_grad_downloads_copy_then_add_on_settle(fake):
     downloads.put(grad[2:6], 2, torch.tensor([1.0, 1.0, 1.0, 1.0]), accumulate=False)
     downloads.put(grad[0:2], 0, torch.tensor([10.0, 20.0]), accumulate=True)
     assert downloads.pending == 3 and grad.sum() == 0  # nothing landed yet
-    downloads.settle()
+    downloads.finish_downloads()
     assert downloads.pending == 0
     assert grad.tolist() == [11.0, 22.0, 1.0, 1.0, 1.0, 1.0]
 
@@ -82,7 +82,7 @@ def test_a_staging_range_is_not_overwritten_before_its_add(fake):
     downloads.put(grad[0:4], 0, torch.full((4,), 2.0), accumulate=True)
     downloads.put(grad[0:4], 0, torch.full((4,), 4.0), accumulate=True)  # settles the first add first
     downloads.put(grad[0:2], 0, torch.full((2,), 8.0), accumulate=True)
-    downloads.settle()
+    downloads.finish_downloads()
     assert grad.tolist() == [15.0, 15.0, 7.0, 7.0]
 
 
@@ -93,7 +93,7 @@ def test_settle_waits_in_issue_order(fake):
     downloads.put(grad, 0, torch.tensor([1.0, 1.0]), accumulate=False)
     downloads.put(grad, 0, torch.tensor([2.0, 3.0]), accumulate=True)
     events = [event for event, _t, _s in downloads._pending]
-    downloads.settle()
+    downloads.finish_downloads()
     assert [e.synchronized for e in events] == [1, 1] and all(e.done for e in events)
     assert grad.tolist() == [3.0, 4.0]
 

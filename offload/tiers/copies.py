@@ -194,7 +194,7 @@ class GradDownloads:
         """Download `source` (device, flat) into `target` (`grad[offset:offset + n]` of the group): a copy, or
         with `accumulate` an add that `settle` completes."""
         if accumulate and offset in self._staged_offsets:
-            self.settle()  # its staging range still holds a gradient not yet added
+            self.finish_downloads()  # its staging range still holds a gradient not yet added
         with self._lock:
             if not accumulate:
                 self._pending.append((self._copies.download(target, source), None, None))
@@ -205,7 +205,7 @@ class GradDownloads:
             self._pending.append((self._copies.download(staged, source), target, staged))
             self._staged_offsets.add(offset)
 
-    def settle(self) -> None:
+    def finish_downloads(self) -> None:
         """Wait for every download issued so far and finish the pending adds: the accumulator is then final."""
         with self._lock:
             while self._pending:

@@ -5,7 +5,8 @@ without touching the update: `GradAccumulator` holds the group's flat gradient f
 lives (host memory, or the device on the gpu tier); `WindowedGradAccumulator` takes its buffer from the
 nvme tier's gradient window (grad_window.py) at the first gradient and gives it back after the update.
 The placement picks one per group (setup/placement.py). With copies on side streams (CUDA) and the
-accumulator on the host, gradients arrive asynchronously (`GradDownloads`): every read settles them first.
+accumulator on the host, gradients arrive asynchronously (`GradDownloads`): every read first finishes
+the downloads in flight (`finish_downloads`).
 """
 
 from __future__ import annotations
@@ -96,10 +97,10 @@ class GradAccumulator:
             self._copies.count_to_host(nbytes)
         return nbytes
 
-    def settle(self) -> None:
+    def finish_downloads(self) -> None:
         """Finish the gradient downloads in flight (CUDA): call before reading `grad` (any thread)."""
         if self.downloads is not None:
-            self.downloads.settle()
+            self.downloads.finish_downloads()
 
     def held_for(self, index: int) -> HeldGrad:
         """The stand-in for the parameter's `.grad` once its gradient is here (nothing pending in it)."""
@@ -115,7 +116,7 @@ class GradAccumulator:
     def zero(self, set_to_none: bool) -> None:
         """As torch's zero_grad; each parameter's `.grad` becomes None, or stays held (zeros) for one that
         had a gradient when `set_to_none` is False (a released one comes back as zeros with the buffer)."""
-        self.settle()  # a copy still in flight would land after the zeroing or the next first copy
+        self.finish_downloads()  # a copy still in flight would land after the zeroing or the next first copy
         for index in self.lost:
             self.has_grad[index] = not set_to_none
         self.lost.clear()
@@ -134,7 +135,7 @@ class GradAccumulator:
 
     def scale_(self, coef: float) -> None:
         """Multiply every gradient by `coef`, as torch.nn.utils.clip_grad_norm_ does to each `.grad`."""
-        self.settle()
+        self.finish_downloads()
         if self.grad is None:
             return  # zeros (or nothing) stay zeros
         for index, slot in enumerate(self.group.trainable_slots):
@@ -152,7 +153,7 @@ class GradAccumulator:
         Computed with torch.linalg.vector_norm in fp32, the reduction torch.nn.utils.clip_grad_norm_ uses:
         a more exact fp64 sum differs in the last bit, and Adam amplifies that in elements whose gradient
         is rounding noise (e.g. attention key biases). See docs/design.md [Note: clipping parity]."""
-        self.settle()
+        self.finish_downloads()
         norms = []
         for index, slot in enumerate(self.group.trainable_slots):
             if self.has_grad[index]:
@@ -166,7 +167,7 @@ class GradAccumulator:
     def all_finite(self, num_threads: Optional[int] = None) -> bool:
         """Whether every accumulated element is finite: one read of the gradient (2-4 B per parameter,
         against ~30 B the Adam update moves), with the update's threads."""
-        self.settle()
+        self.finish_downloads()
         if self.grad is None:
             return True
         grad = self.grad[:self.group.trainable_numel]
@@ -209,7 +210,7 @@ class WindowedGradAccumulator(GradAccumulator):
         with self._lock:
             if self.grad is None:
                 return
-            self.settle()
+            self.finish_downloads()
             self.pool.release(self.grad.nbytes)
             self.grad = None
             self.lost.update(i for i, has in enumerate(self.has_grad) if has)

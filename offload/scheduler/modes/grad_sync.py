@@ -49,7 +49,7 @@ class GradSync:
         return [state.reduced_ready or [] for state in states]
 
     def _reduce_group(self, state: GroupState, mine: set) -> None:
-        state.grads.settle()
+        state.grads.finish_downloads()
         grad = state.grads.buffer(wait=False)
         for index, slot in enumerate(state.group.trainable_slots):
             if index not in mine:

@@ -59,7 +59,7 @@ class GroupState:
                num_threads: Optional[int] = None) -> None:
         """One AdamW step of the parameters in `ready` (taken when the update was scheduled); new compute
         weights go to `out` when the store does not keep them. `num_threads` caps the CPU kernel's threads."""
-        self.grads.settle()
+        self.grads.finish_downloads()
         if ready:
             adamw(self.store, self.grads.buffer(wait=False), self.advance_steps(ready, hypers), grad_scale, out,
                   num_threads)

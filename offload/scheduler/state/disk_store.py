@@ -82,21 +82,21 @@ class DiskStore:
         """The announced update will not run (non-finite gradients): release the reads started for it."""
         self._ring.discard(self.group)
 
-    def settle(self) -> None:
+    def drain(self) -> None:
         """Finish every write in flight and drop reads ahead: the swap file then holds the current state."""
         self._ring.drain()
 
     # ----- checkpoint side -----
     def swap_sections(self) -> Optional[SwapSections]:
-        """The record's sections in the swap file, for copy-on-write clones (after `settle`)."""
-        self.settle()
+        """The record's sections in the swap file, for copy-on-write clones (after `drain`)."""
+        self.drain()
         fd, offsets, nbytes = self._ring.swap.section_spans(self.group)
         return SwapSections(fd, offsets, nbytes)
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[Iterator[Tuple[int, int, Views]]]:
         """The record as host chunks in order (read-only; a chunk's views are valid until the next one)."""
-        self.settle()
+        self.drain()
         with self._ring.borrow(2) as slots:
             chunks = self._read_chunks(slots)
             try:
@@ -138,7 +138,7 @@ class DiskStore:
         """New state chunk by chunk: chunk i is filled while chunk i-1 is written. `cloned[i]`: the swap file
         already holds that many leading elements of section i (cloned copy-on-write); they are sealed, not
         written. A `fill` that fails leaves the record partly written, which the load reports."""
-        self.settle()
+        self.drain()
         with self._ring.borrow(2) as slots:
             in_flight: List[Callable[[], None]] = []
             try:

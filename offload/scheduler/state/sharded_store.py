@@ -76,8 +76,8 @@ class ShardedStore:
     def discard(self) -> None:
         self.inner.discard()
 
-    def settle(self) -> None:
-        self.inner.settle()
+    def drain(self) -> None:
+        self.inner.drain()
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[Iterator[Tuple[int, int, Views]]]:
@@ -86,8 +86,21 @@ class ShardedStore:
             yield ((lo + a, lo + b, views) for a, b, views in chunks)
 
     def write(self, fill: Fill, cloned: Cloned = (0, 0, 0)) -> None:
-        lo = self.shard.lo
-        self.inner.write(lambda a, b, views: fill(lo + a, lo + b, views))
+        """`fill` in the group's coordinates. Nothing is cloned into a part (`swap_sections` is None)."""
+        if any(cloned):
+            raise ValueError(f"a rank's part of the optimizer state is written, never cloned (cloned={cloned})")
+        self.inner.write(_InPartCoordinates(fill, self.shard.lo))
 
     def swap_sections(self) -> Optional[SwapSections]:
         return None  # a part's sections are not a checkpoint file's: no copy-on-write clones
+
+
+class _InPartCoordinates:
+    """A `Fill` in the group's coordinates, called by the inner store in the part's own ([0, hi - lo))."""
+
+    def __init__(self, fill: Fill, lo: int) -> None:
+        self._fill = fill
+        self._lo = lo
+
+    def __call__(self, start: int, stop: int, views: Views) -> None:
+        self._fill(self._lo + start, self._lo + stop, views)

@@ -48,9 +48,10 @@ class StateStore(Protocol):
 
     Update side: `announce` (on the training thread, when the update is scheduled: reads may start now),
     then on the worker, for each span of `chunks()`:
-    `load`, update in place, `store` (or `abandon` when the update failed). `discard` drops what
-    `announce` started when the update will not run. Checkpoint side (no update running): `settle`, then
-    `reading()` / `write(fill)`."""
+    `load`, update in place, `store` (or `abandon` when the update failed: nothing is written back, though
+    a store whose `load` hands out the state itself, `MemoryStore`, keeps what the update changed before it
+    failed; a failed update poisons the engine either way). `discard` drops what `announce` started when the
+    update will not run. Checkpoint side (no update running): `drain`, then `reading()` / `write(fill)`."""
 
     group: FlatGroup
     uses_cpu_kernel: bool  # fp32 state in host memory: the fused CPU Adam; else torch maths on the device
@@ -75,7 +76,8 @@ class StateStore(Protocol):
 
     def discard(self) -> None: ...
 
-    def settle(self) -> None: ...
+    def drain(self) -> None:
+        """Every write of the state on its medium, reads ahead dropped (the checkpoint side's first step)."""
 
     def reading(self) -> "contextlib.AbstractContextManager[Iterator[Tuple[int, int, Views]]]": ...
 
@@ -152,7 +154,7 @@ class MemoryStore:
     def discard(self) -> None:
         pass
 
-    def settle(self) -> None:
+    def drain(self) -> None:
         pass
 
     # ----- checkpoint side -----

@@ -145,7 +145,7 @@ def ring_slots_all_back(case: StoreCase, settle: bool = True) -> bool:
     """Whether every slot of a disk store's ring is free (once its writes are done and its reads ahead
     dropped, when `settle`); true for a store without a ring."""
     if settle:
-        case.store.settle()
+        case.store.drain()
     return case.ring is None or len(case.ring._slots.free) == case.ring.depth
 
 

@@ -87,7 +87,7 @@ def test_abandon_writes_nothing_back_and_returns_the_chunk(case):
 
 def test_announce_then_discard_or_load_loses_no_data(case):
     set_state(case.store, salt=1.0)
-    case.store.settle()
+    case.store.drain()
     case.store.announce()
     if case.ring is not None:
         assert case.ring.stats()["nvme_chunks_read_ahead"] > 0
@@ -110,7 +110,7 @@ def test_announce_then_discard_or_load_loses_no_data(case):
 
 def test_reading_yields_every_chunk_in_order_with_the_current_values(case):
     set_state(case.store, salt=3.0)
-    case.store.settle()
+    case.store.drain()
     _assert_state(case, _patterns(case, 3.0))  # spans == chunks(), in order, each with its values
 
 
