@@ -442,10 +442,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _median_of(runs: List[dict], key: str, rank: int) -> float:
     """The median of `key` over one rank's runs."""
     return summarize([d[key] for d in runs if d["rank"] == rank])[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
