@@ -85,6 +85,22 @@ def ring_depth_for(ring_bytes: int, largest_record_numel: int) -> int:
 
 
 @dataclass(frozen=True)
+class GradFlow:
+    """When a step's gradients are consumed, which decides where they may wait (nvme tier, host budget): by the
+    updates during the last backward (accumulation declared, no clipping: a window of them suffices), or only
+    after it (clipping needs the global norm; undeclared accumulation cannot know which backward is the last).
+    See docs/design.md [Note: gradients on disk]."""
+
+    declared_steps: Optional[int] = None  # grad_accumulation_steps when declared
+    clipping: bool = False
+    itemsize: int = 4  # of the compute dtype: what a gradient element costs
+
+    @property
+    def consumed_in_backward(self) -> bool:
+        return self.declared_steps is not None and not self.clipping
+
+
+@dataclass(frozen=True)
 class Plan:
     """Where each block's weights and state live, with the bytes each tier must hold."""
 
@@ -95,6 +111,9 @@ class Plan:
     ring_bytes: int = 0  # nvme tier: host staging ring through which disk-resident state and weights flow
     grad_window_bytes: Optional[int] = None  # nvme tier, gradients windowed: host bytes for gradients at once
     device_grad_bytes: int = 0  # streamed weights under a device budget: room for autograd's largest gradient
+    grads_on_disk: bool = False  # gradients that must wait go to their records in the swap file (a window stays)
+    grad_disk_bytes_per_step: int = 0  # bytes of gradients written and read back per step (an estimate)
+    micro_batches_on_device: bool = True  # declared accumulation's earlier micro-batches sum on the device
 
     @property
     def host_grad_bytes(self) -> int:
@@ -108,9 +127,14 @@ class Plan:
         """What the device budget leaves for weights: `device_grad_bytes` is kept for autograd's gradient."""
         return None if self.device_budget is None else self.device_budget - self.device_grad_bytes
 
+    @property
+    def all_grad_bytes(self) -> int:
+        return sum(b.grad_bytes for b in self.blocks)
+
     def bytes_on(self, location: Location) -> int:
         total = self.ring_bytes + self.host_grad_bytes if location is Location.HOST else 0
         total += self.device_grad_bytes if location is Location.DEVICE else 0
+        total += self.all_grad_bytes if location is Location.DISK and self.grads_on_disk else 0
         for block in self.blocks:
             total += block.weight_bytes if block.weights is location else 0
             total += block.state_bytes if block.state is location else 0
@@ -141,25 +165,38 @@ class Plan:
             limit = "no budget" if budget is None else f"budget {_human(budget)}"
             lines.append(f"total on {location.value}: {_human(self.bytes_on(location))} ({limit})")
         if self.ring_bytes:
-            grads = _human(self.host_grad_bytes)
-            if self.grad_window_bytes is not None:
-                grads = f"a window of {grads} (of {_human(sum(b.grad_bytes for b in self.blocks))}: each block's " \
-                        "gradient lives from its first part to its update during the last backward)"
-            lines.append(f"  host holds: gradients {grads}, staging ring {_human(self.ring_bytes)}")
+            lines.append(f"  gradients: {self.grads_placement()}")
+            lines.append(f"  host holds: gradients {_human(self.host_grad_bytes)}, staging ring "
+                         f"{_human(self.ring_bytes)}")
         if self.device_grad_bytes:
             lines.append(f"  device keeps {_human(self.device_grad_bytes)} for the largest gradient autograd makes "
                          "before the engine takes it")
         return "\n".join(lines)
 
+    def grads_placement(self) -> str:
+        """Where the gradients live, in words (the plan's table and `python -m offload estimate` print it)."""
+        everything = _human(self.all_grad_bytes)
+        if self.grads_on_disk:
+            return (f"a window of {_human(self.grad_window_bytes)} in host memory, all {everything} on disk (a "
+                    f"record per group in the swap file): about {_human(self.grad_disk_bytes_per_step)} written and "
+                    "read back per step, per micro-batch without declared accumulation (declaring "
+                    "grad_accumulation_steps without max_grad_norm is the fast path: no gradient goes to disk)")
+        if self.grad_window_bytes is not None:
+            return (f"a window of {_human(self.grad_window_bytes)} (of {everything}; the fast path: each block's "
+                    "update consumes its gradient during the last backward)")
+        return f"all {everything} in host memory"
+
 
 def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[int],
-              host_budget: Optional[int], ring: Optional[RingSize] = None, grad_window: bool = False) -> Plan:
+              host_budget: Optional[int], ring: Optional[RingSize] = None, grads: GradFlow = GradFlow()) -> Plan:
     """Place each block; raises OffloadConfigError naming the block or budget that cannot work.
 
-    nvme tier (`ring` given): host memory holds the gradient accumulators (all of them, or with
-    `grad_window` a window of GRAD_WINDOW_BLOCKS of the largest), then the staging ring (at least its minimum,
-    up to its preferred size or a quarter of what is left), then streamed weights in forward order; weights
-    that do not fit go to disk. See docs/design.md [Note: the nvme step pipeline], [Note: the gradient window]."""
+    nvme tier (`ring` given): host memory holds the gradients (all of them; or a window of GRAD_WINDOW_BLOCKS
+    of the largest when `grads` are consumed during the last backward, or when they must wait and do not all
+    fit: the others then wait on disk), then the staging ring (at least its minimum, up to its preferred size
+    or a quarter of what is left), then streamed weights in forward order; weights that do not fit go to disk.
+    See docs/design.md [Note: the nvme step pipeline], [Note: the gradient window], [Note: gradients on
+    disk]."""
     if not blocks:
         raise OffloadConfigError("the model has no parameters to offload")
     if tier is Tier.GPU:
@@ -196,10 +233,12 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
         host_left = None if host_left is None else host_left - state_total
     ring_bytes = 0
     window: Optional[int] = None
+    on_disk = False
+    on_device = device_budget is None  # declared accumulation's earlier micro-batches sum on the device
     if tier is Tier.NVME:
         ring = ring or RingSize(0, 0)
-        window = grad_window_bytes(blocks) if grad_window else None
-        host_left, ring_bytes = _reserve_nvme_host(blocks, host_left, ring, window)
+        window, on_disk = _grad_home(blocks, host_left, ring, grads, on_device)
+        host_left, ring_bytes = _reserve_nvme_host(blocks, host_left, ring, window, grads)
     device_left: Optional[int] = None
     if device_budget is not None:
         device_left = device_budget - workspace
@@ -224,42 +263,80 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
                 "the host budget left after the optimizer state; use tier='nvme' or raise a budget")
         placements.append(BlockPlacement(block.name, weights, state_home, block.weight_bytes, block.state_bytes,
                                          block.grad_bytes))
-    return Plan(tier, tuple(placements), device_budget, host_budget, ring_bytes, window, workspace)
+    disk_traffic = _grad_disk_bytes(sum(b.grad_bytes for b in blocks), grads, on_device) if on_disk else 0
+    return Plan(tier, tuple(placements), device_budget, host_budget, ring_bytes, window, workspace, on_disk,
+                disk_traffic, on_device)
 
 
-GRAD_WINDOW_BLOCKS = 3  # gradients in host memory at once: one filling, one updating, one tied or reused
+GRAD_WINDOW_BLOCKS = 3  # gradients in host memory at once: one filling, one updating (or going to disk), one slack
+MIN_GRAD_WINDOW_BLOCKS = 2  # the least that works: one filling while one updates or goes to disk
 
 
-def grad_window_bytes(blocks: Sequence[BlockSpec]) -> int:
-    """The gradient window: GRAD_WINDOW_BLOCKS of the largest block's gradient, at most all of them."""
-    largest = max((b.grad_bytes for b in blocks), default=0)
-    return min(GRAD_WINDOW_BLOCKS * largest, sum(b.grad_bytes for b in blocks))
+def grad_window_bytes(blocks: Sequence[BlockSpec], count: int = GRAD_WINDOW_BLOCKS) -> int:
+    """The gradient window: the gradients of the `count` largest blocks (at most all of them)."""
+    return sum(sorted((b.grad_bytes for b in blocks), reverse=True)[:count])
+
+
+def _grad_home(blocks: Sequence[BlockSpec], host_left: Optional[int], ring: RingSize, flow: GradFlow,
+               micro_batches_on_device: bool) -> Tuple[Optional[int], bool]:
+    """(host window bytes or None for all of them, whether gradients that must wait go to disk)."""
+    if host_left is None:
+        return None, False  # no budget: every gradient stays in host memory
+    window = grad_window_bytes(blocks)
+    least = grad_window_bytes(blocks, MIN_GRAD_WINDOW_BLOCKS)
+    if window + ring.minimum > host_left >= least + ring.minimum:
+        window = least  # the backward then waits for each update (or write) before taking the next buffer
+    earlier_wait = (flow.declared_steps or 1) > 1 and not micro_batches_on_device
+    if flow.consumed_in_backward and not earlier_wait:
+        return window, False  # the fast path: the last backward's updates consume each block's gradient
+    if sum(b.grad_bytes for b in blocks) + ring.minimum <= host_left:
+        return None, False  # they all fit
+    return window, True
+
+
+def _grad_disk_bytes(all_grads: int, flow: GradFlow, micro_batches_on_device: bool) -> int:
+    """Gradient bytes written and read back per step: every micro-batch's sum goes to disk and comes back (the
+    next micro-batch adds to it, the update reads it), except the last one's when the last backward's updates
+    consume it."""
+    micro = flow.declared_steps or 1
+    waiting = micro - 1 if flow.consumed_in_backward else micro
+    if micro_batches_on_device and flow.declared_steps is not None:
+        waiting = 0 if flow.consumed_in_backward else 1  # the earlier micro-batches summed on the device
+    return 2 * waiting * all_grads
 
 
 def _reserve_nvme_host(blocks: Sequence[BlockSpec], host_left: Optional[int], ring: RingSize,
-                       window: Optional[int]) -> Tuple[Optional[int], int]:
+                       window: Optional[int], flow: GradFlow) -> Tuple[Optional[int], int]:
     """Host bytes left for streamed weights after the gradients and the staging ring, and the ring size."""
     if host_left is None:
         return None, ring.preferred
     grads = sum(b.grad_bytes for b in blocks) if window is None else window
     need = grads + ring.minimum
-    if need > host_left:
-        biggest = max(blocks, key=lambda b: b.grad_bytes)
-        hint = ""
-        if window is None and grad_window_bytes(blocks) + ring.minimum <= host_left:
-            hint = (f"; or declare grad_accumulation_steps (without max_grad_norm): the gradients then need only a "
-                    f"window of {_human(grad_window_bytes(blocks))}")
-        what = "the gradient accumulators need" if window is None else "the gradient window needs"
-        raise OffloadConfigError(
-            f"host_memory ({_human(host_left)}) is too small for tier='nvme': {what} "
-            f"{_human(grads)} (the largest, block {biggest.name!r}, {_human(biggest.grad_bytes)}) and the staging "
-            f"ring at least {_human(ring.minimum)}; raise host_memory to at least {need} bytes{hint}")
+    if need > host_left:  # only a window can fail to fit: all the gradients are held only when they fit
+        least = grad_window_bytes(blocks, MIN_GRAD_WINDOW_BLOCKS)
+        raise OffloadConfigError(_too_small(blocks, host_left, ring, flow, least))
     spare = host_left - need
     # Half of what is left, up to the preferred ring: when weights spill to disk every fetch and update goes
     # through the ring, and a deeper one pipelines them (bench_train's weights-on-disk row: 1.89x -> 1.63x
     # torch AdamW's step time, three runs each, against a quarter).
     ring_bytes = ring.minimum + min(max(ring.preferred - ring.minimum, 0), spare // 2)
     return host_left - grads - ring_bytes, ring_bytes
+
+
+def _too_small(blocks: Sequence[BlockSpec], host_left: int, ring: RingSize, flow: GradFlow, least: int) -> str:
+    """The refusal of a host budget too small for the nvme tier even with the least gradient window (`least`
+    bytes): the least host budget that works, and every option."""
+    biggest = max(blocks, key=lambda b: b.grad_bytes)
+    need = least + ring.minimum
+    options = [f"raise host_memory to at least {need} bytes"]
+    if flow.itemsize > 2:
+        options.append(f"compute in bfloat16 (dtype=torch.bfloat16): the gradients take half, the window then "
+                       f"{_human(least // 2)}")
+    options.append("a model with smaller blocks (layers): the window holds the largest blocks' gradients")
+    return (f"host_memory ({_human(host_left)} left for it) is too small for tier='nvme': the gradient window (the "
+            f"{MIN_GRAD_WINDOW_BLOCKS} largest blocks' gradients; the largest, block {biggest.name!r}, "
+            f"{_human(biggest.grad_bytes)}) needs {_human(least)} and the staging ring at least "
+            f"{_human(ring.minimum)}; " + "; or ".join(options))
 
 
 def group_bytes(trainable_numel: int, dtype: torch.dtype, tier: Tier) -> Tuple[int, int]:

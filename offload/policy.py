@@ -130,13 +130,6 @@ class OffloadPolicy:
         """See `bounds_host_memory`."""
         return bounds_host_memory(self.tier, self.host_memory)
 
-    @property
-    def windowed_grads(self) -> bool:
-        """nvme tier under a host budget, accumulation declared, no clipping: each block's gradient is
-        consumed by its update during the last backward, so host memory holds a window of gradients
-        (docs/design.md [Note: the gradient window]). Without a budget the buffers stay allocated: giving
-        them back each step only costs page faults."""
-        return self.bounds_host_memory and self.grad_accumulation_steps is not None and self.max_grad_norm is None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tier, Tier):

@@ -23,7 +23,7 @@ import torch
 
 from offload.cli.options import byte_size, positive_int
 from offload.errors import OffloadConfigError
-from offload.planner import BlockSpec, Location, Plan, make_plan, ring_size_for, spec_of
+from offload.planner import BlockSpec, GradFlow, Location, Plan, make_plan, ring_size_for, spec_of
 from offload.planner import human_bytes as _human
 from offload.policy import Tier, parse_bytes
 
@@ -61,33 +61,25 @@ class ModelShape:
 
 
 def estimate(shape: ModelShape, tier: Tier, dtype: torch.dtype, device_memory: Optional[int],
-             host_memory: Optional[int], grad_window: bool = False) -> Plan:
-    """The plan `offload.wrap` would make for a model of this shape (all parameters trainable); `grad_window`:
-    accumulation declared without clipping, so the nvme tier windows the gradients."""
+             host_memory: Optional[int], flow: Optional[GradFlow] = None) -> Plan:
+    """The plan `offload.wrap` would make for a model of this shape (all parameters trainable); `flow`: when the
+    gradients are consumed (declared accumulation, clipping), which decides where the nvme tier keeps them."""
     itemsize = dtype.itemsize
     specs: List[BlockSpec] = [spec_of(block[0], block[1] * itemsize, [(block[1], dtype)], tier, largest * itemsize)
                               for block, largest in zip(shape.blocks, shape.largest_tensors())]
     ring = ring_size_for(max(block[1] for block in shape.blocks)) if tier is Tier.NVME else None
-    return make_plan(specs, tier, device_memory, host_memory, ring, grad_window=grad_window)
-
-
-def _with_window(shape: ModelShape, tier: Tier, dtype: torch.dtype, device_memory: Optional[int],
-                 host_memory: Optional[int]) -> Optional[Plan]:
-    """The nvme plan with windowed gradients, when that one fits."""
-    if tier is not Tier.NVME:
-        return None
-    try:
-        return estimate(shape, tier, dtype, device_memory, host_memory, grad_window=True)
-    except OffloadConfigError:
-        return None
+    return make_plan(specs, tier, device_memory, host_memory, ring, flow or GradFlow(itemsize=itemsize))
 
 
 def _summary(plan: Plan) -> str:
     disk_weights = len(plan.disk_weight_blocks)
     streamed = len(plan.streamed_blocks)
-    return (f"device {_human(plan.bytes_on(Location.DEVICE)):>10}  host {_human(plan.bytes_on(Location.HOST)):>10}  "
+    line = (f"device {_human(plan.bytes_on(Location.DEVICE)):>10}  host {_human(plan.bytes_on(Location.HOST)):>10}  "
             f"disk {_human(plan.bytes_on(Location.DISK)):>10}  streamed blocks {streamed}"
             + (f" ({disk_weights} from disk)" if disk_weights else ""))
+    if plan.tier is Tier.NVME:
+        line += f"\n           gradients: {plan.grads_placement()}"
+    return line
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -119,9 +111,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-memory", type=byte_size, default=None, help="device budget, e.g. 24GB")
     parser.add_argument("--host-memory", type=byte_size, default=None, help="host budget, e.g. 64GB")
     parser.add_argument("--grad-accumulation-steps", type=positive_int, default=None,
-                        help="declared as in offload.wrap: without --max-grad-norm the nvme tier then keeps only a "
-                             "window of gradients in host memory")
-    parser.add_argument("--max-grad-norm", action="store_true", help="clipping on (gradients are not windowed)")
+                        help="declared as in offload.wrap: without --max-grad-norm the nvme tier's updates consume "
+                             "the gradients during the last backward, so none goes to disk")
+    parser.add_argument("--max-grad-norm", action="store_true",
+                        help="clipping on: gradients wait for the global norm (on disk when they do not fit)")
     parser.add_argument("--blocks", action="store_true", help="print the per-block plan table too")
 
 
@@ -158,20 +151,14 @@ def run(args: argparse.Namespace) -> int:
           f"budgets: device {_human(device_memory) if device_memory else 'none'}, "
           f"host {_human(host_memory) if host_memory else 'none'}")
     fits_any = False
-    declared = getattr(args, "grad_accumulation_steps", None) is not None
-    clipping = getattr(args, "max_grad_norm", False)
+    flow = GradFlow(getattr(args, "grad_accumulation_steps", None), bool(getattr(args, "max_grad_norm", False)),
+                    dtype.itemsize)
     for tier in tiers:
-        window = tier is Tier.NVME and declared and not clipping
         try:
-            plan = estimate(shape, tier, dtype, device_memory, host_memory, grad_window=window)
+            plan = estimate(shape, tier, dtype, device_memory, host_memory, flow)
         except OffloadConfigError as exc:
-            windowed = None if window or clipping else _with_window(shape, tier, dtype, device_memory, host_memory)
-            if windowed is None:
-                print(f"tier={tier.value:<5} does not fit: {exc}")
-                continue
-            plan = windowed
-            print(f"tier={tier.value:<5} fits with grad_accumulation_steps declared and no clipping (gradients "
-                  f"windowed: {_human(plan.grad_window_bytes)} on the host); without: {exc}")
+            print(f"tier={tier.value:<5} does not fit: {exc}")
+            continue
         fits_any = True
         print(f"tier={tier.value:<5} {_summary(plan)}")
         if args.blocks:

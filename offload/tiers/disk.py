@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # descriptions only: the tiers never call into the scheduler
 
 ALIGNMENT = 4096
 STATE_TENSORS = ("master", "exp_avg", "exp_avg_sq")
+WEIGHTS, GRADS = "weights", "grads"  # the arrays a group may keep in the swap file besides its state
 LAYOUT_VERSION = 2  # 2: sections padded to 4 KiB (section_bytes)
 
 
@@ -65,8 +66,9 @@ def section_bytes(numel: int) -> int:
 
 @dataclass(frozen=True)
 class WeightRecord:
-    """Where the compute weights of one flat group live when the plan puts the block's weights on disk:
-    the whole group (trainable then frozen parameters) in its compute dtype, at a 4 KiB-aligned offset."""
+    """Where an array of one flat group lives in the swap file, in the group's compute dtype, at a 4 KiB-aligned
+    offset: its compute weights when the plan puts the block's weights on disk (the whole group, trainable then
+    frozen parameters), or its gradient when gradients spill (the trainable range; grad_records)."""
 
     block: str
     dtype: str
@@ -78,6 +80,26 @@ class WeightRecord:
     @property
     def nbytes(self) -> int:
         return self.numel * self.itemsize
+
+
+def plan_grad_layout(blocks: List["Block"], start: int,
+                     numel_of: Optional[Callable[[Any], int]] = None) -> Tuple[Dict[str, WeightRecord], int]:
+    """A gradient record for every group that trains (its trainable range, in the compute dtype; `numel_of`: a
+    data-parallel rank's padded range), placed from byte `start`; the new end. See docs/design.md
+    [Note: gradients on disk]."""
+    records: Dict[str, WeightRecord] = {}
+    offset = round_up(start, ALIGNMENT)
+    for block in blocks:
+        for group in block.groups:
+            if not group.trainable_numel:
+                continue
+            numel = group.trainable_numel if numel_of is None else numel_of(group)
+            params = tuple((s.name, tuple(s.shape), s.offset) for s in group.trainable_slots)
+            record = WeightRecord(block.name, str(group.dtype).replace("torch.", ""), offset, numel,
+                                  group.dtype.itemsize, params)
+            records[group.key] = record
+            offset += round_up(record.nbytes, ALIGNMENT)
+    return records, offset
 
 
 def plan_weight_layout(blocks: List["Block"], names: Tuple[str, ...], start: int) -> Tuple[Dict[str, WeightRecord], int]:
@@ -145,12 +167,14 @@ class SwapStore:
     """The swap file of one engine: created at wrap(), preallocated, removed at close()."""
 
     def __init__(self, directory: str, records: Dict[str, SwapRecord], size: int,
-                 weights: Optional[Dict[str, WeightRecord]] = None) -> None:
+                 weights: Optional[Dict[str, WeightRecord]] = None,
+                 grads: Optional[Dict[str, WeightRecord]] = None) -> None:
         remove_leftovers(directory)  # of crashed runs: before the room check, so their space counts
         check_room(directory, size)
         self.directory = directory
         self.records = records  # by the group's layout key (`FlatGroup.key`), as `weights` and the checksums
         self.weights: Dict[str, WeightRecord] = weights or {}
+        self.grads: Dict[str, WeightRecord] = grads or {}  # spilled gradients (plan.grads_on_disk)
         self.path = os.path.join(directory, f"offload-{os.getpid()}-{uuid.uuid4().hex[:8]}.swap")
         self.layout_path = self.path + ".layout.json"
         # A script that ends (or drops its engine) without close(): the files go at interpreter exit or
@@ -170,7 +194,8 @@ class SwapStore:
         records = [dict(r.__dict__, section_bytes=r.section_bytes) for r in self.records.values()]
         layout = {"version": LAYOUT_VERSION, "swap_file": os.path.basename(self.path), "size": size,
                   "tensors": list(STATE_TENSORS), "records": records,
-                  "weights": [r.__dict__ for r in self.weights.values()]}
+                  "weights": [r.__dict__ for r in self.weights.values()],
+                  "grads": [r.__dict__ for r in self.grads.values()]}
         tmp = self.layout_path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(layout, f, indent=1)
@@ -245,16 +270,24 @@ class SwapStore:
 
     def read_weights(self, group: "FlatGroup", start: int, tensor: Tensor) -> IOFuture:
         """Start reading the group's compute weights from element `start` into `tensor` (its dtype)."""
-        return self._read(*self._weights_piece(group, start), start, tensor)
+        return self._read(*self._array_piece(WEIGHTS, group, start), start, tensor)
 
     def write_weights(self, group: "FlatGroup", start: int, tensor: Tensor) -> IOFuture:
         """Start writing `tensor` (the group's compute dtype) to the group's compute weights from element
         `start`."""
-        return self._write(*self._weights_piece(group, start), start, tensor)
+        return self._write(*self._array_piece(WEIGHTS, group, start), start, tensor)
 
-    def _weights_piece(self, group: "FlatGroup", start: int) -> Tuple[tuple, int, str]:
-        record = self.weights[group.key]
-        return (group.key, "weights"), record.offset + start * record.itemsize, record.block
+    def read_grads(self, group: "FlatGroup", start: int, tensor: Tensor) -> IOFuture:
+        """Start reading the group's spilled gradient from element `start` into `tensor` (its dtype)."""
+        return self._read(*self._array_piece(GRADS, group, start), start, tensor)
+
+    def write_grads(self, group: "FlatGroup", start: int, tensor: Tensor) -> IOFuture:
+        """Start writing `tensor` to the group's gradient record from element `start`."""
+        return self._write(*self._array_piece(GRADS, group, start), start, tensor)
+
+    def _array_piece(self, kind: str, group: "FlatGroup", start: int) -> Tuple[tuple, int, str]:
+        record = (self.weights if kind == WEIGHTS else self.grads)[group.key]
+        return (group.key, kind), record.offset + start * record.itemsize, record.block
 
     def _read(self, key: tuple, offset: int, block: str, start: int, tensor: Tensor):
         """One piece of a record, verified after it is read (disk_checksums.py)."""

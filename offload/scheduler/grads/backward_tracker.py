@@ -24,8 +24,9 @@ class BackwardTracker:
     says how many firings make a parameter's gradient complete.
     """
 
-    def __init__(self, declared_steps: Optional[int]) -> None:
+    def __init__(self, declared_steps: Optional[int], micro_batches_on_device: bool = True) -> None:
         self.declared_steps = declared_steps
+        self._on_device = micro_batches_on_device  # the plan's: no device budget, the earlier ones stay there
         self.micro_batches = 0
         self.fires: Dict[int, int] = {}
         self.profile: Optional[Dict[int, int]] = None
@@ -113,8 +114,9 @@ class BackwardTracker:
 
     @property
     def keeps_grads_on_device(self) -> bool:
-        """Declared accumulation, not the last micro-batch: gradients accumulate on the device."""
-        return self.declared_steps is not None and self.micro_batches < self.declared_steps
+        """Declared accumulation, not the last micro-batch, no device budget: gradients accumulate on the
+        device (under a budget they leave it as for any backward, to their gradient homes)."""
+        return self._on_device and self.declared_steps is not None and self.micro_batches < self.declared_steps
 
     @property
     def next_is_last(self) -> bool:

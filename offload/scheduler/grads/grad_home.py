@@ -11,9 +11,10 @@ the downloads in flight (`finish_downloads`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
-from typing import List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +26,17 @@ from offload.scheduler.grads.grad_window import GradPool
 from offload.scheduler.grads.held_grad import HeldGrad
 from offload.tiers.copies import CopyContext, GradDownloads
 from offload.tiers.mapped import mapped_zeros
+
+if TYPE_CHECKING:
+    from offload.scheduler.ring.weight_io import DiskWeightIO
+
+
+class GradDiskBytes:
+    """What a spilling home moved to and from its record in the swap file (`engine.stats()`)."""
+
+    def __init__(self) -> None:
+        self.written = 0
+        self.read = 0
 
 
 class GradAccumulator:
@@ -47,6 +59,7 @@ class GradAccumulator:
         self.lost: Set[int] = set()  # parameters whose gradient was given back after its update
         # what each parameter's `.grad` holds while its gradient is here (held_grad.py)
         self.held = [HeldGrad(slot.param, slot.name) for slot in group.trainable_slots]
+        self.disk_bytes = GradDiskBytes()  # moved to and from the swap file (a spilling home's only)
 
     @property
     def nbytes(self) -> int:
@@ -72,6 +85,11 @@ class GradAccumulator:
         """Whether zeroing must wait for the block's pending update: it still reads the buffer, which zeros
         in place (set_to_none=False) would change under it."""
         return not set_to_none
+
+    parks = False  # its gradient never goes to disk (`SpillingGradAccumulator`)
+
+    def park(self) -> None:
+        """The gradient waits for a later use: it stays where it is."""
 
     def accumulate(self, index: int, grad: Tensor, fresh: bool = False) -> int:
         """Add one parameter's gradient into its range (a copy for the first one since `zero`, or when `fresh`:
@@ -222,6 +240,100 @@ class WindowedGradAccumulator(GradAccumulator):
     def _after_zero(self) -> None:
         self.release()
         self.lost.clear()
+
+
+class SpillingGradAccumulator(WindowedGradAccumulator):
+    """A windowed gradient home whose gradient, when it must wait (clipping needs the global norm; accumulation
+    is undeclared; a micro-batch is not the last), goes to its record in the swap file (`park`, on the worker
+    once the block's gradients are complete) and comes back at its next use: the next micro-batch's first
+    gradient reads the sum back and adds to it (torch's order: the running sum, then each new gradient), the
+    update, the norms and the finiteness check read it. `disk`: the ring's moves of gradient records
+    (ring/weight_io.py, kind GRADS). See docs/design.md [Note: gradients on disk]."""
+
+    parks = True
+
+    def __init__(self, group: FlatGroup, device: torch.device, copies: CopyContext, off_device: bool,
+                 pool: GradPool, disk: "DiskWeightIO", padded_numel: Optional[int] = None) -> None:
+        self._disk = disk
+        self.on_disk = False  # the sum since `zero` is in the swap file, not in `grad`
+        super().__init__(group, device, copies, off_device, pool, padded_numel)
+
+    def buffer(self, wait: bool = True) -> Tensor:
+        """The flat gradient in host memory: taken from the window, and read back when it waits on disk."""
+        with self._lock:
+            if self.grad is None:
+                self.pool.acquire(self.numel * self.group.dtype.itemsize, wait)
+                grad = self._new_buffer()
+                if self.on_disk:
+                    self._disk.read_weights(self.group, grad, _copy_staged)
+                    self.disk_bytes.read += grad.nbytes
+                    self.on_disk = False
+                self.grad = grad
+            return self.grad
+
+    def park(self) -> None:
+        """The gradient waits for a later micro-batch or the update: to its record, the buffer back to the
+        window. A buffer of zeros only (no gradient since `zero`) is dropped."""
+        with self._lock:
+            if self.grad is None:
+                return
+            self.finish_downloads()
+            if any(self.has_grad):
+                self._disk.write_weights(self.group, self.grad)
+                self.disk_bytes.written += self.grad.nbytes
+                self.on_disk = True
+            self.pool.release(self.grad.nbytes)
+            self.grad = None
+
+    def release(self) -> None:
+        """The update consumed the gradient: the buffer goes back, and what is on disk is stale."""
+        super().release()
+        self.on_disk = False
+
+    def zero(self, set_to_none: bool) -> None:
+        self.on_disk = False  # gone, or zeros (a buffer taken at the next use starts at zero)
+        super().zero(set_to_none)
+
+    def scale_(self, coef: float) -> None:
+        """As `GradAccumulator.scale_`, on the sum read back from disk if it waits there (then parked again)."""
+        if self.grad is None and self.on_disk:
+            self.buffer()
+            super().scale_(coef)
+            self.park()
+            return
+        super().scale_(coef)
+
+    def norms(self) -> List[Tuple[nn.Parameter, float]]:
+        with self._read_back():
+            return super().norms()
+
+    def all_finite(self, num_threads: Optional[int] = None) -> bool:
+        """Read back first when the sum waits on disk, and keep it: the update that asks reads it next."""
+        if self.grad is None and self.on_disk:
+            self.buffer()
+        return super().all_finite(num_threads)
+
+    @contextlib.contextmanager
+    def _read_back(self) -> Iterator[None]:
+        """A read of the gradient: a sum waiting on disk is read into a window buffer for it, and dropped after
+        (the record still holds it)."""
+        if self.grad is not None or not self.on_disk:
+            yield
+            return
+        self.buffer()
+        try:
+            yield
+        finally:
+            with self._lock:
+                assert self.grad is not None
+                self.pool.release(self.grad.nbytes)
+                self.grad = None
+                self.on_disk = True
+
+
+def _copy_staged(dst: Tensor, staged: Tensor) -> None:
+    """A ring slot's bytes of a gradient record into the host buffer."""
+    dst.copy_(staged)
 
 
 def released_gradient(name: str) -> OffloadError:

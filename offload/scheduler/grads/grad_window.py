@@ -23,6 +23,10 @@ class Updates(Protocol):
 
     def has_work(self) -> bool: ...
 
+    def on_own_thread(self) -> bool:
+        """Whether the caller is the worker itself (which must not wait for itself)."""
+        ...
+
 
 class GradPool:
     """A byte budget shared by the accumulators of one engine; thread-safe."""
@@ -44,7 +48,8 @@ class GradPool:
         the worker itself, which nothing else would free bytes for)."""
         with self._changed:
             while self.in_use and self.in_use + nbytes > self.budget_bytes:
-                if not wait or self._updates is None or not self._updates.has_work():
+                if not wait or self._updates is None or self._updates.on_own_thread() \
+                        or not self._updates.has_work():
                     self.over_budget_events += 1
                     break
                 self._changed.wait(WAIT_SLICE_SECONDS)

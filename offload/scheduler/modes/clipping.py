@@ -27,8 +27,8 @@ class Clipping(Protocol):
     updates_during_backward: bool  # blocks update as their gradients complete in the declared last backward
     checks_each_block: bool  # each update skips a group with inf/NaN gradients (no global norm decides)
 
-    def block_complete(self, block: "BlockRuntime", hypers: "StepHypers") -> None:
-        """The declared last backward completed the block's gradients."""
+    def block_complete(self, block: "BlockRuntime", hypers: "StepHypers", last: bool) -> None:
+        """A backward completed the block's gradients (`last`: the declared last one before step())."""
 
     def scale_for_step(self, blocks: List["BlockRuntime"], slots: "SlotTable", step: int) -> Optional[float]:
         """The gradient scale of this step's updates, or None: skip the step."""
@@ -38,8 +38,11 @@ class NoClipping:
     updates_during_backward = True
     checks_each_block = True
 
-    def block_complete(self, block: "BlockRuntime", hypers: "StepHypers") -> None:
-        block.update_early(hypers.for_early_update())
+    def block_complete(self, block: "BlockRuntime", hypers: "StepHypers", last: bool) -> None:
+        if last:
+            block.update_early(hypers.for_early_update())
+        elif block.spills:
+            block.park_grads(norms=False)
 
     def scale_for_step(self, blocks: List["BlockRuntime"], slots: "SlotTable", step: int) -> Optional[float]:
         return 1.0
@@ -56,8 +59,11 @@ class NormClipping:
         self._worker = worker
         self._reduction = reduction
 
-    def block_complete(self, block: "BlockRuntime", hypers: "StepHypers") -> None:
-        block.schedule_norms()
+    def block_complete(self, block: "BlockRuntime", hypers: "StepHypers", last: bool) -> None:
+        """The norms while the gradient is in memory (the last backward's are the step's; an earlier one's
+        serve when the block gets no more), then the gradient parks."""
+        if last or block.spills:
+            block.park_grads(norms=True)
 
     def scale_for_step(self, blocks: List["BlockRuntime"], slots: "SlotTable", step: int) -> Optional[float]:
         self._worker.wait_all()  # the norms computed during the backward

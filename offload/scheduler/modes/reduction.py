@@ -144,7 +144,7 @@ class DataParallelReduction:
         the ranks (the same total on every rank)."""
         for runtime in blocks:
             if runtime.states and runtime.shard_sumsq is None:
-                runtime.schedule_norms()
+                runtime.park_grads(norms=True)
         self._worker.wait_all()
         local = sum(runtime.shard_sumsq or 0.0 for runtime in blocks)
         return clip_scale_of(math.sqrt(self.dp.sum_all(local)), max_norm)

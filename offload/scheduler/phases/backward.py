@@ -52,9 +52,10 @@ class BackwardPhase:
             return
         if tracker.is_last_backward:
             tracker.watch_completion()  # blocks update during it: a failure partway must be told apart
-        ref.block.receive_grad(ref, param)
-        if tracker.is_last_backward and tracker.completes(ref.block.trainable_ids):
-            self._clipping.block_complete(ref.block, self._hypers)
+        block = ref.block
+        block.receive_grad(ref, param)
+        if (tracker.is_last_backward or block.spills) and tracker.completes(block.trainable_ids):
+            self._clipping.block_complete(block, self._hypers, tracker.is_last_backward)
 
     def collect_grads(self) -> None:
         """Before the step reads the gradients: take those still in `.grad` (fewer backward calls than

@@ -31,6 +31,9 @@ def engine_stats(counters: StepCounters, nonfinite: NonFiniteSkips, clock: Phase
     out["skipped_block_updates"] = nonfinite.block_skips
     out.update(forward_seconds=clock.forward_seconds, backward_seconds=clock.backward_seconds)
     out.update(tiers.stats())
+    homes = [s.grads for b in blocks if b.runtime is not None for s in b.runtime.states]
+    out.update(bytes_grads_to_disk=sum(h.disk_bytes.written for h in homes),
+               bytes_grads_from_disk=sum(h.disk_bytes.read for h in homes))
     out.update(host_state_bytes=sum(s.host_bytes for b in blocks if b.runtime is not None
                                     for s in b.runtime.states),  # 0 once closed: the state is freed
                # this rank's fp32 master weights and moments, on any tier (data-parallel: its parts only)

@@ -23,7 +23,7 @@ from offload.scheduler.records.group_state import GroupState
 from offload.scheduler.records.services import BlockServices
 from offload.scheduler.state.adamw import AdamHyper
 from offload.scheduler.torch_internals import after_backward
-from offload.scheduler.worker.jobs import GroupUpdate, NormJob, UpdateJob
+from offload.scheduler.worker.jobs import GroupUpdate, ParkJob, UpdateJob
 
 if TYPE_CHECKING:
     from offload.scheduler.records.slot_table import SlotRef
@@ -120,9 +120,15 @@ class BlockRuntime:
         self.services.counters.early_block_updates += 1
         self.schedule_update(hypers, 1.0, check_finite=True)
 
-    def schedule_norms(self) -> None:
-        """Queue the computation of the block's gradient norms (clipping) on the worker."""
-        self.services.worker.submit(self.block.index, NormJob(self, self.services.jobs), self.priority())
+    def park_grads(self, norms: bool) -> None:
+        """The block's gradients are complete for this backward and wait for a later use: queue, on the worker,
+        their norms (`norms`: clipping) and their parking (to disk, for a spilling gradient home)."""
+        self.services.worker.submit(self.block.index, ParkJob(self, norms, self.services.jobs), self.priority())
+
+    @property
+    def spills(self) -> bool:
+        """Whether its gradients go to disk when they must wait (docs/design.md [Note: gradients on disk])."""
+        return any(state.grads.parks for state in self.states)
 
     def priority(self) -> int:
         """The worker runs the block needed soonest by the next forward first (data-parallel: in submission
@@ -143,8 +149,9 @@ class BlockRuntime:
         """Move `param.grad` into its group's gradient home and leave the stand-in there ([Note: where a
         gradient is after backward]): a plain tensor means `.grad` was None before autograd wrote it (cleared
         since the engine took the last one), a HeldGrad with `pending` that autograd accumulated into it."""
-        self.wait_for_update(counted=False)  # the last update may still read the gradients
+        self.wait_for_update(counted=False)  # the last update (or parking) may still read the gradients
         self.services.reduction.check_arrival(self)
+        self.norms = None  # of a sum this gradient changes
         grad, grads = param.grad, ref.state.grads
         if isinstance(grad, HeldGrad):
             pending = grad.pop_pending()

@@ -33,6 +33,7 @@ from offload.planner import (  # the planner sizes the ring; re-exported (`__all
 )
 from offload.scheduler.ring.ring_slots import InFlight, Slot, SlotPool, WriteOrder
 from offload.scheduler.ring.weight_io import DiskWeightIO
+from offload.tiers.disk import GRADS, WEIGHTS
 from offload.trace import Tracer
 
 if TYPE_CHECKING:
@@ -58,7 +59,8 @@ class DiskRing:
         self._slots = SlotPool(pool, ring_bytes, depth)
         self._order = WriteOrder(self._slots, tracer)  # every wait for the disk is a "disk wait" span
         self._store = store
-        self._weights = DiskWeightIO(self._slots, self._order, store)
+        self._weights = DiskWeightIO(self._slots, self._order, store, WEIGHTS)
+        self._grads = DiskWeightIO(self._slots, self._order, store, GRADS)
         self._reads: Dict[ChunkKey, InFlight] = {}  # reads issued ahead, not yet loaded
         self._checked_out: Dict[ChunkKey, Optional[Slot]] = {}  # chunks being updated: from `load` to `store`
         self._announced: Dict[ChunkKey, Tuple["FlatGroup", int, int]] = {}  # to read ahead, in this order
@@ -254,6 +256,11 @@ class DiskRing:
     def weights(self) -> DiskWeightIO:
         """The moves of disk-resident compute weights through this ring's slots, in its write order."""
         return self._weights
+
+    @property
+    def grads(self) -> DiskWeightIO:
+        """The moves of spilled gradients through this ring's slots, in its write order."""
+        return self._grads
 
     # ----- internals ---------------------------------------------------------------------------------
     def _read_chunk(self, slot: Slot, group: "FlatGroup", start: int, stop: int) -> List["IOFuture"]:

@@ -1,8 +1,10 @@
-"""Reads and writes of disk-resident compute weights, through the nvme ring's slots.
+"""Reads and writes of a group's arrays on disk, through the nvme ring's slots: its compute weights, or its
+spilled gradient.
 
 When the plan puts a block's weights on disk, every fetch reads them from the swap file and every update's
-new weights are written back: both go through the staging ring's slots (ring_slots.SlotPool), a slot's worth
-at a time. They follow the ring's ordering rules, which live in one object shared with the chunk path
+new weights are written back; when gradients spill, a gradient that must wait is written to its record and
+read back for the next micro-batch or the update. Both go through the staging ring's slots
+(ring_slots.SlotPool), a slot's worth at a time. They follow the ring's ordering rules, which live in one object shared with the chunk path
 (ring_slots.WriteOrder): a read or write of a group first retires the ring's writes of it in flight, slots
 come from `WriteOrder.take`, a prefetch takes its slots with `take_ahead_locked` (never the ring's last
 free slots, so the chunk the step worker needs next can always get one), and an error a prefetch meets on
@@ -21,6 +23,7 @@ from torch import Tensor
 
 from offload.planner import SLOT_BYTES_PER_ELEMENT
 from offload.scheduler.ring.ring_slots import KEEP_FOR_LOAD
+from offload.tiers.disk import GRADS, WEIGHTS
 
 if TYPE_CHECKING:
     from offload.io.future import IOFuture
@@ -44,22 +47,40 @@ class WeightRead(NamedTuple):
 
 
 class DiskWeightIO:
-    """The compute-weight moves over `slots`, ordered after the state's writes by `order`."""
+    """The moves of one kind of array (`WEIGHTS` or `GRADS`) over `slots`, ordered after the state's writes by
+    `order`."""
 
-    def __init__(self, slots: "SlotPool", order: "WriteOrder", store: "SwapStore") -> None:
+    def __init__(self, slots: "SlotPool", order: "WriteOrder", store: "SwapStore", kind: str = WEIGHTS) -> None:
+        assert kind in (WEIGHTS, GRADS)
         self._slots = slots
         self._order = order
         self._store = store
+        self._kind = kind
+
+    def _submit_read(self, group: "FlatGroup", start: int, tensor: Tensor) -> "IOFuture":
+        if self._kind == WEIGHTS:
+            return self._store.read_weights(group, start, tensor)
+        return self._store.read_grads(group, start, tensor)
+
+    def _submit_write(self, group: "FlatGroup", start: int, tensor: Tensor) -> "IOFuture":
+        if self._kind == WEIGHTS:
+            return self._store.write_weights(group, start, tensor)
+        return self._store.write_grads(group, start, tensor)
+
+    def _numel(self, group: "FlatGroup") -> int:
+        """The array's elements: the whole group's weights, or its (padded, data-parallel) trainable range."""
+        records = self._store.weights if self._kind == WEIGHTS else self._store.grads
+        return records[group.key].numel
 
     def read_weights(self, group: "FlatGroup", dst: Tensor, copy: Callable[[Tensor, Tensor], None]) -> None:
         """Read the group's disk-resident compute weights, slot by slot, and `copy(dst_piece, staged)` each.
         Reads take a slot's worth at a time (several of the pieces `write_weights` sealed, each verified)."""
         self._order.wait_for_writes_of(group, 0, group.numel)
-        for start, stop in _pieces(group.numel, self._per_slot(dst.element_size())):
+        for start, stop in _pieces(self._numel(group), self._per_slot(dst.element_size())):
             slot = self._order.take()
             try:
                 staged = _staged(slot, start, stop, dst)
-                self._order.wait([self._store.read_weights(group, start, staged)])
+                self._order.wait([self._submit_read(group, start, staged)])
                 copy(dst[start:stop], staged)
             finally:
                 self._slots.give_back(slot)
@@ -68,12 +89,12 @@ class DiskWeightIO:
         """Write the group's compute weights (all of `src`) to its weight record, through the slots. Writes go
         in the updates' chunks, so each piece they seal is one an update's read covers whole and verifies."""
         self._order.wait_for_writes_of(group, 0, group.numel)
-        for start, stop in _pieces(group.numel, self._slots.chunk_numel):
+        for start, stop in _pieces(self._numel(group), self._slots.chunk_numel):
             slot = self._order.take()
             try:
                 staged = _staged(slot, start, stop, src)
                 staged.copy_(src[start:stop])
-                self._order.wait([self._store.write_weights(group, start, staged)])
+                self._order.wait([self._submit_write(group, start, staged)])
             finally:
                 self._slots.give_back(slot)
 
@@ -83,7 +104,7 @@ class DiskWeightIO:
         is still in flight. Complete it with `finish_weights_read`, or `cancel_weights_read`."""
         if not self._order.reap_or_defer():  # a prefetch is optional: a write's error goes to the worker
             return None
-        pieces = _pieces(group.numel, self._per_slot(itemsize))
+        pieces = _pieces(self._numel(group), self._per_slot(itemsize))
         with self._slots.lock:
             slots = self._order.take_ahead_locked(len(pieces), group, 0, group.numel, keep=KEEP_FOR_CHUNKS)
             if slots is None:
@@ -92,7 +113,7 @@ class DiskWeightIO:
             try:
                 for slot, (start, stop) in zip(slots, pieces):
                     staged = slot.raw[:(stop - start) * itemsize].view(group.dtype)
-                    taken.append(WeightRead(slot, start, stop, staged, self._store.read_weights(group, start, staged)))
+                    taken.append(WeightRead(slot, start, stop, staged, self._submit_read(group, start, staged)))
             except BaseException:
                 for slot in slots[len(taken):]:  # no read targets these
                     self._slots.give_back_locked(slot)

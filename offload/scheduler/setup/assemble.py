@@ -55,16 +55,17 @@ def assemble(blocks: List[Block], module: nn.Module, policy: OffloadPolicy, plan
         group_of = {p: i for i, g in enumerate(optimizer_groups) for p in g["params"]}
         materialize(blocks, module, plan, policy, tiers, group_of, initial, services, dp)
         disk.drain()  # the start weights' writes on disk, every slot free
-        return _phases(blocks, module, policy, tiers, optimizer_groups, services, modes)
+        return _phases(blocks, module, policy, plan, tiers, optimizer_groups, services, modes)
     except BaseException:
         worker.close()
         raise
 
 
-def _phases(blocks: List[Block], module: nn.Module, policy: OffloadPolicy, tiers: Tiers,
+def _phases(blocks: List[Block], module: nn.Module, policy: OffloadPolicy, plan: Plan, tiers: Tiers,
             optimizer_groups: List[dict], services: BlockServices, modes: Modes) -> StepPipeline:
     slots = SlotTable(blocks, module)
-    tracker, clock = BackwardTracker(policy.grad_accumulation_steps), PhaseClock()
+    tracker = BackwardTracker(policy.grad_accumulation_steps, plan.micro_batches_on_device)
+    clock = PhaseClock()
     defaults = dict(lr=policy.lr, betas=policy.betas, eps=policy.eps, weight_decay=policy.weight_decay)
     optimizer = EngineOptimizer(optimizer_groups, defaults)
     hypers = StepHypers(optimizer.param_groups)

@@ -9,7 +9,7 @@ that train, its state store (memory or disk) and gradient home (records/).
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -17,10 +17,10 @@ from torch import nn
 from offload._system import return_freed_memory, unmap_large_allocations
 from offload.distributed.data_parallel import DataParallel
 from offload.errors import OffloadConfigError
-from offload.planner import Plan, make_plan, ring_depth_for, ring_size_for
+from offload.planner import GradFlow, Plan, make_plan, ring_depth_for, ring_size_for
 from offload.policy import OffloadPolicy, Tier
-from offload.scheduler.blocks.block import Block
-from offload.scheduler.grads.grad_home import GradAccumulator, WindowedGradAccumulator
+from offload.scheduler.blocks.block import Block, FlatGroup
+from offload.scheduler.grads.grad_home import GradAccumulator, SpillingGradAccumulator, WindowedGradAccumulator
 from offload.scheduler.grads.grad_window import GradPool
 from offload.scheduler.records.block_runtime import BlockRuntime
 from offload.scheduler.records.group_runtime import GroupRuntime
@@ -37,7 +37,7 @@ from offload.scheduler.weights.tiers import Tiers
 from offload.scheduler.weights.weight_home import DeviceHome, DiskHome, HostMirror, WeightHome
 from offload.tiers.copies import CopyContext
 from offload.tiers.device import DeviceTier
-from offload.tiers.disk import SwapStore, plan_swap_layout, plan_weight_layout, round_up
+from offload.tiers.disk import SwapStore, WeightRecord, plan_grad_layout, plan_swap_layout, plan_weight_layout, round_up
 from offload.tiers.host import StagingPool
 from offload.trace import Tracer
 
@@ -50,8 +50,9 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
     records, swap_size = plan_swap_layout(blocks, numel_of) if policy.tier is Tier.NVME else ({}, 0)
     largest_record = max((r.numel for r in records.values()), default=0)
     ring = ring_size_for(largest_record) if records else None
+    flow = GradFlow(policy.grad_accumulation_steps, policy.max_grad_norm is not None, policy.dtype.itemsize)
     plan = make_plan([b.spec(policy.tier) for b in blocks], policy.tier, policy.device_memory,
-                     policy.host_memory, ring, grad_window=policy.windowed_grads)
+                     policy.host_memory, ring, flow)
     if dp is not None and plan.disk_weight_blocks:
         raise OffloadConfigError(
             f"data-parallel training keeps every block's weights in host memory, but host_memory="
@@ -71,11 +72,15 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
                 "is no state to keep; use tier='cpu' (weights still stream under device_memory), or unfreeze the "
                 "parameters to train before offload.wrap()")
         weights, swap_size = plan_weight_layout(blocks, plan.disk_weight_blocks, swap_size)
+        grads: Dict[str, WeightRecord] = {}
+        if plan.grads_on_disk:
+            padded = None if dp is None else _padded_part(dp)
+            grads, swap_size = plan_grad_layout(blocks, swap_size, padded)
         directory = policy.nvme_path
         if dp is not None:
             directory = os.path.join(directory, f"rank-{dp.rank}")
             os.makedirs(directory, exist_ok=True)
-        tiers.swap = SwapStore(directory, records, swap_size, weights)
+        tiers.swap = SwapStore(directory, records, swap_size, weights, grads)
         try:
             tiers.staging = StagingPool(max(round_up(plan.ring_bytes, 4096), 4096))
             tiers.ring = DiskRing(tiers.swap, tiers.staging, plan.ring_bytes,
@@ -117,7 +122,7 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
                 shard = None if dp is None else dp.shard_of(group.trainable_numel)
                 store = _state_store(group, policy, tiers) if shard is None else \
                     ShardedStore(_state_store(ShardGroup(group, shard), policy, tiers), shard)
-                grads = _grad_home(group, store.on_host, policy, tiers, None if shard is None else shard.padded)
+                grads = _grad_home(group, store.on_host, policy, tiers, plan, None if shard is None else shard.padded)
                 state = GroupState(group, store, grads, [optimizer_group_of[s.param] for s in group.trainable_slots],
                                    shard)
             group.runtime = GroupRuntime(block, group, _weight_home(block, group, policy, tiers, streamed, on_disk,
@@ -146,11 +151,15 @@ def _state_store(group, policy: OffloadPolicy, tiers: Tiers) -> StateStore:
     return MemoryStore(group, torch.device("cpu") if on_host else policy.device, on_host)
 
 
-def _grad_home(group, on_host: bool, policy: OffloadPolicy, tiers: Tiers,
+def _grad_home(group, on_host: bool, policy: OffloadPolicy, tiers: Tiers, plan: Plan,
                padded_numel: Optional[int]) -> GradAccumulator:
-    """Host memory for the host tiers (the nvme tier's gradient window when the plan has one), else the
-    device."""
+    """Host memory for the host tiers (the nvme tier's gradient window when the plan has one, with the swap
+    file for the gradients that must wait when the plan puts them on disk), else the device."""
     device = torch.device("cpu") if on_host else policy.device
+    if plan.grads_on_disk:
+        assert tiers.grad_pool is not None and tiers.ring is not None
+        return SpillingGradAccumulator(group, device, tiers.copies, on_host, tiers.grad_pool, tiers.ring.grads,
+                                       padded_numel)
     if tiers.grad_pool is not None:
         return WindowedGradAccumulator(group, device, tiers.copies, on_host, tiers.grad_pool, padded_numel)
     return GradAccumulator(group, device, tiers.copies, on_host, padded_numel)
@@ -168,3 +177,10 @@ def _weight_home(block: Block, group, policy: OffloadPolicy, tiers: Tiers, strea
     if trains and policy.tier is not Tier.GPU and policy.device.type != "cpu":
         return HostMirror(group, tiers.copies, whole=False)  # an upload sends all of it, updated or not
     return DeviceHome(group)
+
+
+def _padded_part(dp: DataParallel) -> Callable[[FlatGroup], int]:
+    """A data-parallel rank's gradient of a group: the whole trainable range, padded to whole shards."""
+    def padded(group: FlatGroup) -> int:
+        return dp.shard_of(group.trainable_numel).padded
+    return padded

@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING, List
 
 from offload.scheduler.grads.nonfinite import NonFiniteSkips
-from offload.scheduler.worker.jobs import GroupUpdate, NormJob, UpdateJob
+from offload.scheduler.worker.jobs import GroupUpdate, ParkJob, UpdateJob
 from offload.trace import Tracer
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 class BlockJobs:
-    """The bodies of `UpdateJob` and `NormJob`, with what they report to: the counters and the non-finite
+    """The bodies of `UpdateJob` and `ParkJob`, with what they report to: the counters and the non-finite
     skips. `num_threads` caps the CPU Adam's threads."""
 
     def __init__(self, tracer: Tracer, counters: "StepCounters", num_threads: int,
@@ -38,8 +38,11 @@ class BlockJobs:
             self.reduction.update(job, self)
         self.counters.update_seconds += time.perf_counter() - start
 
-    def run_norms(self, job: NormJob) -> None:
-        self.reduction.norms(job.block, self.counters.steps)
+    def run_park(self, job: ParkJob) -> None:
+        if job.norms:
+            self.reduction.norms(job.block, self.counters.steps)
+        for state in job.block.states:
+            state.grads.park()
 
     def step_group(self, job: UpdateJob, part: GroupUpdate, ready: List[int]) -> None:
         """AdamW over one group's ready parameters; a write through a parameter meanwhile is noted."""

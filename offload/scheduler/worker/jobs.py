@@ -1,4 +1,5 @@
-"""The named jobs the update worker runs: one block's AdamW update, or its gradient norms for clipping.
+"""The named jobs the update worker runs: one block's AdamW update, or, once its gradients are complete for a
+backward, their norms (clipping) and their parking (gradients that wait go to disk).
 
 A job is made on the training thread when the block's update is scheduled (records/block_runtime.py: it
 captures what must not change before it runs: which parameters have gradients, the hyperparameters, where
@@ -24,7 +25,7 @@ class JobBodies(Protocol):
 
     def run_update(self, job: "UpdateJob") -> None: ...
 
-    def run_norms(self, job: "NormJob") -> None: ...
+    def run_park(self, job: "ParkJob") -> None: ...
 
 
 @dataclass(frozen=True)
@@ -54,11 +55,14 @@ class UpdateJob:
 
 
 @dataclass(frozen=True)
-class NormJob:
-    """The gradient norms of a block's parameters, computed on the worker during backward (clipping)."""
+class ParkJob:
+    """A block's gradients are complete for this backward and wait for later: on the worker, their norms when
+    `norms` (clipping: taken before they leave memory), then each group's gradient home parks them (a spilling
+    home writes them to disk; the others keep them)."""
 
     block: "BlockRuntime"
+    norms: bool
     bodies: JobBodies
 
     def __call__(self) -> None:
-        self.bodies.run_norms(self)
+        self.bodies.run_park(self)

@@ -24,6 +24,9 @@ class FakeUpdates:
     def __init__(self, working: bool) -> None:
         self.working = working
 
+    def on_own_thread(self) -> bool:
+        return False
+
     def has_work(self) -> bool:
         return self.working
 

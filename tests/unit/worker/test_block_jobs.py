@@ -1,5 +1,5 @@
 """`BlockJobs` with `LocalReduction` on its own (worker/block_jobs.py, modes/reduction.py): an `UpdateJob` and a
-`NormJob` of one block built with its records (records/: block runtime, group runtimes, group states with a
+`ParkJob` (norms) of one block built with its records (records/: block runtime, group runtimes, group states with a
 `MemoryStore` and a `GradAccumulator`), run by a real `StepWorker` through the block's `BlockServices`.
 
 The block: a bf16 linear and an fp32 LayerNorm (kept fp32, [Note: compute dtypes]), so two flat groups."""
@@ -27,7 +27,7 @@ from offload.scheduler.state.state_store import MemoryStore
 from offload.scheduler.weights.streamer import WeightStreamer
 from offload.scheduler.weights.weight_home import DeviceHome
 from offload.scheduler.worker.block_jobs import BlockJobs
-from offload.scheduler.worker.jobs import GroupUpdate, NormJob, UpdateJob
+from offload.scheduler.worker.jobs import GroupUpdate, ParkJob, UpdateJob
 from offload.scheduler.worker.step_worker import StepWorker
 from offload.tiers.copies import CopyContext
 from offload.tiers.device import DeviceTier
@@ -215,7 +215,7 @@ def test_a_norm_job_fills_the_blocks_norms_in_slot_order(one_block):
     for name, grad in grads.items():
         one_block.give_grad(name, grad)
     assert one_block.record.norms is None
-    one_block.worker.submit(one_block.block.index, NormJob(one_block.record, one_block.jobs))
+    one_block.worker.submit(one_block.block.index, ParkJob(one_block.record, True, one_block.jobs))
     one_block.worker.wait(one_block.block.index)
     norms = one_block.record.norms
     assert norms is not None
