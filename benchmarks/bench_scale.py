@@ -4,6 +4,7 @@ built on the meta device, initialized block by block by offload, trained a few s
     python benchmarks/bench_scale.py                      # ~2.5B parameters (40 GB of training state), minutes
     python benchmarks/bench_scale.py --params-target 4e9 --host-memory 3GB --device-memory 3GB --nvme-path /mnt/nvme
     python benchmarks/bench_scale.py --quick              # ~100M parameters, a smoke run of < 1 minute
+    python benchmarks/bench_scale.py --max-grad-norm 1.0  # clipping: the gradients wait on disk for the norm
 
 The model is transformers' `LlamaForCausalLM` from a `LlamaConfig` (hidden 2560, MLP 6912, 20 heads, vocab
 32000, untied head, layers chosen to reach `--params-target`), built under `accelerate.init_empty_weights()`
@@ -24,7 +25,6 @@ same blocks and budgets, against the plan `wrap()` made and the swap file it all
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
 import os
 import resource
@@ -46,7 +46,7 @@ from common import append_csv, machine_header, print_table  # noqa: E402
 import offload  # noqa: E402
 from offload.cli.estimate import ModelShape, estimate  # noqa: E402
 from offload.measure import DiskProbe, dram_bandwidth  # noqa: E402
-from offload.planner import Location  # noqa: E402
+from offload.planner import GradFlow, Location  # noqa: E402
 from offload.planner import human_bytes as human  # noqa: E402
 from offload.policy import Tier, parse_bytes  # noqa: E402
 
@@ -283,16 +283,15 @@ def deepspeed_line() -> str:
             "(the GPU issue compares with it)")
 
 
-def estimate_plan(blocks: List[tuple], device_memory: int, host_memory: int):
-    """What `python -m offload estimate` predicts for these blocks and budgets, with the gradient window when the
-    estimate knows about it (grad_accumulation_steps declared, no clipping, as this run wraps)."""
+def estimate_plan(blocks: List[tuple], device_memory: int, host_memory: int, clipping: bool):
+    """What `python -m offload estimate` predicts for these blocks and budgets and this run's gradient flow
+    (grad_accumulation_steps declared, clipping as asked)."""
     shape = ModelShape(tuple(blocks))
-    windowed = "grad_window" in inspect.signature(estimate).parameters
-    kwargs = {"grad_window": True} if windowed else {}
     try:
-        return estimate(shape, Tier.NVME, torch.bfloat16, device_memory, host_memory, **kwargs), windowed, None
+        plan = estimate(shape, Tier.NVME, torch.bfloat16, device_memory, host_memory, GradFlow(1, clipping, 2))
+        return plan, True, None
     except Exception as exc:  # noqa: BLE001 - OffloadConfigError: the estimate refuses; reported
-        return None, windowed, f"{type(exc).__name__}: {exc}"
+        return None, True, f"{type(exc).__name__}: {exc}"
 
 
 # ----- the run ---------------------------------------------------------------------------------------------------
@@ -313,6 +312,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--min-free-disk", default=None,
                         help="refuse a run that would leave less free disk (default 10GB; 1GB with --quick)")
     parser.add_argument("--builtin", action="store_true", help="the built-in Llama-like module, not transformers'")
+    parser.add_argument("--max-grad-norm", type=float, default=None,
+                        help="clip to this global norm: every gradient waits for it (on disk: docs/design.md "
+                             "[Note: gradients on disk])")
     parser.add_argument("--quick", action="store_true",
                         help="~100M parameters (hidden 768), budgets 250MB + 200MB: a smoke run (< 1 min)")
     args = parser.parse_args(argv)
@@ -334,8 +336,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     base_dir = args.nvme_path or tempfile.gettempdir()
     free_before = shutil.disk_usage(base_dir).free
-    # The swap file: 12 B/param of state, plus the bf16 weights the plan puts on disk (at most 2 B/param).
-    disk_need = 14 * n_params + (1 << 30)
+    # The swap file: 12 B/param of state, plus the bf16 weights the plan puts on disk (at most 2 B/param) and,
+    # clipping, the bf16 gradients' records (2 B/param).
+    disk_need = (16 if args.max_grad_norm is not None else 14) * n_params + (1 << 30)
     if free_before - disk_need < min_free:
         fits = (free_before - min_free - (1 << 30)) / 14
         print(f"not run: ~{disk_need / GB:.1f} GB of swap for {n_params / 1e9:.2f}B parameters would leave "
@@ -377,7 +380,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         t0 = time.perf_counter()
         engine = offload.wrap(model, tier="nvme", nvme_path=swap_dir, dtype=torch.bfloat16, device="cpu",
                               host_memory=host_memory, device_memory=device_memory, grad_accumulation_steps=1,
-                              init=init_fn)
+                              max_grad_norm=args.max_grad_norm, init=init_fn)
         wrap_seconds = time.perf_counter() - t0
         if init_bar is not None:
             init_bar.close()
@@ -393,6 +396,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{sum(b.weights is Location.DEVICE for b in plan.blocks)} blocks on device, "
               f"{sum(b.weights is Location.HOST for b in plan.blocks)} on host, {len(plan.disk_weight_blocks)} on disk "
               f"(of {len(plan.blocks)})")
+        print(f"gradients: {plan.grads_placement()}")
 
         print(f"init check: {init_check(model)}")
 
@@ -430,9 +434,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         # ----- what the estimate says, against the plan wrap() made and the file it allocated ----------------------
         blocks = [(b.name, sum(g.trainable_numel for g in b.groups),
                    max((s.numel for g in b.groups for s in g.trainable_slots), default=0)) for b in engine.blocks]
-        est, windowed, refused = estimate_plan(blocks, device_memory, host_memory)
+        clipping = args.max_grad_norm is not None
+        est, windowed, refused = estimate_plan(blocks, device_memory, host_memory, clipping)
         uniform_est, _, uniform_refused = estimate_plan(list(ModelShape.uniform(n_params, len(blocks)).blocks),
-                                                        device_memory, host_memory)
+                                                        device_memory, host_memory, clipping)
         engine.close()
         leftovers = [n for n in os.listdir(swap_dir) if not n.startswith("offload-probe-")]
         probe.close()
@@ -445,6 +450,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             t_read, t_write = read / disk.read, written / disk.write
             rows.append(dict(step=step, step_s=seconds, loss=losses[step - 1], disk_read_GB=read / GB,
                              disk_written_GB=written / GB, read_B_per_param=read / n_params,
+                             grads_to_disk_GB=d.get("bytes_grads_to_disk", 0) / GB,
+                             grads_from_disk_GB=d.get("bytes_grads_from_disk", 0) / GB,
                              T_read_s=t_read, T_write_s=t_write, bound_s=t_read + t_write,
                              efficiency=(t_read + t_write) / seconds, forward_s=d.get("forward_seconds", 0.0),
                              backward_s=d.get("backward_seconds", 0.0), update_s=d.get("update_seconds", 0.0),
@@ -489,18 +496,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         print()
         print_table(summary, ["quantity", "value", "against"])
         print()
-        columns = ["step", "step_s", "loss", "disk_read_GB", "disk_written_GB", "T_read_s", "T_write_s", "bound_s",
+        columns = ["step", "step_s", "loss", "disk_read_GB", "disk_written_GB", "grads_to_disk_GB", "grads_from_disk_GB",
+                   "T_read_s", "T_write_s", "bound_s",
                    "efficiency", "forward_s", "backward_s", "wait_s", "update_s", "io_wait_s", "early_updates",
                    "fetches"]
         print_table([{k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows], columns)
 
         # ----- estimate vs plan ----------------------------------------------------------------------------------
         print()
-        flag = " --grad-accumulation-steps 1" if windowed else ""
+        flag = " --grad-accumulation-steps 1" + (" --max-grad-norm" if clipping else "")
         print(f"python -m offload estimate --params {n_params} --layers {len(blocks)} --tier nvme --dtype bf16 "
               f"--host-memory {host_memory} --device-memory {device_memory}{flag}  (uniform blocks), and "
               f"offload.cli.estimate.estimate() on this model's {len(blocks)} blocks"
-              + ("" if windowed else "; this estimate() has no grad_window: it plans every gradient on the host"))
+              )
         est_rows = []
         verdicts = []
         for label, plan_est, why in (("estimate(), this model's blocks", est, refused),
@@ -534,6 +542,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                             peak_rss_GB=peak / GB, rss_growth_GB=(peak - rss_base) / GB,
                                             disk_read_GBps=disk.read / GB, disk_write_GBps=disk.write / GB,
                                             wrap_s=wrap_seconds, model=described.split(" (")[0],
+                                            max_grad_norm=args.max_grad_norm,
                                             malloc_env=" ".join(malloc_env)) for r in rows])
         return 0
     finally:  # an error midway must not strand a 30+ GB swap file (the engine's and the probe's files live here)
