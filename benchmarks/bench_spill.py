@@ -6,8 +6,8 @@
 A Llama config (random weights, nothing downloaded) is saved with `save_pretrained` as shards. For each
 configuration (defaults; clipping with 2 undeclared micro-batches; clipping with declared accumulation of 2)
 two fresh processes train the same batches from those shards: plain PyTorch (`LlamaForCausalLM.from_pretrained`,
-`torch.optim.AdamW`, `clip_grad_norm_` where clipping is on) and offload (the model built on the meta device,
-filled from the shards by `wrap(weights=...)`, nvme tier, fp32 on the CPU, `host_memory` and `device_memory`
+`torch.optim.AdamW`, `clip_grad_norm_` where clipping is on) and offload (the model built under accelerate's
+`init_empty_weights()`, filled from the shards by `wrap(weights=...)`, nvme tier, fp32 on the CPU, `host_memory` and `device_memory`
 256 MiB each). Printed per configuration: the largest loss difference, offload's peak RSS growth (VmHWM
 after a reset, minus VmRSS before `wrap()`) against the budgets + 512 MiB, step times, and the gradient bytes
 that went to disk and came back.
@@ -61,9 +61,9 @@ if kind == "torch":
         seconds.append(time.perf_counter() - start)
     print(json.dumps(dict(losses=losses, seconds=seconds)))
 else:
-    import offload
+    import accelerate, offload
     config = transformers.AutoConfig.from_pretrained(shards)
-    with torch.device("meta"):
+    with accelerate.init_empty_weights():  # parameters on the meta device, the rotary buffers real
         model = transformers.LlamaForCausalLM(config)
     base = status("VmRSS")
     reset_peak()

@@ -36,7 +36,7 @@ def wrap(
     host_memory: Bytes = None,
     grad_accumulation_steps: Optional[int] = None,
     param_groups: Optional[Sequence[Dict[str, Any]]] = None,
-    overlap_step: bool = False,
+    overlap_step: Optional[bool] = None,
     weights: Optional[Union[str, os.PathLike]] = None,
     init: Optional[Callable[[nn.Module], None]] = None,
     **unknown: object,
@@ -59,10 +59,11 @@ def wrap(
         param_groups: AdamW options per group, as torch.optim takes them, e.g. no weight decay on biases
             and norms: `[{"params": no_decay, "weight_decay": 0.0}]`. Keys: params, lr, betas, eps,
             weight_decay; parameters not listed form a last group with the options above.
-        overlap_step: let `step()` return before the updates run, so they overlap the next forward. Then
-            read or write the weights between `step()` and the next forward only after
-            `engine.synchronize()` (`model.state_dict()` and the engine's own methods wait by themselves).
-            Off by default: `step()` returns with the weights updated, as torch's does.
+        overlap_step: let `step()` return before the updates run, so they overlap the next forward; each
+            block's forward waits for its update, and a parameter whose block's update is pending reads
+            through (any read or write waits for it), so code after `step()` sees the new weights as with
+            torch. None (default): on when the updates could not run during the backward (`max_grad_norm`
+            set, or `grad_accumulation_steps` not declared). False: `step()` waits for every update.
         weights: a pretrained checkpoint to fill the model from, block by block as it is placed (a
             `.safetensors` file, a directory of Hugging Face shards, or an offload checkpoint directory):
             the model may be built on the meta device (`accelerate.init_empty_weights()`), so it never

@@ -104,10 +104,12 @@ class OffloadPolicy:
             means "not told": results are still exact, but updates wait for `step()`.
         param_groups: per-group overrides of lr, betas, eps, weight_decay (offload/param_groups.py); empty:
             one group.
-        overlap_step: False (the default): `step()` returns with every update applied, as torch's does.
-            True: it returns once the updates are scheduled, so they overlap the next forward; weights read
-            or written between `step()` and the next forward must follow `engine.synchronize()`
-            (docs/design.md [Note: step returns early]).
+        overlap_step: whether `step()` returns once the updates are scheduled, so they overlap the next
+            forward (each block's forward waits for its own update; a parameter of a block whose update is
+            still pending reads through, waiting for it, so code right after `step()` sees the new weights as
+            with torch). None (the default): when the updates could not run during the backward (clipping,
+            or accumulation not declared). False: `step()` waits for every update (an update's error then
+            raises from `step()`). See docs/design.md [Note: step returns early].
     """
 
     tier: Tier = Tier.CPU
@@ -123,7 +125,14 @@ class OffloadPolicy:
     host_memory: Optional[int] = None
     grad_accumulation_steps: Optional[int] = None
     param_groups: Tuple[GroupOptions, ...] = ()
-    overlap_step: bool = False
+    overlap_step: Optional[bool] = None
+
+    @property
+    def step_returns_early(self) -> bool:
+        """See `overlap_step`: unset, when the last backward could not run the updates."""
+        if self.overlap_step is not None:
+            return self.overlap_step
+        return self.max_grad_norm is not None or self.grad_accumulation_steps is None
 
     @property
     def bounds_host_memory(self) -> bool:
@@ -163,8 +172,8 @@ class OffloadPolicy:
         steps = self.grad_accumulation_steps
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise OffloadConfigError(f"grad_accumulation_steps must be an int >= 1 or None, got {steps!r}")
-        if not isinstance(self.overlap_step, bool):
-            raise OffloadConfigError(f"overlap_step must be True or False, got {self.overlap_step!r}")
+        if self.overlap_step is not None and not isinstance(self.overlap_step, bool):
+            raise OffloadConfigError(f"overlap_step must be True, False or None, got {self.overlap_step!r}")
 
 
 def _check_number(name: str, value: object, *, minimum: float) -> None:

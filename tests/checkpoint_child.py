@@ -23,10 +23,10 @@ LR, ACCUM = 3e-3, 2
 BATCHES = make_batches(6, ACCUM, seed=3)
 
 
-def make_engine(tier: str, directory: str):
+def make_engine(tier: str, directory: str, **options):
     torch.manual_seed(0)
     engine = offload.wrap(TinyGPT(), tier=tier, nvme_path=directory if tier == "nvme" else None, lr=LR,
-                          weight_decay=0.1, dtype=torch.float32, device="cpu")
+                          weight_decay=0.1, dtype=torch.float32, device="cpu", **options)
     scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.8)
     return engine, scheduler
 

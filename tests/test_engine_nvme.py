@@ -53,7 +53,8 @@ def test_no_room_for_the_swap_file_is_refused_at_wrap(tmp_path, monkeypatch):
 
 
 def test_truncated_swap_file_is_a_clear_error_not_garbage(tmp_path):
-    engine = offload.wrap(TinyGPT(), tier="nvme", nvme_path=tmp_path, dtype=torch.float32, device="cpu")
+    engine = offload.wrap(TinyGPT(), tier="nvme", nvme_path=tmp_path, dtype=torch.float32, device="cpu",
+                          overlap_step=False)
     _train_step(engine)
     engine.synchronize()
     swap = next(p for p in tmp_path.iterdir() if p.suffix == ".swap")

@@ -196,7 +196,7 @@ def test_without_overlap_step_a_failed_update_raises_from_step():
     from offload.errors import OffloadError
 
     model = Net()
-    engine = offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu")
+    engine = offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", overlap_step=False)
     model(torch.ones(4, 8)).backward()
     faulty_stores(engine).fail_updates(RuntimeError("now"))
     with pytest.raises(RuntimeError, match="now"):

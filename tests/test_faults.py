@@ -72,7 +72,7 @@ def test_disk_full_at_swap_file_creation_says_needed_and_free(tiny_disk):
 
 
 def test_bit_flip_in_swap_file_is_an_integrity_error_naming_file_and_block(tmp_path):
-    engine, scheduler = make_engine("nvme", str(tmp_path))
+    engine, scheduler = make_engine("nvme", str(tmp_path), overlap_step=False)
     train(engine, scheduler, range(1))
     engine.synchronize()
     swap = next(p for p in tmp_path.iterdir() if p.suffix == ".swap")
@@ -97,7 +97,7 @@ def _chunked_engine(directory):
     model = TinyGPT()
     grads = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
     engine = offload.wrap(model, tier="nvme", nvme_path=directory, dtype=torch.float32, device="cpu",
-                          host_memory=grads + min_ring_bytes())
+                          host_memory=grads + min_ring_bytes(), overlap_step=False)
     return engine, torch.optim.lr_scheduler.StepLR(engine.optimizer, 1)
 
 

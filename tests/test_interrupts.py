@@ -88,7 +88,7 @@ def test_ctrl_c_while_step_waits_for_the_updates_does_not_poison():
         for ((idx, tgt),) in batches:
             _step(plain, idx, tgt)
         expected = plain.state_dict()
-    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu") as engine:
+    with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", overlap_step=False) as engine:
         faults = _slowed_updates(engine)
         (idx, tgt), = batches[0]
         engine(idx, tgt).backward()

@@ -63,9 +63,7 @@ class ForwardPhase:
             runtime = block.record
             runtime.refuse_moved_parameters()
             runtime.keep_writes()  # before the wait: a write made while the update was pending is refused
-            runtime.wait_for_update(counted=True)
-            if runtime.needs_push:
-                runtime.push()  # before a fetch, which reads the updated home anyway
+            runtime.settle(counted=True)  # its update in, pushed (before a fetch, which reads the home anyway)
             following = self._next_in_forward_order(block) if self._order.known and not in_backward else None
             runtime.make_resident(following, in_backward)
             if not in_backward and self._tracker.profile is None and self._root_grad_enabled:

@@ -53,9 +53,12 @@ class StepPhase:
         self._sync.check_open()
         self._services.worker.raise_if_failed()
         self._services.reduction.refuse_unknown_ranks()  # a process group started after wrap(), e.g. for DDP
+        early = self._policy.step_returns_early
         with self._services.tracer.span("step()"), deferred_keyboard_interrupt():
             self.schedule_step()
-        if not self._policy.overlap_step:
+            if early:
+                self._sync.guard_pending()  # the updates overlap the next forward; reads meanwhile wait for them
+        if not early:
             start = time.perf_counter()
             with self._services.tracer.span("wait for updates", "step()"):
                 self._sync.settle_weights()

@@ -19,6 +19,7 @@ from offload.scheduler.blocks.block import Block
 from offload.scheduler.grads.held_grad import is_held
 from offload.scheduler.modes.disk_traffic import DiskTraffic
 from offload.scheduler.records.slot_table import SlotTable
+from offload.scheduler.weights.pending_guard import PendingGuard
 from offload.scheduler.weights.streamer import WeightStreamer
 from offload.scheduler.worker.step_worker import StepWorker
 from offload.tiers.copies import CopyContext
@@ -26,13 +27,14 @@ from offload.tiers.copies import CopyContext
 
 class Synchronizer:
     def __init__(self, blocks: List[Block], slots: SlotTable, worker: StepWorker, disk: DiskTraffic,
-                 copies: CopyContext, streamer: WeightStreamer) -> None:
+                 copies: CopyContext, streamer: WeightStreamer, guard: PendingGuard) -> None:
         self._blocks = blocks
         self._slots = slots
         self._worker = worker
         self._disk = disk
         self._copies = copies
         self._streamer = streamer
+        self._guard = guard
         self.closed = False
 
     def check_open(self) -> None:
@@ -63,6 +65,12 @@ class Synchronizer:
             if block.record.needs_push:
                 block.record.push()
         self._copies.synchronize()
+        self._guard.release_all()
+
+    def guard_pending(self) -> None:
+        """step() returns before the updates: resident blocks still updating read through until they settle."""
+        for block in self._blocks:
+            block.record.guard_while_pending()
 
     @contextlib.contextmanager
     def replacing_state(self) -> Iterator[None]:
@@ -96,6 +104,7 @@ class Synchronizer:
         for block in self._blocks:
             if block.record.needs_push:
                 block.record.push()
+        self._guard.release_all()
         self._streamer.restore_all()
         self._copies.synchronize()  # the module is plain PyTorch from here on
         for param in self._slots:
@@ -106,7 +115,7 @@ class Synchronizer:
 
     # ----- streamed parameters read outside their forward (weights/read_through.BlockAccess) -------------
     def block_of(self, param: Tensor) -> Optional[Block]:
-        return self._streamer.block_of(param)
+        return self._streamer.block_of(param) or self._guard.block_of(param)
 
     def open_for_read(self, block: Block) -> None:
         """The block's pending update landed and its weights resident and pinned, for one operation."""

@@ -87,11 +87,19 @@ class BlockRuntime:
                 group.home.push(resident)
         self.needs_push = False
 
-    def settle(self) -> None:
-        """Its pending update done and its new weights in the parameters."""
-        self.wait_for_update(counted=False)
+    def settle(self, counted: bool = False) -> None:
+        """Its pending update done and its new weights in the parameters, which are then plain again (no
+        longer guarded). `counted`: the wait is the forward's (reported as waiting time)."""
+        self.wait_for_update(counted)
         if self.needs_push:
             self.push()
+        self.services.guard.release(self.block)
+
+    def guard_while_pending(self) -> None:
+        """step() returns early: a resident block whose update is pending reads through until it settles
+        (weights/pending_guard.py); a streamed one reads through outside its forward anyway."""
+        if not self.streamed and (not self.is_settled() or self.needs_push):
+            self.services.guard.guard(self.block)
 
     def schedule_update(self, hypers: Tuple[AdamHyper, ...], grad_scale: float, check_finite: bool) -> None:
         """Queue the block's AdamW update on the worker (nothing when no parameter of it has a gradient).

@@ -17,6 +17,7 @@ from offload.trace import Tracer
 if TYPE_CHECKING:
     from offload.scheduler.modes.reduction import GradReduction
     from offload.scheduler.phases.step_stats import StepCounters
+    from offload.scheduler.weights.pending_guard import PendingGuard
     from offload.scheduler.weights.streamer import WeightStreamer
     from offload.scheduler.worker.block_jobs import BlockJobs
 
@@ -30,3 +31,4 @@ class BlockServices:
     order: ForwardOrder  # the forward's block order: prefetch, update priority
     reduction: "GradReduction"  # local, or averaged across data-parallel ranks (modes/reduction.py)
     jobs: "BlockJobs"  # what the worker runs for a block (worker/block_jobs.py)
+    guard: "PendingGuard"  # resident parameters read through while their update is pending (step() returned)

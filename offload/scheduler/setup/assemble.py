@@ -32,6 +32,7 @@ from offload.scheduler.records.slot_table import SlotTable
 from offload.scheduler.setup.initial_weights import InitialWeights
 from offload.scheduler.setup.placement import materialize
 from offload.scheduler.state.hypers import StepHypers
+from offload.scheduler.weights.pending_guard import PendingGuard
 from offload.scheduler.weights.tiers import Tiers
 from offload.scheduler.worker.block_jobs import BlockJobs
 from offload.scheduler.worker.step_worker import StepWorker
@@ -51,7 +52,8 @@ def assemble(blocks: List[Block], module: nn.Module, policy: OffloadPolicy, plan
         modes = Modes(disk, reduction, clipping_for(policy.max_grad_norm, worker, reduction))
         counters, order = StepCounters(), ForwardOrder(len(blocks))
         services = BlockServices(worker, tiers.streamer, tracer, counters, order, reduction,
-                                 BlockJobs(tracer, counters, num_threads, reduction))
+                                 BlockJobs(tracer, counters, num_threads, reduction),
+                                 PendingGuard(tiers.streamer.read_through))
         group_of = {p: i for i, g in enumerate(optimizer_groups) for p in g["params"]}
         materialize(blocks, module, plan, policy, tiers, group_of, initial, services, dp)
         disk.drain()  # the start weights' writes on disk, every slot free
@@ -69,7 +71,7 @@ def _phases(blocks: List[Block], module: nn.Module, policy: OffloadPolicy, plan:
     defaults = dict(lr=policy.lr, betas=policy.betas, eps=policy.eps, weight_decay=policy.weight_decay)
     optimizer = EngineOptimizer(optimizer_groups, defaults)
     hypers = StepHypers(optimizer.param_groups)
-    sync = Synchronizer(blocks, slots, services.worker, modes.disk, tiers.copies, tiers.streamer)
+    sync = Synchronizer(blocks, slots, services.worker, modes.disk, tiers.copies, tiers.streamer, services.guard)
     weights = ModuleWeights(blocks, sync)
     forward = ForwardPhase(blocks, module, tracker, clock, services.order, tiers.streamer, modes)
     backward = BackwardPhase(slots, tracker, clock, forward, modes.clipping, hypers)

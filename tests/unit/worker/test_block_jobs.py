@@ -24,6 +24,7 @@ from offload.scheduler.records.group_state import GroupState
 from offload.scheduler.records.services import BlockServices
 from offload.scheduler.state.adamw import AdamHyper
 from offload.scheduler.state.state_store import MemoryStore
+from offload.scheduler.weights.pending_guard import PendingGuard
 from offload.scheduler.weights.streamer import WeightStreamer
 from offload.scheduler.weights.weight_home import DeviceHome
 from offload.scheduler.worker.block_jobs import BlockJobs
@@ -86,8 +87,9 @@ class OneBlock:
         copies = CopyContext(CPU)
         tracer, counters, reduction = Tracer(), StepCounters(), LocalReduction()
         self.jobs = BlockJobs(tracer, counters, 1, reduction)
-        self.services = BlockServices(self.worker, WeightStreamer(DeviceTier(CPU, None), copies), tracer, counters,
-                                      ForwardOrder(1), reduction, self.jobs)
+        streamer = WeightStreamer(DeviceTier(CPU, None), copies)
+        self.services = BlockServices(self.worker, streamer, tracer, counters, ForwardOrder(1), reduction, self.jobs,
+                                      PendingGuard(streamer.read_through))
         self.stores: Dict[torch.dtype, Logged] = {}
         groups = []
         for group in self.block.groups:
