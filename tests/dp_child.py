@@ -129,14 +129,19 @@ def train_ddp(case: dict) -> dict:
 
 
 def misuse(case: dict, out: str) -> None:
-    """DDP around the engine's module: refused at the forward, on every rank."""
+    """Refused on every rank: DDP around the engine's module (at the forward); torch's clip_grad_norm_ over
+    this rank's own gradients (not their average across the ranks)."""
     model = TinyGPT()
     engine = offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu")
-    ddp = torch.nn.parallel.DistributedDataParallel(engine.module)
     (idx, tgt), = make_batches(1, 1)[0]
     message = ""
     try:
-        ddp(idx, tgt).backward()
+        if case["misuse"] == "ddp":
+            ddp = torch.nn.parallel.DistributedDataParallel(engine.module)
+            ddp(idx, tgt).backward()
+        else:
+            engine(idx, tgt).backward()
+            torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 1.0)
     except OffloadError as exc:
         message = str(exc)
     engine.close()

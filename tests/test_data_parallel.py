@@ -111,11 +111,13 @@ def test_each_rank_keeps_half_of_the_optimizer_state(tmp_path):
     assert whole / 2 <= part <= whole / 2 + 12 * 2 * 16, (part, whole)  # + at most one padding element per group
 
 
-def test_ddp_around_the_engine_is_refused_on_every_rank(tmp_path):
-    run_ranks(tmp_path, [dict(name="ddp", misuse=True)])
+def test_ddp_around_the_engine_and_torch_clipping_one_ranks_gradients_are_refused_on_every_rank(tmp_path):
+    run_ranks(tmp_path, [dict(name="ddp", misuse="ddp"), dict(name="clip", misuse="torch_clip")])
     for rank in (0, 1):
         message = (tmp_path / f"ddp-rank{rank}.txt").read_text()
         assert "inside DistributedDataParallel" in message and "trains data-parallel itself" in message, message
+        message = (tmp_path / f"clip-rank{rank}.txt").read_text()
+        assert "not their average across the ranks" in message and "engine.clip_grad_norm_" in message, message
 
 
 def optimizer_tensors(directory: Path) -> Dict[str, torch.Tensor]:

@@ -92,7 +92,10 @@ def test_every_configuration_trains_exactly_with_gradients_on_disk(tmp_path, con
         assert stats["bytes_grads_to_disk"] >= all_grads // 2 * len(batches)  # the gradients went to disk
 
 
-def test_clip_grad_norm_called_by_the_user_on_spilled_gradients_is_torchs(tmp_path):
+@pytest.mark.parametrize("clip", ["engine", "torch", "torch foreach"])
+def test_clip_grad_norm_called_by_the_user_on_spilled_gradients_is_torchs(tmp_path, clip):
+    """engine.clip_grad_norm_ or torch's own over the model: the norm reads each spilled record back once, the
+    scale waits for the record's next read back (the update's)."""
     torch.manual_seed(0)
     model, reference = _gpt(), _gpt()
     reference.load_state_dict(model.state_dict())
@@ -102,13 +105,19 @@ def test_clip_grad_norm_called_by_the_user_on_spilled_gradients_is_torchs(tmp_pa
     with offload.wrap(model, tier="nvme", nvme_path=tmp_path, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                       dtype=torch.float32, device="cpu", host_memory=_eighth_of_the_state(model)) as engine:
         assert engine.plan.grads_on_disk
+        grad_bytes = sum(b.grad_bytes for b in engine.plan.blocks)
         for micro_batches in batches:
             for idx, tgt in micro_batches:
                 reference(idx, tgt).backward()
                 engine(idx, tgt).backward()
             want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.3)
-            got = engine.clip_grad_norm_(0.3)
+            read_before = engine.stats()["bytes_grads_from_disk"]
+            if clip == "engine":
+                got = engine.clip_grad_norm_(0.3)
+            else:
+                got = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3, foreach=clip == "torch foreach")
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+            assert engine.stats()["bytes_grads_from_disk"] - read_before <= grad_bytes  # each record read once at most
             opt.step()
             opt.zero_grad()
             engine.step()

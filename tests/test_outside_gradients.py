@@ -37,17 +37,67 @@ def _assert_same_weights(engine, reference) -> None:
         torch.testing.assert_close(got[key], value, atol=TOL, rtol=TOL, msg=key)
 
 
-def test_torch_clip_grad_norm_over_the_model_raises_with_the_fix():
-    """Before: it returned 0.0 and clipped nothing (every `.grad` was None)."""
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("tier", ["cpu", "nvme", "gpu"])
+def test_torch_clip_grad_norm_over_the_model_clips_as_torch(tmp_path, tier, foreach):
+    """The line every training loop has. Before: it returned 0.0 and clipped nothing (every `.grad` was None),
+    then it raised naming engine.clip_grad_norm_; now it runs on the gradients the engine holds."""
+    engine, reference, opt = _pair(tmp_path, tier)
+    with engine:
+        for ((idx, tgt),) in make_batches(3, 1):
+            reference(idx, tgt).backward()
+            want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05, foreach=foreach)
+            opt.step()
+            opt.zero_grad()
+            engine(idx, tgt).backward()
+            got = torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 0.05, foreach=foreach)
+            engine.step()
+            engine.zero_grad()
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+            assert got > 0.05  # it did clip
+        _assert_same_weights(engine, reference)
+
+
+def test_torch_clip_grad_value_and_a_second_clip_see_what_torch_sees(tmp_path):
+    engine, reference, opt = _pair(tmp_path, "nvme")
+    with engine:
+        for ((idx, tgt),) in make_batches(2, 1):
+            for model in (reference, engine.module):
+                (engine if model is engine.module else model)(idx, tgt).backward()
+            torch.nn.utils.clip_grad_value_(reference.parameters(), 1e-3)
+            torch.nn.utils.clip_grad_value_(engine.module.parameters(), 1e-3)
+            want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
+            got = engine.clip_grad_norm_(0.01)  # the engine's norm sees torch's clamp
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+            opt.step()
+            opt.zero_grad()
+            engine.step()
+            engine.zero_grad()
+        _assert_same_weights(engine, reference)
+
+
+def test_other_reads_of_a_held_gradient_raise_with_the_fix():
     with offload.wrap(TinyGPT(), tier="cpu", dtype=torch.float32, device="cpu") as engine:
         ((idx, tgt),) = make_batches(1, 1)[0]
         engine(idx, tgt).backward()
-        with pytest.raises(OffloadError, match=r"held by the offload engine.*engine.clip_grad_norm_\(max_norm\)"):
-            torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 0.01)
+        with pytest.raises(OffloadError, match="'wte.weight'.*clip_grad_norm_ / clip_grad_value_ work on it"):
+            engine.module.wte.weight.grad.sum()  # any other read names the parameter
         with pytest.raises(OffloadError, match="'wte.weight'"):
-            engine.module.wte.weight.grad.norm()  # any read names the parameter
+            engine.module.wte.weight.grad * 2
         assert "held by the offload engine" in repr(engine.module.wte.weight.grad)
         engine.step()  # nothing was changed by the refused reads
+
+
+def test_torch_clip_after_blocks_updated_during_backward_is_refused():
+    with offload.wrap(TinyGPT(), tier="cpu", dtype=torch.float32, device="cpu", grad_accumulation_steps=1) as engine:
+        for ((idx, tgt),) in make_batches(2, 1):
+            engine(idx, tgt).backward()
+            if engine.stats()["early_block_updates"]:
+                with pytest.raises(OffloadError, match="updated during the last backward.*max_grad_norm="):
+                    torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 1.0)
+            engine.step()
+            engine.zero_grad()
+        assert engine.stats()["early_block_updates"] > 0
 
 
 @pytest.mark.parametrize("tier", ["cpu", "nvme", "gpu"])

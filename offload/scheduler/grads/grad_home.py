@@ -4,17 +4,17 @@ A piece of its own, apart from the optimizer state (state/), so that where gradi
 without touching the update: `GradAccumulator` holds the group's flat gradient for as long as the engine
 lives (host memory, or the device on the gpu tier); `WindowedGradAccumulator` takes its buffer from the
 nvme tier's gradient window (grad_window.py) at the first gradient and gives it back after the update.
-The placement picks one per group (setup/placement.py). With copies on side streams (CUDA) and the
+A `SpillingGradAccumulator` (spilling_home.py) parks it in the swap file
+between uses. The placement picks one per group (setup/placement.py). With copies on side streams (CUDA) and the
 accumulator on the host, gradients arrive asynchronously (`GradDownloads`): every read first finishes
 the downloads in flight (`finish_downloads`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
-from typing import TYPE_CHECKING, Iterator, List, Optional, Set, Tuple
+from typing import Any, List, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -27,9 +27,6 @@ from offload.scheduler.grads.held_grad import HeldGrad
 from offload.tiers.copies import CopyContext, GradDownloads
 from offload.tiers.mapped import mapped_zeros
 
-if TYPE_CHECKING:
-    from offload.scheduler.ring.weight_io import DiskWeightIO
-
 
 class GradDiskBytes:
     """What a spilling home moved to and from its record in the swap file (`engine.stats()`)."""
@@ -37,6 +34,16 @@ class GradDiskBytes:
     def __init__(self) -> None:
         self.written = 0
         self.read = 0
+
+
+class GradOwner(Protocol):
+    """The block a gradient home belongs to (records/block_runtime.py), told of torch ops on its gradients."""
+
+    def check_grads_for_torch(self) -> None:
+        """Raise when torch code may not read or change the held gradients now (updated early; data parallel)."""
+
+    def grads_changed(self) -> None:
+        """A torch op changed them (a clip): norms taken before are stale."""
 
 
 class GradAccumulator:
@@ -50,15 +57,15 @@ class GradAccumulator:
         self.numel = n  # the trainable range, padded to whole shards in data-parallel mode (zeros beyond it)
         self.group = group
         self.device = device
-        self._copies = copies
-        self._off_device = off_device
+        self._counted_at = copies if off_device else None  # where bytes that leave the device are counted
         self.downloads = GradDownloads(copies, n, group.dtype) if device.type == "cpu" and copies.is_async else None
         self._lock = threading.Lock()  # the buffer's taking and giving back (training thread, worker)
         self.grad: Optional[Tensor] = self._first_buffer()
         self.has_grad: List[bool] = [False] * len(group.trainable_slots)
         self.lost: Set[int] = set()  # parameters whose gradient was given back after its update
         # what each parameter's `.grad` holds while its gradient is here (held_grad.py)
-        self.held = [HeldGrad(slot.param, slot.name) for slot in group.trainable_slots]
+        self.held = [HeldGrad(slot.param, slot.name, self, i) for i, slot in enumerate(group.trainable_slots)]
+        self.owner: Optional[GradOwner] = None  # set by the block's record
         self.disk_bytes = GradDiskBytes()  # moved to and from the swap file (a spilling home's only)
 
     @property
@@ -111,14 +118,33 @@ class GradAccumulator:
             target.copy_(source)
         self.has_grad[index] = True
         nbytes = source.numel() * source.element_size()
-        if self._off_device:
-            self._copies.count_to_host(nbytes)
+        if self._counted_at is not None:
+            self._counted_at.count_to_host(nbytes)
         return nbytes
 
     def finish_downloads(self) -> None:
         """Finish the gradient downloads in flight (CUDA): call before reading `grad` (any thread)."""
         if self.downloads is not None:
             self.downloads.finish_downloads()
+
+    def apply(self, index: int, func: Any, args: Sequence[Any], kwargs: dict) -> Any:
+        """A torch op on the gradient of slot `index`, as on the `.grad` torch would hold (clip_grad_norm_'s
+        norm and scale, clip_grad_value_'s clamp: held_grad.py); an in-place one changes it here."""
+        if self.owner is not None:
+            self.owner.check_grads_for_torch()
+        if index in self.lost:
+            raise released_gradient(self.group.trainable_slots[index].name)
+        result = func(self._piece(index), *args, **kwargs)
+        if in_place(func):
+            if self.owner is not None:
+                self.owner.grads_changed()
+            return self.held[index]
+        return result
+
+    def _piece(self, index: int) -> Tensor:
+        self.finish_downloads()
+        slot = self.group.trainable_slots[index]
+        return self.buffer()[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
     def held_for(self, index: int) -> HeldGrad:
         """The stand-in for the parameter's `.grad` once its gradient is here (nothing pending in it)."""
@@ -194,6 +220,11 @@ class GradAccumulator:
         return bool(torch.isfinite(grad).all())
 
 
+def in_place(func: Any) -> bool:
+    """Whether an aten op writes its first argument (`mul_`, `clamp_`: the name's trailing underscore)."""
+    return func._schema.name.endswith("_")
+
+
 class WindowedGradAccumulator(GradAccumulator):
     """A gradient home whose buffer exists only from the group's first gradient until its update is done
     (`release`): it comes from the nvme tier's gradient window (grad_window.py), so host memory holds a few
@@ -240,100 +271,6 @@ class WindowedGradAccumulator(GradAccumulator):
     def _after_zero(self) -> None:
         self.release()
         self.lost.clear()
-
-
-class SpillingGradAccumulator(WindowedGradAccumulator):
-    """A windowed gradient home whose gradient, when it must wait (clipping needs the global norm; accumulation
-    is undeclared; a micro-batch is not the last), goes to its record in the swap file (`park`, on the worker
-    once the block's gradients are complete) and comes back at its next use: the next micro-batch's first
-    gradient reads the sum back and adds to it (torch's order: the running sum, then each new gradient), the
-    update, the norms and the finiteness check read it. `disk`: the ring's moves of gradient records
-    (ring/weight_io.py, kind GRADS). See docs/design.md [Note: gradients on disk]."""
-
-    parks = True
-
-    def __init__(self, group: FlatGroup, device: torch.device, copies: CopyContext, off_device: bool,
-                 pool: GradPool, disk: "DiskWeightIO", padded_numel: Optional[int] = None) -> None:
-        self._disk = disk
-        self.on_disk = False  # the sum since `zero` is in the swap file, not in `grad`
-        super().__init__(group, device, copies, off_device, pool, padded_numel)
-
-    def buffer(self, wait: bool = True) -> Tensor:
-        """The flat gradient in host memory: taken from the window, and read back when it waits on disk."""
-        with self._lock:
-            if self.grad is None:
-                self.pool.acquire(self.numel * self.group.dtype.itemsize, wait)
-                grad = self._new_buffer()
-                if self.on_disk:
-                    self._disk.read_weights(self.group, grad, _copy_staged)
-                    self.disk_bytes.read += grad.nbytes
-                    self.on_disk = False
-                self.grad = grad
-            return self.grad
-
-    def park(self) -> None:
-        """The gradient waits for a later micro-batch or the update: to its record, the buffer back to the
-        window. A buffer of zeros only (no gradient since `zero`) is dropped."""
-        with self._lock:
-            if self.grad is None:
-                return
-            self.finish_downloads()
-            if any(self.has_grad):
-                self._disk.write_weights(self.group, self.grad)
-                self.disk_bytes.written += self.grad.nbytes
-                self.on_disk = True
-            self.pool.release(self.grad.nbytes)
-            self.grad = None
-
-    def release(self) -> None:
-        """The update consumed the gradient: the buffer goes back, and what is on disk is stale."""
-        super().release()
-        self.on_disk = False
-
-    def zero(self, set_to_none: bool) -> None:
-        self.on_disk = False  # gone, or zeros (a buffer taken at the next use starts at zero)
-        super().zero(set_to_none)
-
-    def scale_(self, coef: float) -> None:
-        """As `GradAccumulator.scale_`, on the sum read back from disk if it waits there (then parked again)."""
-        if self.grad is None and self.on_disk:
-            self.buffer()
-            super().scale_(coef)
-            self.park()
-            return
-        super().scale_(coef)
-
-    def norms(self) -> List[Tuple[nn.Parameter, float]]:
-        with self._read_back():
-            return super().norms()
-
-    def all_finite(self, num_threads: Optional[int] = None) -> bool:
-        """Read back first when the sum waits on disk, and keep it: the update that asks reads it next."""
-        if self.grad is None and self.on_disk:
-            self.buffer()
-        return super().all_finite(num_threads)
-
-    @contextlib.contextmanager
-    def _read_back(self) -> Iterator[None]:
-        """A read of the gradient: a sum waiting on disk is read into a window buffer for it, and dropped after
-        (the record still holds it)."""
-        if self.grad is not None or not self.on_disk:
-            yield
-            return
-        self.buffer()
-        try:
-            yield
-        finally:
-            with self._lock:
-                assert self.grad is not None
-                self.pool.release(self.grad.nbytes)
-                self.grad = None
-                self.on_disk = True
-
-
-def _copy_staged(dst: Tensor, staged: Tensor) -> None:
-    """A ring slot's bytes of a gradient record into the host buffer."""
-    dst.copy_(staged)
 
 
 def released_gradient(name: str) -> OffloadError:

@@ -6,7 +6,10 @@ accumulators (grad_accumulator.py), so with `.grad` left None every reader would
 (clip_grad_norm_ returned 0.0 and clipped nothing) and a clear through the model would not reach the engine.
 A HeldGrad is a tensor with the parameter's shape, dtype and device and no storage:
 
-- reading it (any torch op) raises OffloadError naming the parameter and the engine's way to do it;
+- what torch.nn.utils.clip_grad_norm_ and clip_grad_value_ do to it runs on the gradient the engine holds
+  (a norm, a scale, a clamp: `HeldGradSource.apply`), exactly as on the `.grad` torch would hold, so the most
+  common line of a training loop keeps working; any other read raises OffloadError naming the parameter and
+  the engine's way to do it;
 - clearing it is seen: `param.grad is None` at the next gradient or at `step()` means "zeroed", exactly the
   state torch would be in, so `model.zero_grad()` works as `engine.zero_grad()`;
 - autograd accumulating into it (a backward without zero_grad in between, as torch allows) lands in
@@ -17,7 +20,7 @@ See docs/design.md [Note: where a gradient is after backward].
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +30,18 @@ from offload.scheduler.torch_internals import DISABLED_TORCH_FUNCTION, flatten
 
 _aten = torch.ops.aten
 _ACCUMULATE = (_aten.add_.Tensor, _aten.add.Tensor)  # what autograd's AccumulateGrad does with a grad present
+# what clip_grad_norm_ / clip_grad_value_ do to each gradient: a norm, then a scale; a clamp
+_CLIP_OPS = frozenset({_aten.linalg_vector_norm.default, _aten.mul_.Tensor, _aten.mul_.Scalar,
+                       _aten.clamp_.default, _aten.clamp_.Tensor, _aten.clamp_min_.default, _aten.clamp_max_.default})
+_FOREACH_CLIP_OPS = frozenset({_aten._foreach_norm.Scalar, _aten._foreach_mul_.Tensor, _aten._foreach_mul_.Scalar,
+                               _aten._foreach_clamp_min_.Scalar, _aten._foreach_clamp_max_.Scalar})
+
+
+class HeldGradSource(Protocol):
+    """Where a held gradient is (grads/grad_home.py's gradient homes): `apply` runs a torch op on it."""
+
+    def apply(self, index: int, func: Any, args: Sequence[Any], kwargs: dict) -> Any:
+        """`func(gradient of slot `index`, *args, **kwargs)`: an in-place op changes the held gradient."""
 
 
 class HeldGrad(Tensor):
@@ -34,13 +49,18 @@ class HeldGrad(Tensor):
 
     param_name: str
     pending: Optional[Tensor]
+    source: Optional[HeldGradSource]  # where the gradient is (None: nowhere to read it from)
+    slot_index: int  # the parameter's slot there
 
     @staticmethod
-    def __new__(cls, param: nn.Parameter, param_name: str) -> "HeldGrad":
+    def __new__(cls, param: nn.Parameter, param_name: str, source: Optional[HeldGradSource] = None,
+                slot_index: int = 0) -> "HeldGrad":
         held = Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device,
                                              requires_grad=False)
         held.param_name = param_name
         held.pending = None
+        held.source = source
+        held.slot_index = slot_index
         return held
 
     __torch_function__ = DISABLED_TORCH_FUNCTION  # type: ignore[assignment]  # torch's own, for wrapper subclasses
@@ -53,6 +73,11 @@ class HeldGrad(Tensor):
             held = args[0]
             held.accumulate_pending(args[1])
             return held
+        if func in _CLIP_OPS and type(args[0]) is cls and args[0].source is not None \
+                and not any(isinstance(a, HeldGrad) for a in flatten((args[1:], kwargs))):
+            return args[0].source.apply(args[0].slot_index, func, args[1:], kwargs)
+        if func in _FOREACH_CLIP_OPS and all(type(t) is cls and t.source is not None for t in args[0]):
+            return _foreach(func, args, kwargs)
         leaves = flatten((args, kwargs))
         name = next(t.param_name for t in leaves if isinstance(t, HeldGrad))
         raise OffloadError(_read_error(name, str(func)))
@@ -76,6 +101,16 @@ class HeldGrad(Tensor):
         raise OffloadError(_read_error(self.param_name, "pickle"))
 
 
+def _foreach(func: Any, args: Sequence[Any], kwargs: dict) -> Any:
+    """A foreach op over held gradients, one gradient at a time (`clip_grad_norm_(foreach=True)`)."""
+    single = {_aten._foreach_norm.Scalar: _aten.linalg_vector_norm.default,
+              _aten._foreach_mul_.Tensor: _aten.mul_.Tensor, _aten._foreach_mul_.Scalar: _aten.mul_.Scalar,
+              _aten._foreach_clamp_min_.Scalar: _aten.clamp_min_.default,
+              _aten._foreach_clamp_max_.Scalar: _aten.clamp_max_.default}[func]
+    results = [held.source.apply(held.slot_index, single, args[1:], kwargs) for held in args[0]]
+    return results if func is _aten._foreach_norm.Scalar else None
+
+
 def _read_error(name: str, what: str) -> str:
     if "amp" in what and "unscale" in what:
         return (f"torch.amp.GradScaler cannot unscale the gradient of {name!r}: the offload engine holds the "
@@ -83,10 +118,10 @@ def _read_error(name: str, what: str) -> str:
     if "zero" in what:
         return (f"the gradient of {name!r} is held by the offload engine: clear it with engine.zero_grad() or "
                 "model.zero_grad() (set_to_none=True); engine.zero_grad(set_to_none=False) keeps zeros")
-    return (f"the gradient of {name!r} is held by the offload engine, off the device ({what} read it): clip with "
-            "engine.clip_grad_norm_(max_norm) (it returns the total norm, as torch's does) or max_grad_norm= in "
-            "offload.wrap (HF Trainer: offload.integrations.transformers.OffloadTrainer clips through the engine); "
-            "torch.amp.GradScaler is not supported (train in bfloat16); the gradient is not readable from the model")
+    return (f"the gradient of {name!r} is held by the offload engine, off the device ({what} read it): "
+            "torch.nn.utils.clip_grad_norm_ / clip_grad_value_ work on it, as do engine.clip_grad_norm_(max_norm) "
+            "and max_grad_norm= in offload.wrap; torch.amp.GradScaler is not supported (train in bfloat16); the "
+            "gradient is not otherwise readable from the model")
 
 
 def is_held(grad: Optional[Tensor]) -> bool:

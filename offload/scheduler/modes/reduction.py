@@ -42,6 +42,9 @@ class GradReduction(Protocol):
     def check_arrival(self, block: "BlockRuntime") -> None:
         """A gradient of the block arrives: refused when this step's gradients were already reduced."""
 
+    def check_torch_reads(self, block: "BlockRuntime") -> None:
+        """Torch code reads the block's held gradients (a clip): refused where they are not what it expects."""
+
     def update(self, job: "UpdateJob", jobs: "BlockJobs") -> None:
         """On the worker: the block's AdamW update."""
 
@@ -67,6 +70,9 @@ class LocalReduction:
         return False
 
     def check_arrival(self, block: "BlockRuntime") -> None:
+        pass
+
+    def check_torch_reads(self, block: "BlockRuntime") -> None:
         pass
 
     def update(self, job: "UpdateJob", jobs: "BlockJobs") -> None:
@@ -115,6 +121,12 @@ class DataParallelReduction:
                 f"a gradient of block {block.block.name!r} arrived after this step's gradients of it were "
                 "averaged across the data-parallel ranks (by clip_grad_norm_, or an update during the last "
                 "declared backward): call backward before clipping, and step() before the next backward")
+
+    def check_torch_reads(self, block: "BlockRuntime") -> None:
+        raise OffloadError(
+            "torch.nn.utils.clip_grad_norm_ over a data-parallel engine's gradients would measure this rank's own "
+            "gradients, not their average across the ranks: clip with engine.clip_grad_norm_(max_norm) (the norm "
+            "across the ranks, torch's maths) or pass max_grad_norm= to offload.wrap")
 
     def update(self, job: "UpdateJob", jobs: "BlockJobs") -> None:
         """Average the block's gradients into this rank's part, step that part, gather every rank's part."""

@@ -44,6 +44,8 @@ class BlockRuntime:
         self.norms: Optional[List[Tuple[nn.Parameter, float]]] = None  # gradient norms computed for clipping
         self.shard_sumsq: Optional[float] = None  # data-parallel: sum of squares of this rank's averaged part
         self.lost_write: Optional[str] = None  # a parameter written while its update ran (overlap_step)
+        for state in self.states:
+            state.grads.owner = self  # told of torch's ops on its held gradients (grads/held_grad.py)
 
     @property
     def states(self) -> List[GroupState]:
@@ -184,6 +186,20 @@ class BlockRuntime:
             if self.updated_early:
                 raise zeroed_after_early_update(self.block.name)
             grads.forget(ref.index)
+
+    def check_grads_for_torch(self) -> None:
+        """Torch code (clip_grad_norm_, clip_grad_value_) reads or changes the block's held gradients: refused
+        where torch would not see what it expects."""
+        if self.updated_early:
+            raise OffloadError(
+                f"torch clips the gradients of block {self.block.name!r} after it was updated during the last "
+                "backward (grad_accumulation_steps declared, no max_grad_norm): the update already used them. Pass "
+                "max_grad_norm= to offload.wrap (it clips before any update), or leave grad_accumulation_steps "
+                "unset")
+        self.services.reduction.check_torch_reads(self)
+
+    def grads_changed(self) -> None:
+        self.norms = None  # of gradients a torch op (a clip) changed since
 
     def zero_grads(self, set_to_none: bool) -> None:
         """The block's part of zero_grad(): wait for its update where it still reads the gradients, then drop

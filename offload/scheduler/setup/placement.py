@@ -20,8 +20,9 @@ from offload.errors import OffloadConfigError
 from offload.planner import GradFlow, Plan, make_plan, ring_depth_for, ring_size_for
 from offload.policy import OffloadPolicy, Tier
 from offload.scheduler.blocks.block import Block, FlatGroup
-from offload.scheduler.grads.grad_home import GradAccumulator, SpillingGradAccumulator, WindowedGradAccumulator
+from offload.scheduler.grads.grad_home import GradAccumulator, WindowedGradAccumulator
 from offload.scheduler.grads.grad_window import GradPool
+from offload.scheduler.grads.spilling_home import SpillingGradAccumulator
 from offload.scheduler.records.block_runtime import BlockRuntime
 from offload.scheduler.records.group_runtime import GroupRuntime
 from offload.scheduler.records.group_state import GroupState
