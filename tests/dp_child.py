@@ -79,13 +79,33 @@ def train(case: dict, out: str) -> None:
             save_failing(engine, case, out)
             engine.close()
             return
+    if case.get("torch_state"):
+        torch_state_round_trip(engine, options, case, out)
     state = engine.state_dict()
     stats = engine.stats()
     engine.close()
-    ddp = train_ddp(case) if case.get("ddp") else None
+    ddp, ddp_optimizer = train_ddp(case) if case.get("ddp") else (None, None)
     if rank == 0:
-        torch.save({"losses": losses, "agree": agree, "weights": state, "stats": stats, "ddp_weights": ddp},
-                   os.path.join(out, f"{case['name']}.pt"))
+        torch.save({"losses": losses, "agree": agree, "weights": state, "stats": stats, "ddp_weights": ddp,
+                    "ddp_optimizer": ddp_optimizer}, os.path.join(out, f"{case['name']}.pt"))
+
+
+def torch_state_round_trip(engine, options: dict, case: dict, out: str) -> None:
+    """Each rank's engine.optimizer.state_dict() (a collective: the whole state on every rank), and whether a
+    fresh engine loading it gives it back unchanged (each rank taking its part)."""
+    rank = dist.get_rank()
+    saved = engine.optimizer.state_dict()
+    if "nvme_path" in options:
+        options = dict(options, nvme_path=options["nvme_path"] + "-fresh")
+        os.makedirs(options["nvme_path"], exist_ok=True)
+    fresh = offload.wrap(TinyGPT(), **options)
+    fresh.optimizer.load_state_dict(saved)
+    again = fresh.optimizer.state_dict()
+    fresh.close()
+    same = again["param_groups"] == saved["param_groups"] and all(
+        torch.equal(again["state"][k][n], v) for k, entry in saved["state"].items() for n, v in entry.items())
+    torch.save({"state_dict": saved, "round_trip_equal": same and again["state"].keys() == saved["state"].keys()},
+               os.path.join(out, f"{case['name']}-optimizer-rank{rank}.pt"))
 
 
 def save_failing(engine, case: dict, out: str) -> None:
@@ -106,9 +126,9 @@ def save_failing(engine, case: dict, out: str) -> None:
         f.write(message)
 
 
-def train_ddp(case: dict) -> dict:
+def train_ddp(case: dict) -> tuple:
     """The same run with torch's DistributedDataParallel and torch.optim.AdamW: the reference for the
-    arithmetic of data parallelism (gradients averaged across the ranks)."""
+    arithmetic of data parallelism (gradients averaged across the ranks). Its weights and optimizer state."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(TinyGPT())
@@ -125,7 +145,7 @@ def train_ddp(case: dict) -> dict:
             torch.nn.utils.clip_grad_norm_(params, max_norm)
         opt.step()
         opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}, opt.state_dict()
 
 
 def misuse(case: dict, out: str) -> None:

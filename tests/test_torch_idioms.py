@@ -133,15 +133,6 @@ def test_converting_the_model_after_wrap_raises_at_the_next_forward():
             engine(idx, tgt)
 
 
-def test_the_optimizers_torch_style_state_dict_is_refused_with_the_fix():
-    """It held 0 parameter states, and a torch-style save/load 'worked' and resumed wrong."""
-    with offload.wrap(TinyGPT(), tier="cpu", dtype=torch.float32, device="cpu") as engine:
-        with pytest.raises(OffloadError, match="engine.save\\(path\\)"):
-            engine.optimizer.state_dict()
-        with pytest.raises(OffloadError, match="engine.load\\(path\\)"):
-            engine.optimizer.load_state_dict({"state": {}, "param_groups": []})
-
-
 def test_a_parameter_unfrozen_after_wrap_is_refused_at_step():
     """It had no optimizer state: it never changed, and its .grad grew at every backward."""
     model = TinyGPT()

@@ -121,6 +121,11 @@ class DataParallel:
         dist.all_reduce(total, group=self.group)
         return float(total.item())
 
+    def sum_into_all(self, tensor: Tensor) -> None:
+        """`tensor` becomes its sum over the ranks, on every rank (each rank's part of a whole, zeros elsewhere)."""
+        if tensor.numel():
+            dist.all_reduce(tensor, group=self.group)
+
     def broadcast_from_first(self, tensor: Tensor) -> None:
         """Rank 0's values into `tensor` on every rank (the start weights)."""
         if tensor.numel():

@@ -25,6 +25,7 @@ from offload.distributed.data_parallel import DataParallel
 from offload.distributed.guard import refuse_data_parallel_wrapper
 from offload.engine.checkpoints import EngineCheckpoints
 from offload.engine.release import EngineRelease
+from offload.engine.torch_state import TorchStyleState
 from offload.errors import OffloadConfigError, OffloadError
 from offload.param_groups import optimizer_groups
 from offload.planner import Plan
@@ -59,7 +60,9 @@ class Engine:
         self.blocks: List[Block] = build_blocks(module, policy.dtype, allow_meta=True)
         initial = initial if initial is not None else choose(module, None, None)
         initial.check(module, self.blocks)  # names, shapes, meta buffers: before any memory or file
-        trainable = [s.param for b in self.blocks for s in b.slots if s.trainable]
+        # in model.parameters() order, as torch.optim.AdamW(model.parameters()) numbers them in its state dict
+        in_blocks = {s.param for b in self.blocks for s in b.slots if s.trainable}
+        trainable = [p for p in module.parameters() if p in in_blocks]
         names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
         groups = optimizer_groups(policy.param_groups, trainable, names)
         tracer = Tracer()
@@ -75,6 +78,7 @@ class Engine:
             raise
         self.optimizer = self._pipeline.optimizer
         self._checkpoints = EngineCheckpoints(module, policy, self.optimizer, self.blocks, self._pipeline)
+        self._pipeline.optimizer.keep_state_with(TorchStyleState(self._checkpoints, dp))
         self._hooks = self._pipeline.attach_hooks(module, param_owners(module))
         mark = weakref.ref(self)
         setattr(module, MARKER, mark)

@@ -12,6 +12,7 @@ Each hook is a bound method of a named object: nothing anonymous stands between 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional, Protocol
 
 import torch
@@ -41,6 +42,8 @@ class BackwardHooks(Protocol):
 
 class StateDictHooks(Protocol):
     def before_state_dict(self, blocks: Optional[List[Block]] = None) -> None: ...
+
+    def after_state_dict(self, state_dict: Dict[str, Any], prefix: str = "") -> None: ...
 
     def before_load_state_dict(self, blocks: Optional[List[Block]] = None) -> None: ...
 
@@ -109,6 +112,9 @@ class RootHooks:
     def before_state_dict(self, *args: Any) -> None:
         self._state_dicts.before_state_dict()  # model.state_dict() right after step(): current weights
 
+    def after_state_dict(self, module: nn.Module, state_dict: Dict[str, Any], prefix: str, metadata: Any) -> None:
+        self._state_dicts.after_state_dict(state_dict, prefix)  # entries with storages of their own
+
     def before_load_state_dict(self, *args: Any) -> None:
         self._state_dicts.before_load_state_dict()
 
@@ -152,6 +158,9 @@ class HookSet:
         self._handles.append(root.register_load_state_dict_pre_hook(root_hooks.before_load_state_dict))
         self._handles.append(root.register_load_state_dict_post_hook(root_hooks.after_load_state_dict))
         self._handles.append(root.register_state_dict_pre_hook(root_hooks.before_state_dict))
+        # a partial, not the bound method: torch marks the hook it is given with an attribute
+        self._handles.append(root.register_state_dict_post_hook(functools.partial(RootHooks.after_state_dict,
+                                                                                  root_hooks)))
         # The root's context encloses everything above: entered before any pre-hook, left after every hook.
         self._handles.append(root.register_forward_pre_hook(root_hooks.enter, prepend=True))
         self._handles.append(root.register_forward_hook(root_hooks.exit, always_call=True))

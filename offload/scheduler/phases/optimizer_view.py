@@ -3,16 +3,25 @@
 It exists so that LR schedulers, `optimizer.param_groups[0]["lr"] = ...` and code that calls
 `optimizer.step()` / `optimizer.zero_grad()` keep working. It calls `Optimizer.__init__` (so step hooks and
 the scheduler's step counting work) but keeps no per-parameter state in `self.state`: the state lives in
-the engine's flat buffers, in host memory or on disk.
+the engine's flat buffers, in host memory or on disk. `state_dict()` / `load_state_dict()` speak torch's
+AdamW format through the engine's `TorchStateIO` (engine/torch_state.py).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional, Protocol
+from collections import defaultdict
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Protocol
 
 import torch
+from torch import Tensor, nn
 
 from offload.errors import OffloadConfigError, OffloadError
+
+# what torch.optim.AdamW's groups hold besides the hyperparameters the engine reads: a state dict carries
+# them so that torch's AdamW loads it as its own; loading one with amsgrad or maximize set is refused
+ADAMW_FLAGS: Dict[str, Any] = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+                               "differentiable": False, "fused": None, "decoupled_weight_decay": True}
+UNSUPPORTED_FLAGS = ("amsgrad", "maximize")
 
 
 class StepDriver(Protocol):
@@ -23,6 +32,14 @@ class StepDriver(Protocol):
     def zero_grad(self, set_to_none: bool = True) -> None: ...
 
 
+class TorchStateIO(Protocol):
+    """The engine's optimizer state per parameter, in torch AdamW's terms (engine/torch_state.py)."""
+
+    def per_param_state(self) -> Dict[nn.Parameter, Dict[str, Tensor]]: ...
+
+    def load_per_param_state(self, state: Mapping[nn.Parameter, Mapping[str, Any]]) -> None: ...
+
+
 class EngineOptimizer(torch.optim.Optimizer):
     """The groups given at `wrap()` (offload/param_groups.py); hyperparameters are read from them each time
     updates are scheduled. Groups cannot be added later: the engine placed every parameter at `wrap()`.
@@ -30,12 +47,16 @@ class EngineOptimizer(torch.optim.Optimizer):
 
     def __init__(self, groups: Iterable[dict], defaults: dict) -> None:
         self._driver: Optional[StepDriver] = None
+        self._state_io: Optional[TorchStateIO] = None
         self._built = False
         super().__init__(list(groups), defaults)
         self._built = True
 
     def drive_with(self, driver: StepDriver) -> None:
         self._driver = driver
+
+    def keep_state_with(self, state_io: TorchStateIO) -> None:
+        self._state_io = state_io
 
     def add_param_group(self, param_group: dict) -> None:
         if self._built:
@@ -52,18 +73,46 @@ class EngineOptimizer(torch.optim.Optimizer):
             "scaling needed) or float32")
 
     def state_dict(self) -> dict:
-        raise OffloadError(
-            "engine.optimizer.state_dict() has no per-parameter state in torch's format: the Adam moments and "
-            "fp32 master weights live in the engine's flat buffers (host memory or the swap file), so a torch-"
-            "style checkpoint would resume wrong; save and resume with engine.save(path) / engine.load(path). "
-            "(The HF Trainer and accelerate.prepare() call this too: train with "
-            "offload.integrations.transformers.OffloadTrainer(model=model, args=args, ..., offload=dict(tier=...)), "
-            "or your own loop: loss = engine(batch); loss.backward(); engine.step(); engine.zero_grad())")
+        """torch.optim.AdamW's state dict of the engine's state: `param_groups` with AdamW's keys, per stepped
+        parameter `step`, `exp_avg`, `exp_avg_sq` (and `offload_master`, the fp32 master weights, where the
+        compute weights are not fp32). Waits for the updates in flight. Data-parallel: a collective; every
+        rank gets the whole state."""
+        if self._state_io is None:
+            raise OffloadError("engine.optimizer.state_dict(): the engine is still being built")
+        kept = self.state
+        fresh: defaultdict = defaultdict(dict)
+        fresh.update(self._state_io.per_param_state())
+        self.state = fresh
+        try:
+            out = super().state_dict()
+        finally:
+            self.state = kept
+        for group in out["param_groups"]:
+            for key, value in ADAMW_FLAGS.items():
+                group.setdefault(key, value)
+        return out
 
     def load_state_dict(self, state_dict: dict) -> None:
-        raise OffloadError(
-            "engine.optimizer.load_state_dict() cannot restore the engine's optimizer state; resume with "
-            "engine.load(path) from a checkpoint written by engine.save(path)")
+        """Load a state dict of `state_dict()` or of torch.optim.AdamW over the same parameters, in the same
+        groups: the state of each parameter (none: it starts afresh, as in torch) and the groups'
+        hyperparameters. Checked whole before anything changes."""
+        if self._state_io is None:
+            raise OffloadError("engine.optimizer.load_state_dict(): the engine is still being built")
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre_hook(self, state_dict) or state_dict
+        saved_groups = state_dict["param_groups"]
+        _check_groups(saved_groups, self.param_groups)
+        index = {i: p for saved, mine in zip(saved_groups, self.param_groups)
+                 for i, p in zip(saved["params"], mine["params"])}
+        unknown = [k for k in state_dict["state"] if k not in index]
+        if unknown:
+            raise OffloadError(f"engine.optimizer.load_state_dict(): state for parameter ids {unknown[:5]} that "
+                               "no group lists: the state dict is of another optimizer")
+        self._state_io.load_per_param_state({index[k]: v for k, v in state_dict["state"].items()})
+        for saved, mine in zip(saved_groups, self.param_groups):
+            mine.update({k: v for k, v in saved.items() if k not in ("params", "param_names", *ADAMW_FLAGS)})
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
@@ -78,3 +127,17 @@ class EngineOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         assert self._driver is not None
         self._driver.zero_grad(set_to_none)
+
+
+def _check_groups(saved: Any, mine: Any) -> None:
+    """Torch's own checks, and AdamW's options the engine does not run."""
+    if len(saved) != len(mine) or any(len(a["params"]) != len(b["params"]) for a, b in zip(saved, mine)):
+        raise OffloadError(
+            f"engine.optimizer.load_state_dict(): the state dict has {len(saved)} parameter groups of sizes "
+            f"{[len(g['params']) for g in saved]}, the engine {len(mine)} of sizes {[len(g['params']) for g in mine]}"
+            ": load a state dict of the same parameters in the same groups (offload.wrap's param_groups=)")
+    for group in saved:
+        on = [flag for flag in UNSUPPORTED_FLAGS if group.get(flag)]
+        if on:
+            raise OffloadError(f"engine.optimizer.load_state_dict(): the state dict's AdamW ran with {on} set; the "
+                               "engine runs AdamW without them, so the state would resume other maths")

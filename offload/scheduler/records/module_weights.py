@@ -10,7 +10,10 @@ own state_dict] and [Note: weights written after wrap()].
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional, Protocol
+from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
+
+import torch
+from torch import Tensor, nn
 
 from offload.errors import OffloadError
 from offload.scheduler.blocks.block import Block
@@ -77,6 +80,23 @@ class ModuleWeights:
             raise OffloadError(f"{what} the blocks streamed from host or disk (first: {streamed[0]!r}): {fix}")
 
     # ----- weights written in place ------------------------------------------------------------------
+    def after_state_dict(self, state_dict: Dict[str, Any], prefix: str = "") -> None:
+        """Each entry that views part of a flat group's buffer becomes a copy with a storage of its own
+        (entries of one tied parameter share one copy), as a model of separate parameters has them: accelerate's
+        save_state, safetensors' save_model and save_pretrained keep one tensor per shared storage and would
+        drop the rest of a group from the file. `keep_vars=True` (the parameters themselves) and the engine's
+        own reads keep the views. [Note: the module's own state_dict]"""
+        if self._settler.closed or self._engine_reads:
+            return
+        copies: Dict[Tuple[int, torch.device, torch.Size, Tuple[int, ...], torch.dtype], Tensor] = {}
+        for key, value in state_dict.items():
+            if not key.startswith(prefix) or isinstance(value, nn.Parameter) or not isinstance(value, Tensor) or not _views_part_of_storage(value):
+                continue
+            where = (value.data_ptr(), value.device, value.shape, value.stride(), value.dtype)
+            if where not in copies:
+                copies[where] = value.clone()
+            state_dict[key] = copies[where]
+
     def after_load_state_dict(self) -> None:
         """The loaded weights become the master weights (the Adam moments stay, as torch.optim.AdamW's do)."""
         self.adopt_all()
@@ -96,3 +116,7 @@ class ModuleWeights:
                         f"parameter {slot.name!r} was frozen at offload.wrap() and requires grad now: the engine "
                         "placed no optimizer state for it; set requires_grad before wrapping (engine.close(), then "
                         "wrap again), or freeze it again")
+
+
+def _views_part_of_storage(tensor: Tensor) -> bool:
+    return tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size()

@@ -85,6 +85,9 @@ class FakePhases:
     def before_state_dict(self, blocks: Optional[List[Block]] = None) -> None:
         self.calls.append(("state_dict", None if blocks is None else tuple(b.name for b in blocks)))
 
+    def after_state_dict(self, state_dict: dict, prefix: str = "") -> None:
+        self.calls.append(("after_state_dict", prefix, len(state_dict)))
+
     def before_load_state_dict(self, blocks: Optional[List[Block]] = None) -> None:
         self.calls.append(("load", None if blocks is None else tuple(b.name for b in blocks)))
 
@@ -161,6 +164,7 @@ def test_state_dict_and_load_state_dict_reach_the_root_and_every_owner():
     model, phases, hooks = _attached()
     state = model.state_dict()
     assert phases.calls[0] == ("state_dict", None), "the root's first"
+    assert phases.calls.pop() == ("after_state_dict", "", len(state)), "the root's post-hook last, on everything"
     owners = [c[1] for c in phases.calls[1:]]
     assert all(c[0] == "state_dict" for c in phases.calls)
     assert owners == [("emb",), ("layers.0",), ("layers.0",), ("layers.1",), ("layers.1",), ("emb", "head")]
