@@ -1,8 +1,11 @@
-"""`OffloadTrainer`: the Hugging Face `transformers.Trainer`, training through an offload engine.
+"""`OffloadTrainerMixin` and `OffloadTrainer`: a Hugging Face `transformers.Trainer` (or any subclass of it, such as
+TRL's `SFTTrainer`), training through an offload engine.
 
-The Trainer keeps its loop, data, logging, callbacks and `checkpoint-N` directories; the engine replaces the
-optimizer, the gradient clipping, the optimizer/scheduler checkpoint and the weight export. Which Trainer
-hooks are overridden, and why: docs/design.md [Note: the Hugging Face Trainer].
+The Trainer keeps its loop, data, loss, logging, callbacks and `checkpoint-N` directories; the engine replaces the
+optimizer, the gradient clipping, the optimizer/scheduler checkpoint and the weight export. The overrides live
+in the mixin, each calling `super()`, so it goes before any Trainer subclass:
+`class OffloadSFTTrainer(OffloadTrainerMixin, trl.SFTTrainer)`; `OffloadTrainer` is the mixin on
+`transformers.Trainer`. Which hooks are overridden, and why: docs/design.md [Note: the Hugging Face Trainer].
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import Any, ContextManager, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 import torch
 from torch import nn
@@ -18,6 +21,7 @@ from torch import nn
 from offload.api import wrap
 from offload.engine.engine import Engine
 from offload.errors import OffloadConfigError, OffloadError
+from offload.integrations.hf_peft import engine_reads, is_peft_model, peft_state_dict
 from offload.integrations.transformers import _require
 
 transformers, _accelerate = _require()  # MissingDependencyError naming the install command when either is missing
@@ -28,6 +32,9 @@ TrainerCallback: Any = transformers.TrainerCallback
 
 CHECKPOINT_SUBDIR = "offload"  # engine.save's directory inside the Trainer's checkpoint-N
 TRAINING_ARGS_FILE = "training_args.bin"  # as the Trainer names it
+# the mixin's overrides that do not call super(): the Trainer's would save, load or place what the engine holds
+REPLACED = ("_move_model_to_device", "create_optimizer", "_save", "_save_optimizer_and_scheduler",
+            "_load_from_checkpoint", "_load_best_model")
 ADAMW = ("adamw_torch", "adamw_torch_fused")  # torch.optim.AdamW: the maths the engine runs
 FROM_ARGS = {  # offload.wrap options the Trainer's arguments decide; given in offload= they would disagree
     "lr": "learning_rate", "betas": "adam_beta1 / adam_beta2", "eps": "adam_epsilon",
@@ -37,8 +44,23 @@ FROM_ARGS = {  # offload.wrap options the Trainer's arguments decide; given in o
 }
 
 
-class OffloadTrainer(Trainer):
-    """`transformers.Trainer` whose model trains through `offload.wrap(model, **offload)`.
+_TrainerBase: Any = object  # the mixin is a plain class at run time; to mypy (Any) it has the Trainer's attributes
+
+
+class OffloadTrainerMixin(_TrainerBase):
+    """Makes a `transformers.Trainer` subclass train its model through `offload.wrap(model, **offload)`.
+
+    Mix it in first, before the Trainer class, so its overrides come before the Trainer's in the MRO. It overrides
+    only the hooks that touch the optimizer, the gradients, the weights on disk and their placement, so the other
+    class's own overrides (TRL's `compute_loss`, `training_step`, `log`, `_save_checkpoint`, ...) still run;
+    `__init__` and the hooks that extend the Trainer's call `super()`, those that replace it (`REPLACED`) do not,
+    and a class between the mixin and the Trainer that overrides one of those gets a RuntimeWarning::
+
+        class OffloadSFTTrainer(OffloadTrainerMixin, trl.SFTTrainer):
+            pass
+
+        trainer = OffloadSFTTrainer(model=model, args=sft_config, train_dataset=ds, processing_class=tokenizer,
+                                    offload=dict(tier="nvme", nvme_path="/mnt/nvme/offload"))
 
     Args:
         model, args, ...: as `transformers.Trainer`. The model is wrapped once, here; `trainer.engine` is the engine.
@@ -50,17 +72,26 @@ class OffloadTrainer(Trainer):
     Raises:
         OffloadConfigError: a Trainer option that would train differently through the engine (`optimizers=`,
             `optimizer_cls_and_kwargs=`, `model_init=`, an optimizer other than AdamW, fp16, DeepSpeed, FSDP,
-            several GPUs in one process, ...), naming what to use instead.
+            several GPUs in one process, ...), naming what to use instead; also at class definition, a class
+            that puts the mixin after a Trainer class.
     """
 
     optimizer: Optional[torch.optim.Optimizer]  # the Trainer's; here engine.optimizer, prepared by accelerate
 
-    def __init__(self, model: Optional[nn.Module] = None, args: Any = None, *more: Any,
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _check_mro(cls)
+
+    def __init__(self, model: Any = None, args: Any = None, *more: Any,
                  offload: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> None:
+        name = type(self).__name__
+        if not isinstance(self, Trainer):
+            raise OffloadConfigError(f"{name} has OffloadTrainerMixin but no transformers.Trainer to mix it into: "
+                                     f"class {name}(OffloadTrainerMixin, transformers.Trainer) (or a subclass of it)")
         if isinstance(model, Engine):
-            raise OffloadConfigError("OffloadTrainer(model=...) takes the model, not an engine: it wraps the model "
+            raise OffloadConfigError(f"{name}(model=...) takes the model, not an engine: it wraps the model "
                                      "itself; pass offload.wrap's options as offload=dict(tier=..., ...)")
-        options = _checked_options(offload)
+        options = _checked_options(offload, name)
         self.engine: Optional[Engine] = None
         super().__init__(model, args, *more, **kwargs)
         self._refuse_unsupported()
@@ -101,7 +132,7 @@ class OffloadTrainer(Trainer):
             problems.append("auto_find_batch_size (a retry would continue from a half-trained engine: set the "
                             "batch size)")
         if problems:
-            raise OffloadConfigError("OffloadTrainer does not support " + "; ".join(problems))
+            raise OffloadConfigError(f"{type(self).__name__} does not support " + "; ".join(problems))
 
     def _refuse_unloadable_best_model(self) -> None:
         """`load_best_model_at_end` loads the best checkpoint's `offload/` through `engine.load`; without it
@@ -142,8 +173,8 @@ class OffloadTrainer(Trainer):
 
     # ----- optimizer, clipping ----------------------------------------------------------------------------
     def create_optimizer(self, model: Optional[nn.Module] = None) -> torch.optim.Optimizer:
-        """`engine.optimizer`, prepared by accelerate without device placement (which would read its
-        `state_dict()`, kept off torch's format); the Trainer's LR scheduler then drives it."""
+        """`engine.optimizer`, prepared by accelerate without device placement (which would round-trip the whole
+        optimizer state through `state_dict()` / `load_state_dict()`); the Trainer's LR scheduler then drives it."""
         if self.optimizer is None:
             assert self.engine is not None
             self.optimizer = self.accelerator.prepare(self.engine.optimizer, device_placement=[False])
@@ -173,9 +204,9 @@ class OffloadTrainer(Trainer):
         computed the same way, and blocks can take their norms during the last backward)."""
         engine = self.engine
         if engine is None:
-            raise OffloadError("the gradient norm was asked for before OffloadTrainer wrapped the model")
+            raise OffloadError(f"the gradient norm was asked for before {type(self).__name__} wrapped the model")
         if max_norm not in (math.inf, engine.policy.max_grad_norm):
-            raise OffloadError(f"clip_grad_norm_(max_norm={max_norm}) under OffloadTrainer: the engine clips to "
+            raise OffloadError(f"clip_grad_norm_(max_norm={max_norm}) under {type(self).__name__}: the engine clips to "
                                f"TrainingArguments.max_grad_norm={self.args.max_grad_norm}; set that instead")
         return engine.clip_grad_norm_(math.inf, norm_type)  # scale 1: only measures
 
@@ -186,15 +217,15 @@ class OffloadTrainer(Trainer):
         other model through `engine.save_pretrained` (streamed, one flat group at a time: `model.state_dict()`
         is refused while blocks stream); then the processing class and the args."""
         if state_dict is not None:
-            raise OffloadError("OffloadTrainer saves the engine's weights; a state_dict cannot be passed")
+            raise OffloadError(f"{type(self).__name__} saves the engine's weights; a state_dict cannot be passed")
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.args.should_save:
             return
         assert self.engine is not None
-        if _is_peft_model(self.model):
+        if is_peft_model(self.model):
             os.makedirs(output_dir, exist_ok=True)
-            state = _peft_state_dict(self.engine, self.model)
-            with _engine_reads(self.engine):
+            state = peft_state_dict(self.engine, self.model)
+            with engine_reads(self.engine):
                 self.model.save_pretrained(output_dir, state_dict=state)
         else:
             self.engine.save_pretrained(output_dir)
@@ -219,10 +250,13 @@ class OffloadTrainer(Trainer):
         _engine_checkpoint(resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
-        if checkpoint is None:
-            return
-        assert self.engine is not None
-        self.engine.load(_engine_checkpoint(checkpoint), scheduler=self.lr_scheduler)
+        """`engine.load(checkpoint-N/offload)`, then `super()`: the Trainer's own load finds no `optimizer.pt` or
+        `scheduler.pt` there and loads nothing, and a subclass's override still runs (TRL's GRPOTrainer reads
+        its entropy controller's state after calling it)."""
+        if checkpoint is not None:
+            assert self.engine is not None
+            self.engine.load(_engine_checkpoint(checkpoint), scheduler=self.lr_scheduler)
+        super()._load_optimizer_and_scheduler(checkpoint)
 
     def _load_best_model(self) -> None:
         """The best checkpoint's weights into the engine through `engine.load(checkpoint-N/offload)`, exact on
@@ -242,6 +276,32 @@ class OffloadTrainer(Trainer):
             group.update(kept)
 
 
+def _check_mro(cls: type) -> None:
+    """A class with a Trainer class ahead of the mixin in its MRO (`class C(SFTTrainer, OffloadTrainerMixin)`)
+    would run the Trainer's `__init__`, optimizer and saving instead of the mixin's: refused when it is defined.
+    Ahead of the mixin may stand only classes that are no Trainer (other mixins) or already include it. Behind
+    it, an override of a hook the mixin replaces without `super()` would never run: a warning names it."""
+    mro = cls.__mro__
+    at = mro.index(OffloadTrainerMixin)
+    ahead = [c for c in mro[:at] if issubclass(c, Trainer) and not issubclass(c, OffloadTrainerMixin)]
+    if ahead:
+        raise OffloadConfigError(
+            f"class {cls.__name__} puts {ahead[0].__name__} before OffloadTrainerMixin, so the Trainer's own __init__, "
+            f"optimizer and saving would hide the mixin's and the model would not train through the engine: list the "
+            f"mixin first, class {cls.__name__}(OffloadTrainerMixin, {ahead[0].__name__})")
+    behind = mro[at + 1:mro.index(Trainer)] if Trainer in mro else ()
+    skipped = [f"{c.__name__}.{name}" for c in behind for name in REPLACED if name in vars(c)]
+    if skipped:
+        warnings.warn(f"class {cls.__name__}: OffloadTrainerMixin replaces {', '.join(skipped)} without calling it "
+                      "(the engine places, saves and loads the weights and the optimizer state), so that override "
+                      "will not run", RuntimeWarning, stacklevel=3)
+
+
+class OffloadTrainer(OffloadTrainerMixin, Trainer):
+    """`transformers.Trainer` whose model trains through `offload.wrap(model, **offload)`: `OffloadTrainerMixin`
+    (its arguments, refusals and overrides) on the Trainer itself."""
+
+
 class _ZeroEngineGrads(TrainerCallback):
     """`engine.zero_grad()` after each optimizer step, where the Trainer calls `model.zero_grad()`: that clears
     `.grad`, which the engine notices only at the next gradient, so a checkpoint saved right after the step
@@ -254,58 +314,11 @@ class _ZeroEngineGrads(TrainerCallback):
         self.engine.zero_grad()
 
 
-def _is_peft_model(model: nn.Module) -> bool:
-    """A `peft.PeftModel`, which the Trainer saves with its own `save_pretrained` (the adapter only)."""
-    if not transformers.utils.is_peft_available():
-        return False
-    import peft
-
-    return isinstance(model, peft.PeftModel)
-
-
-def _peft_state_dict(engine: Engine, model: nn.Module) -> Dict[str, torch.Tensor]:
-    """The entries of `model.state_dict()` that its `save_pretrained` keeps (per adapter, as
-    `get_peft_model_state_dict` selects them: by name and module), with the engine's current values. The
-    selection runs first on shape-only meta tensors, so only the flat groups holding the kept entries are read
-    (a LoRA adapter of a model larger than memory is small). A PEFT method that computes what it saves from the
-    values gets the whole state dict (`engine.state_dict()`)."""
-    from peft import get_peft_model_state_dict
-
-    with _engine_reads(engine):
-        entries = model.state_dict(keep_vars=True)  # streamed blocks' parameters: placeholders, for their names
-        skeleton = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in entries.items()}
-        name_of = {id(t): name for name, t in skeleton.items()}
-        kept: Optional[List[Any]] = None
-        try:
-            with warnings.catch_warnings():  # the real save repeats them
-                warnings.simplefilter("ignore")
-                kept = [v for adapter in model.peft_config  # type: ignore[union-attr]
-                        for v in get_peft_model_state_dict(model, state_dict=skeleton, adapter_name=adapter).values()]
-        except (RuntimeError, NotImplementedError):  # an operation on the meta tensors' values
-            pass
-    if kept is None or not all(id(v) in name_of for v in kept):  # computed from the values: give them all
-        return engine.state_dict()
-    return _current_values(engine, {name_of[id(v)]: entries[name_of[id(v)]] for v in kept})
-
-
-def _engine_reads(engine: Engine) -> ContextManager[None]:
-    """`module.state_dict()` allowed while blocks stream, as `engine.save_pretrained` allows it to itself: PEFT
-    reads state-dict names (of the model, and of each `modules_to_save` copy inside `save_pretrained`), whose
-    values it then takes from the state dict given to it."""
-    return engine.reading_module_state()
-
-
-def _current_values(engine: Engine, wanted: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """CPU copies of the engine's current values of these entries (every update applied), read one flat
-    group at a time and only from the groups holding one (`engine.state_dict(names=...)`)."""
-    return engine.state_dict(names=list(wanted))
-
-
-def _checked_options(offload: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+def _checked_options(offload: Optional[Mapping[str, Any]], trainer: str) -> Dict[str, Any]:
     options = dict(offload or {})
     clashes = [f"{key!r} (set TrainingArguments {FROM_ARGS[key]})" for key in options if key in FROM_ARGS]
     if clashes:
-        raise OffloadConfigError("offload= cannot set " + ", ".join(clashes) + ": OffloadTrainer takes them from "
+        raise OffloadConfigError("offload= cannot set " + ", ".join(clashes) + f": {trainer} takes them from "
                                  "TrainingArguments, as the Trainer's own optimizer would")
     return options
 
@@ -320,10 +333,11 @@ def _engine_checkpoint(checkpoint: str) -> str:
     path = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
     if not os.path.isdir(path):
         raise OffloadConfigError(
-            f"{checkpoint!r} holds no {CHECKPOINT_SUBDIR}/ engine checkpoint (written by OffloadTrainer unless "
-            "save_only_model=True, or by plain transformers.Trainer): resume_from_checkpoint needs one; to start "
+            f"{checkpoint!r} holds no {CHECKPOINT_SUBDIR}/ engine checkpoint (written by OffloadTrainer or another "
+            "OffloadTrainerMixin class unless save_only_model=True, or by a plain Trainer): resume_from_checkpoint "
+            "needs one; to start "
             "from its weights only, load them into the model (or offload=dict(weights=...)) and train without resuming")
     return path
 
 
-__all__ = ["OffloadTrainer"]
+__all__ = ["OffloadTrainer", "OffloadTrainerMixin"]

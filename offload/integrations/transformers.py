@@ -6,8 +6,9 @@ transformers ties it, and handed to `offload.wrap(model, weights=dir, ...)`, whi
 shards as it is placed. So the model never exists whole in memory: the buffers hold what the plan puts
 there (but see the note on the shards' mapped file pages). See docs/design.md [Note: Hugging Face models].
 
-Also `OffloadTrainer` (offload/integrations/hf_trainer.py, imported on first access): transformers.Trainer
-training through an offload engine (docs/design.md [Note: the Hugging Face Trainer]).
+Also `OffloadTrainer` and `OffloadTrainerMixin` (offload/integrations/hf_trainer.py, imported on first access):
+transformers.Trainer, or any subclass of it such as TRL's SFTTrainer, training through an offload engine
+(docs/design.md [Note: the Hugging Face Trainer]).
 
 Needs `pip install transformers accelerate` (or `pip install "offload[hf]"`); `import offload` never imports
 this module.
@@ -40,11 +41,11 @@ class MissingDependencyError(OffloadConfigError, ImportError):
 
 
 def __getattr__(name: str) -> Any:
-    """`OffloadTrainer`, imported on first use: it subclasses transformers.Trainer, and this module must import
-    without transformers."""
-    if name == "OffloadTrainer":
-        from offload.integrations.hf_trainer import OffloadTrainer
-        return OffloadTrainer
+    """`OffloadTrainer` and `OffloadTrainerMixin`, imported on first use: they need transformers.Trainer, and this
+    module must import without transformers."""
+    if name in ("OffloadTrainer", "OffloadTrainerMixin"):
+        from offload.integrations import hf_trainer
+        return getattr(hf_trainer, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
