@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import torch
 
-from offload.errors import OffloadConfigError, OffloadError
+from offload.errors import OffloadConfigError
 from tests.models import one_intraop_thread
 
 TOL = 1e-5
@@ -125,17 +125,28 @@ def test_no_clipping_still_logs_the_norm(tmp_path: Path) -> None:
     assert _max_weight_diff(plain.model.state_dict(), ours.engine) <= TOL
 
 
-def test_the_naive_trainer_over_an_engine_raises_before_any_step(tmp_path: Path) -> None:
+def test_the_plain_trainer_over_an_engines_optimizer_trains_as_the_plain_trainer(tmp_path: Path) -> None:
+    """Before: refused, accelerate's prepare read engine.optimizer.state_dict(). Now torch's format and torch's
+    clip over the held gradients make it the Trainer's own loop, given the Trainer's groups and hyperparameters
+    (no weight decay on biases and norms); its optimizer.pt checkpoint round-trips."""
     import offload
 
-    engine = offload.wrap(_model(), tier="cpu", dtype=torch.float32, device="cpu")
-    before = engine.state_dict()
-    trainer = transformers.Trainer(model=engine.module, args=_args(tmp_path), train_dataset=_dataset(),
-                                   optimizers=(engine.optimizer, None))
-    with pytest.raises(OffloadError, match="state_dict"):
-        trainer.train()
-    after = engine.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    plain = transformers.Trainer(model=_model(), args=_args(tmp_path / "plain"), train_dataset=_dataset())
+    plain.train()
+    model = _model()
+    decay = [p for name, p in model.named_parameters() if "norm" not in name]
+    no_decay = [p for name, p in model.named_parameters() if "norm" in name]
+    engine = offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", lr=3e-3, weight_decay=0.1,
+                          param_groups=[dict(params=decay), dict(params=no_decay, weight_decay=0.0)])
+    with engine:
+        ours = transformers.Trainer(model=engine.module, args=_args(tmp_path / "ours", save_strategy="steps",
+                                                                    save_steps=4),
+                                    train_dataset=_dataset(), optimizers=(engine.optimizer, None))
+        ours.train()
+        _assert_same_logs(_logged(ours), _logged(plain))
+        assert _max_weight_diff(plain.model.state_dict(), engine) <= TOL
+        saved = torch.load(tmp_path / "ours" / "checkpoint-4" / "optimizer.pt", weights_only=True)
+        assert len(saved["state"]) == len(decay) + len(no_decay)
 
 
 def _misuse_cases() -> List[Any]:

@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     from offload.distributed.data_parallel import DataParallel
 
 _LET_THE_ENGINE = ("offload trains data-parallel itself when torch.distributed is initialized before "
-                   "offload.wrap() (torchrun / accelerate launch): wrap the plain model, without DDP or FSDP")
+                   "offload.wrap() (torchrun / accelerate launch): wrap the plain model, without DDP or FSDP (with accelerate's "
+                   "own loop over several processes, accelerator.prepare(model) adds DDP: train with the engine's "
+                   "loop, loss = engine(batch); loss.backward(); engine.step(), or OffloadTrainer)")
 _WRAPPER_NAMES = ("DistributedDataParallel", "FullyShardedDataParallel", "DataParallel")
 _FRAMES_SEARCHED = 12  # a DDP/FSDP forward reaches the module's __call__ within a few frames
 
