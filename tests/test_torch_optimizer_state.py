@@ -193,15 +193,16 @@ def test_loading_between_backward_and_step_is_refused_with_the_fix(tmp_path):
 def test_on_the_nvme_tier_the_state_is_file_backed_not_in_host_memory(tmp_path):
     """torch.save streams it: the tensors map a snapshot next to the swap files (unlinked at once)."""
     torch.manual_seed(0)
-    model = TinyGPT(vocab=4096, dim=256, layers=4, context=16, heads=4)
+    model = TinyGPT(vocab=4096, dim=512, layers=6, context=16, heads=8)
     with _engine(model, tmp_path, "nvme") as engine:
         _train(engine, model, make_batches(1, 1, vocab=4096))
+        engine.optimizer.state_dict()  # a first call touches the ring's slots and the allocator
         anon_before = status("RssAnon")
         state = engine.optimizer.state_dict()
         anon_grown = status("RssAnon") - anon_before
         state_bytes = sum(t.nbytes for e in state["state"].values() for t in e.values())
-        assert state_bytes > 20 * 2**20
-        assert anon_grown < state_bytes / 4, (anon_grown, state_bytes)
+        assert state_bytes > 100 * 2**20
+        assert anon_grown < state_bytes / 8, (anon_grown, state_bytes)
         assert not [p for p in (tmp_path / "swap").iterdir() if "optimizer-state" in p.name]  # unlinked
         torch.save(state, tmp_path / "optimizer.pt")
         assert torch.equal(torch.load(tmp_path / "optimizer.pt")["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
