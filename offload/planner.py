@@ -57,7 +57,8 @@ class RingSize:
 CHUNK_GRANULE = 2048  # elements: 8 KiB of fp32 and 4 KiB of bf16, so every chunk is an aligned request
 SLOT_BYTES_PER_ELEMENT = 16  # the state, and room for compute weights (<= 4 bytes) of blocks whose weights are on disk
 MIN_DEPTH = 4  # read i+1, update i, write i-1, and one spare so a write can finish while the next read starts
-MAX_DEPTH = 8  # [Note: ring depth] more slots let the forward read ahead more of the coming backward's state
+MAX_DEPTH = 8  # [Note: ring depth] the ring worth having before streamed weights take their share of host memory
+MAX_READ_AHEAD_DEPTH = 1024  # [Note: the read-ahead ring] host memory no weight needs adds slots, up to this many
 PREFERRED_SLOT_BYTES = 32 << 20  # large enough that per-chunk overhead vanishes, small enough to pipeline
 
 
@@ -79,9 +80,19 @@ def ring_size_for(largest_record_numel: int) -> RingSize:
 
 
 def ring_depth_for(ring_bytes: int, largest_record_numel: int) -> int:
-    """How many slots a ring of `ring_bytes` gets: as many preferred-size slots as fit, MIN..MAX_DEPTH (a
-    small ring keeps MIN_DEPTH smaller slots: a record is then simply more chunks)."""
-    return max(MIN_DEPTH, min(MAX_DEPTH, ring_bytes // _preferred_slot_bytes(largest_record_numel)))
+    """How many slots a ring of `ring_bytes` gets: as many preferred-size slots as fit, from MIN_DEPTH up to
+    MAX_READ_AHEAD_DEPTH (a small ring keeps MIN_DEPTH smaller slots: a record is then simply more chunks)."""
+    return max(MIN_DEPTH, min(MAX_READ_AHEAD_DEPTH, ring_bytes // _preferred_slot_bytes(largest_record_numel)))
+
+
+def read_ahead_bytes(host_left: Optional[int], ring_bytes: int, state_bytes: int, slot_bytes: int) -> int:
+    """Bytes the ring grows by from host memory left after the gradients, the ring and the streamed weights
+    ([Note: the read-ahead ring]): whole slots, up to the state itself (more could never be read ahead)
+    and MAX_READ_AHEAD_DEPTH slots in all."""
+    if host_left is None or slot_bytes <= 0 or ring_bytes < MAX_DEPTH * slot_bytes:
+        return 0  # no budget (the preferred ring), or a ring that could not even get its preferred slots
+    room = min(host_left, max(state_bytes - ring_bytes, 0), MAX_READ_AHEAD_DEPTH * slot_bytes - ring_bytes)
+    return max(room, 0) // slot_bytes * slot_bytes
 
 
 @dataclass(frozen=True)
@@ -263,6 +274,9 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
                 "the host budget left after the optimizer state; use tier='nvme' or raise a budget")
         placements.append(BlockPlacement(block.name, weights, state_home, block.weight_bytes, block.state_bytes,
                                          block.grad_bytes))
+    if tier is Tier.NVME and ring is not None:
+        ring_bytes += read_ahead_bytes(host_left, ring_bytes, sum(b.state_bytes for b in blocks),
+                                       ring.preferred // MAX_DEPTH)
     disk_traffic = _grad_disk_bytes(sum(b.grad_bytes for b in blocks), grads, on_device) if on_disk else 0
     return Plan(tier, tuple(placements), device_budget, host_budget, ring_bytes, window, workspace, on_disk,
                 disk_traffic, on_device)

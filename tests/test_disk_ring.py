@@ -7,6 +7,7 @@ import contextlib
 import torch
 from torch import nn
 
+from offload.planner import MAX_READ_AHEAD_DEPTH, read_ahead_bytes
 from offload.scheduler.blocks.block import build_blocks
 from offload.scheduler.ring.disk_ring import CHUNK_GRANULE, DiskRing, min_ring_bytes, ring_depth_for, ring_size_for
 from offload.tiers.disk import SwapStore, plan_swap_layout
@@ -73,13 +74,24 @@ def test_an_announcement_while_a_chunk_is_being_loaded_never_reads_it_ahead(tmp_
         ring.drain()
 
 
-def test_ring_depth_grows_with_the_budget_up_to_eight_whole_record_slots():
+def test_ring_depth_grows_with_the_budget_in_whole_record_slots():
     record = 3 * CHUNK_GRANULE  # a record of three granules: its preferred slot is 3 x 2048 x 16 bytes
     slot = 3 * CHUNK_GRANULE * 16
     assert ring_size_for(record).preferred == 8 * slot
     assert ring_depth_for(min_ring_bytes(), record) == 4  # too small for whole records: 4 smaller slots
     assert ring_depth_for(6 * slot, record) == 6
-    assert ring_depth_for(100 * slot, record) == 8
+    assert ring_depth_for(100 * slot, record) == 100  # a read-ahead ring (planner.read_ahead_bytes)
+    assert ring_depth_for(5000 * slot, record) == MAX_READ_AHEAD_DEPTH
+
+
+def test_host_memory_no_weight_needs_deepens_the_ring_up_to_the_state_itself():
+    """[Note: the read-ahead ring]: the forward reads ahead as much of the coming backward's state as host
+    memory left over holds, in whole slots; never more than the state, and nothing without a budget."""
+    slot = 1 << 20
+    assert read_ahead_bytes(None, 8 * slot, 100 * slot, slot) == 0
+    assert read_ahead_bytes(50 * slot + 5, 8 * slot, 100 * slot, slot) == 50 * slot
+    assert read_ahead_bytes(500 * slot, 8 * slot, 100 * slot, slot) == 92 * slot  # the state is 100 slots
+    assert read_ahead_bytes(500 * slot, 5 * slot, 100 * slot, slot) == 0  # not even the preferred ring
 
 
 def test_a_write_error_met_by_the_training_thread_is_raised_by_the_workers_next_load(tmp_path):
