@@ -1,0 +1,464 @@
+"""Adam moments stored as fp32, bf16 or int8: the formats, their byte layout, and the step that updates them.
+
+The master weights stay fp32 whatever the format; only `exp_avg` (m) and `exp_avg_sq` (v) shrink, from 8 bytes
+per parameter (fp32) to 4 (bf16) or about 2.03 (int8: one code byte each plus one fp32 scale per
+`INT8_BLOCK` elements). A moment is a flat fp32 tensor (FP32), a flat bfloat16 tensor (BF16) or a
+`QuantizedMoment` (INT8). `adam_step_moments` decodes m and v, runs the maths of `adam_step_flat` in fp32,
+computes the parameter update from the new fp32 m and v (before they are rounded again, as bitsandbytes' 8-bit
+Adam does) and encodes the new m and v. On the CPU with `offload._C` that is one fused native pass
+(csrc/adam/adam_moments.h); otherwise the same maths in torch operations, which also run on a CUDA device.
+
+[Note: int8 moment codes]
+Each block of `INT8_BLOCK` elements has one fp32 scale, the block's largest magnitude, and each element one code
+byte indexing a non-linear map of [0, 1] ("dynamic" map of 8-bit Adam: bitsandbytes' `create_dynamic_map`,
+torchao's): decade d of the map holds 2^(d+1) evenly spaced values (bucket centres), so precision is finest near
+the block maximum and the range spans six or seven decades; 0 and 1 are exact. Two maps:
+
+* m (signed): sign bit + 7-bit magnitude, from the unsigned 7-bit map (6 decades, 1e-5..1, 126 values, 0 and 1).
+  Its values are bitsandbytes' signed 8-bit map without its smallest entry (5.5e-7) and with -1 added: the map is
+  symmetric, so a block whose largest magnitude is negative decodes to exactly -scale and re-encodes to the
+  same codes (bitsandbytes' signed map has no -1). A magnitude that rounds to 0 gets sign bit 0 (no -0.0).
+* v: stored as sqrt(v) on the unsigned 8-bit map (7 decades, 1e-6..1, 254 values, 0 and 1), decoded as the
+  square. Measured against plain v on the same map (the choice is below): sqrt halves v's dynamic range in log
+  terms, so far fewer elements of a block fall off the bottom of the map, and the step needs sqrt(v) anyway.
+  A positive value never rounds to code 0 (it takes the smallest non-zero code): a v that decodes to 0 while m
+  does not would make the update lr*m/eps.
+
+Encoding is round to nearest: the code of y = |x| * (1/scale) is the number of midpoints between consecutive
+map values that are < y (ties go to the lower code); a block of zeros gets scale 0 and codes 0 (never 0/0).
+Because 1 is in both maps, the largest element of a block decodes to exactly its scale, so decoding, encoding
+and decoding again gives back the same values and codes: a checkpoint of decoded (fp32) moments reloads to the
+same state. (For v this holds while sqrt(v)^2 stays a normal fp32 number, v > 1.2e-38.) A NaN in a block makes
+its scale NaN, so the whole block decodes to NaN (the new weights are NaN anyway: they come from fp32 m, v).
+
+Measured choices (torch implementations of each variant, 200 AdamW steps, lr 1e-2, mean of 3 seeds; final loss
+÷ fp32's, lower is better; "update error" = ||u_q - u|| / ||u|| for u = m / (sqrt(v) + eps) at an fp32 state after
+100 steps, with m and v quantized):
+
+                                 MLP 64-256-16   features over 6 decades   sparse features (embedding-like)
+    sqrt(v), nearest (chosen)    0.96 / 0.017    0.77 / 0.16               1.05 / 0.026
+    v, nearest                   0.98 / 0.016    1.04 / 0.83               1.03 / 0.032
+    v, nearest, no floor at 0    0.97 / 0.016    16.3 / 4500 (v -> 0 in 48% of elements)  1.03 / 0.032
+    sqrt(v), stochastic          0.99            1.00                      1.00
+    v, stochastic                1.00            1.09                      0.98
+    (bf16 moments: 1.07, 1.00, 1.09)
+
+* sqrt(v) over plain v: five times less update error where a block's gradients span several decades, the same
+  elsewhere. Without the floor at code 0, plain v diverges there.
+* nearest over stochastic rounding: no consistent gain from stochastic rounding over 200 steps (each better on
+  some problems, all within seed noise), and nearest is deterministic, which the checkpoint round trip needs.
+
+BF16 moments round to nearest even, like `tensor.to(torch.bfloat16)`.
+"""
+
+from __future__ import annotations
+
+import enum
+from functools import lru_cache
+from typing import Any, NamedTuple, Optional, Union
+
+import torch
+from torch import Tensor
+
+from offload import _native
+from offload.errors import OffloadConfigError
+from offload.optim.functional import (
+    _DTYPE_CODES,
+    GRAD_DTYPES,
+    OUT_DTYPES,
+    _resolve_threads,
+    adam_step_flat,
+    adam_step_torch,
+)
+
+INT8_BLOCK = 256  # elements per quantization block (one fp32 scale each)
+
+
+class MomentFormat(enum.Enum):
+    """How `exp_avg` and `exp_avg_sq` are stored (the master weights are fp32 in every format)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    INT8 = "int8"
+
+    @staticmethod
+    def parse(value: "str | MomentFormat") -> "MomentFormat":
+        """`"fp32"`, `"bf16"`, `"int8"` (any case) or a MomentFormat; anything else raises OffloadConfigError."""
+        if isinstance(value, MomentFormat):
+            return value
+        if isinstance(value, str):
+            for fmt in MomentFormat:
+                if value.strip().lower() == fmt.value:
+                    return fmt
+        choices = ", ".join(repr(f.value) for f in MomentFormat)
+        raise OffloadConfigError(f"moments={value!r} is not a moment format: use one of {choices}")
+
+
+class QuantizedMoment(NamedTuple):
+    """An int8 moment of n elements: `codes` (uint8, n) and `scales` (float32, ceil(n / INT8_BLOCK))."""
+
+    codes: Tensor
+    scales: Tensor
+
+
+Moment = Union[Tensor, QuantizedMoment]
+
+EXP_AVG, EXP_AVG_SQ = 1, 2  # `which`: the moment's role picks its int8 map
+_FORMAT_CODES = {MomentFormat.BF16: 1, MomentFormat.INT8: 2}  # csrc/adam/adam_moments.h: MomentFormat
+
+
+# --- sizes ------------------------------------------------------------------------------------------------
+
+
+def scale_count(fmt: MomentFormat, n: int) -> int:
+    """fp32 scales of an n-element moment: ceil(n / INT8_BLOCK) for INT8, else 0."""
+    return -(-int(n) // INT8_BLOCK) if MomentFormat.parse(fmt) is MomentFormat.INT8 else 0
+
+
+def code_nbytes(fmt: MomentFormat, n: int) -> int:
+    """Bytes of the values (fp32, bf16) or codes (int8) of an n-element moment."""
+    return int(n) * {MomentFormat.FP32: 4, MomentFormat.BF16: 2, MomentFormat.INT8: 1}[MomentFormat.parse(fmt)]
+
+
+def moment_nbytes(fmt: MomentFormat, n: int) -> int:
+    """Bytes of an n-element moment: codes plus scales, no padding."""
+    return code_nbytes(fmt, n) + 4 * scale_count(fmt, n)
+
+
+# --- construction and views -------------------------------------------------------------------------------
+
+
+def zeros_moment(fmt: MomentFormat, n: int, device: Union[str, torch.device] = "cpu") -> Moment:
+    """A moment of n elements that decodes to exactly 0.0 (int8: codes 0 and scales 0)."""
+    fmt = MomentFormat.parse(fmt)
+    if fmt is MomentFormat.INT8:
+        return QuantizedMoment(torch.zeros(n, dtype=torch.uint8, device=device),
+                               torch.zeros(scale_count(fmt, n), dtype=torch.float32, device=device))
+    return torch.zeros(n, dtype=torch.float32 if fmt is MomentFormat.FP32 else torch.bfloat16, device=device)
+
+
+def _raw_view(name: str, raw: Tensor, nbytes: int, dtype: torch.dtype) -> Tensor:
+    if not isinstance(raw, Tensor) or raw.dtype != torch.uint8 or raw.dim() != 1 or not raw.is_contiguous():
+        raise OffloadConfigError(f"{name} must be a contiguous 1-D uint8 tensor of raw bytes")
+    if raw.numel() != nbytes:
+        raise OffloadConfigError(f"{name} has {raw.numel()} bytes; this moment needs exactly {nbytes}")
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if raw.data_ptr() % itemsize:
+        raise OffloadConfigError(f"{name} starts at an address not aligned to {itemsize} bytes (its {dtype} values)")
+    return raw.view(dtype)
+
+
+def moment_from_bytes(fmt: MomentFormat, n: int, codes: Tensor, scales: Optional[Tensor]) -> Moment:
+    """Views raw bytes (carved out of a staging buffer) as an n-element moment, without a copy. `codes` holds
+    `code_nbytes(fmt, n)` bytes; `scales` `4 * scale_count(fmt, n)` bytes for INT8, else None (or empty)."""
+    fmt = MomentFormat.parse(fmt)
+    if fmt is MomentFormat.INT8:
+        if scales is None:
+            raise OffloadConfigError("an int8 moment needs its scales bytes: scales=None")
+        return QuantizedMoment(_raw_view("codes", codes, n, torch.uint8),
+                               _raw_view("scales", scales, 4 * scale_count(fmt, n), torch.float32))
+    if scales is not None and scales.numel():
+        raise OffloadConfigError(f"a {fmt.value} moment has no scales: pass scales=None")
+    return _raw_view("codes", codes, code_nbytes(fmt, n), torch.float32 if fmt is MomentFormat.FP32 else torch.bfloat16)
+
+
+def moment_numel(m: Moment) -> int:
+    return m.codes.numel() if isinstance(m, QuantizedMoment) else m.numel()
+
+
+def slice_moment(m: Moment, fmt: MomentFormat, start: int, stop: int) -> Moment:
+    """Elements [start, stop) of a moment, as a view. For INT8, start must be a multiple of INT8_BLOCK; stop may
+    cut a block, and that whole block then belongs to the view: a step on the view rescales it, so the elements
+    of that block past `stop` must be unused (padding) or past the end of the moment."""
+    fmt = MomentFormat.parse(fmt)
+    n = moment_numel(m)
+    if not 0 <= start <= stop <= n:
+        raise OffloadConfigError(f"slice [{start}, {stop}) is outside the moment's {n} elements")
+    if fmt is not MomentFormat.INT8:
+        if isinstance(m, QuantizedMoment):
+            raise OffloadConfigError(f"a {fmt.value} moment is a tensor, got a QuantizedMoment")
+        return m[start:stop]
+    if not isinstance(m, QuantizedMoment):
+        raise OffloadConfigError("an int8 moment is a QuantizedMoment, got a tensor")
+    if start % INT8_BLOCK:
+        raise OffloadConfigError(f"an int8 moment slice must start at a multiple of INT8_BLOCK={INT8_BLOCK}, "
+                                 f"got {start}")
+    return QuantizedMoment(m.codes[start:stop], m.scales[start // INT8_BLOCK:-(-stop // INT8_BLOCK)])
+
+
+# --- the int8 maps --------------------------------------------------------------------------------------
+
+
+def _map_values(decades: int) -> list[float]:
+    """The unsigned dynamic map with `decades` decades (bitsandbytes' create_dynamic_map(signed=False)): 0, then
+    decade d = 0..decades-1 holding 2^(d+1) bucket centres of [0.1, 1] * 10^(d - decades + 1), then 1. Computed
+    in double and rounded once to fp32, exactly as csrc/adam/adam_moments_dispatch.cpp does (tests compare)."""
+    values = [0.0]
+    for d in range(decades):
+        k = 2 ** (d + 1)
+        scale = 10.0 ** (d - decades + 1)
+        values += [scale * (0.1 + 0.9 * (j + 0.5) / k) for j in range(k)]
+    values.append(1.0)
+    return [float(torch.tensor(x, dtype=torch.float32)) for x in values]
+
+
+@lru_cache(maxsize=None)
+def code_map(which: int) -> tuple[float, ...]:
+    """The magnitudes a code indexes: 128 for exp_avg (which=1; sign in bit 7), 256 for exp_avg_sq (which=2,
+    of sqrt(v))."""
+    _check_which(which)
+    return tuple(_map_values(6 if which == EXP_AVG else 7))
+
+
+@lru_cache(maxsize=None)
+def _midpoints(which: int) -> tuple[float, ...]:
+    """fp32 midpoints between consecutive map values, computed exactly in double then rounded once."""
+    t = code_map(which)
+    return tuple(float(torch.tensor((a + b) / 2, dtype=torch.float32)) for a, b in zip(t[:-1], t[1:]))
+
+
+_device_tables: dict = {}
+
+
+def _tables(which: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(decode table over all 256 codes, midpoints) as fp32 tensors on `device`."""
+    key = (which, str(device))
+    if key not in _device_tables:
+        mags = torch.tensor(code_map(which), dtype=torch.float32)
+        if which == EXP_AVG:  # bit 7 is the sign
+            mags = torch.cat([mags, -mags])
+        _device_tables[key] = (mags.to(device), torch.tensor(_midpoints(which), dtype=torch.float32).to(device))
+    return _device_tables[key]
+
+
+def _check_which(which: int) -> None:
+    if which not in (EXP_AVG, EXP_AVG_SQ):
+        raise OffloadConfigError(f"which must be 1 (exp_avg) or 2 (exp_avg_sq), got {which!r}")
+
+
+# --- torch implementations (the fallback, and the gpu tier's) ---------------------------------------------
+
+
+def _dequantize_torch(q: QuantizedMoment, which: int) -> Tensor:
+    table, _ = _tables(which, q.codes.device)
+    n = q.codes.numel()
+    x = table[q.codes.long()] * q.scales.repeat_interleave(INT8_BLOCK)[:n]
+    return x * x if which == EXP_AVG_SQ else x
+
+
+def _quantize_torch(x: Tensor, which: int, out: QuantizedMoment) -> None:
+    """Codes and scales of fp32 `x` (v itself for exp_avg_sq: its sqrt is stored)."""
+    table, mids = _tables(which, x.device)
+    n = x.numel()
+    mag = x.sqrt() if which == EXP_AVG_SQ else x.abs()
+    nblocks = -(-n // INT8_BLOCK)
+    padded = mag if n == nblocks * INT8_BLOCK else torch.cat([mag, mag.new_zeros(nblocks * INT8_BLOCK - n)])
+    absmax = padded.view(nblocks, INT8_BLOCK).amax(dim=1)  # NaN propagates: the block decodes to NaN
+    inv = torch.where(absmax > 0, 1.0 / torch.where(absmax > 0, absmax, torch.ones_like(absmax)),
+                      torch.zeros_like(absmax))
+    y = (padded.view(nblocks, INT8_BLOCK) * inv[:, None]).view(-1)[:n]
+    code = torch.bucketize(y, mids)  # number of midpoints < y: round to nearest, ties down
+    if which == EXP_AVG:
+        code = torch.where((x < 0) & (code > 0), code + 128, code)
+    else:
+        code = torch.where((y > 0) & (code == 0), torch.ones_like(code), code)  # no positive v decodes to 0
+    out.codes.copy_(code)
+    out.scales.copy_(absmax)
+
+
+def _decode_torch(m: Moment, fmt: MomentFormat, which: int) -> Tensor:
+    if fmt is MomentFormat.INT8:
+        assert isinstance(m, QuantizedMoment)
+        return _dequantize_torch(m, which)
+    assert isinstance(m, Tensor)
+    return m.float()
+
+
+def _encode_torch(src: Tensor, fmt: MomentFormat, which: int, out: Moment) -> None:
+    if fmt is MomentFormat.INT8:
+        assert isinstance(out, QuantizedMoment)
+        _quantize_torch(src, which, out)
+    else:
+        assert isinstance(out, Tensor)
+        out.copy_(src)  # bf16: round to nearest even
+
+
+# Elements per piece of the torch step: bounds its fp32 temporaries; a multiple of INT8_BLOCK.
+_TORCH_CHUNK = 1 << 22
+
+
+def _adam_step_moments_torch(param, grad, exp_avg, exp_avg_sq, fmt, *, step, lr, beta1, beta2, eps, weight_decay,
+                             adamw, grad_scale, out) -> None:
+    """Decode a piece, run adam_step_torch on fp32 copies, encode: the same maths as the native pass."""
+    n = param.numel()
+    for start in range(0, n, _TORCH_CHUNK):
+        stop = min(n, start + _TORCH_CHUNK)
+        m_piece, v_piece = slice_moment(exp_avg, fmt, start, stop), slice_moment(exp_avg_sq, fmt, start, stop)
+        m32, v32 = _decode_torch(m_piece, fmt, EXP_AVG), _decode_torch(v_piece, fmt, EXP_AVG_SQ)
+        adam_step_torch(param.view(-1)[start:stop], grad.view(-1)[start:stop], m32, v32, step, float(lr), beta1,
+                        beta2, eps, weight_decay, adamw, grad_scale,
+                        None if out is None else out.view(-1)[start:stop])
+        _encode_torch(m32, fmt, EXP_AVG, m_piece)
+        _encode_torch(v32, fmt, EXP_AVG_SQ, v_piece)
+
+
+# --- validation -----------------------------------------------------------------------------------------
+
+
+def _check_tensor(name: str, t: object, dtypes: tuple, numel: Optional[int], device: Optional[torch.device]) -> None:
+    if not isinstance(t, Tensor):
+        raise OffloadConfigError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise OffloadConfigError(f"{name} has dtype {t.dtype}; expected one of {names}")
+    if not t.is_contiguous():
+        raise OffloadConfigError(f"{name} is not contiguous: pass {name}.contiguous()")
+    if numel is not None and t.numel() != numel:
+        raise OffloadConfigError(f"{name} has {t.numel()} elements but param has {numel}")
+    if device is not None and t.device != device:
+        raise OffloadConfigError(f"{name} is on {t.device} but param is on {device}: keep them on one device")
+
+
+def _check_moment(name: str, m: object, fmt: MomentFormat, numel: Optional[int],
+                  device: Optional[torch.device]) -> int:
+    """Checks that `m` is a moment of `fmt` (of `numel` elements when given); returns its element count."""
+    if fmt is MomentFormat.INT8:
+        if not isinstance(m, QuantizedMoment):
+            raise OffloadConfigError(f"{name} must be a QuantizedMoment (codes, scales) for int8 moments, "
+                                     f"got {type(m).__name__}")
+        _check_tensor(f"{name}.codes", m.codes, (torch.uint8,), numel, device)
+        n = m.codes.numel()
+        _check_tensor(f"{name}.scales", m.scales, (torch.float32,), None, m.codes.device)
+        if m.scales.numel() != scale_count(fmt, n):
+            raise OffloadConfigError(f"{name}.scales has {m.scales.numel()} scales; {n} codes need "
+                                     f"ceil({n} / {INT8_BLOCK}) = {scale_count(fmt, n)}")
+        return n
+    dtype = torch.float32 if fmt is MomentFormat.FP32 else torch.bfloat16
+    if isinstance(m, QuantizedMoment):
+        raise OffloadConfigError(f"{name} is a QuantizedMoment but the format is {fmt.value}: pass a {dtype} tensor")
+    _check_tensor(name, m, (dtype,), numel, device)
+    assert isinstance(m, Tensor)
+    return m.numel()
+
+
+def _native_for(*tensors: Tensor):
+    """offload._C when every tensor is on the CPU and the extension is built, else None (torch path)."""
+    native = _native._C  # looked up per call, so a test can force the fallback
+    if native is None or not hasattr(native, "adam_moments_step") or any(t.device.type != "cpu" for t in tensors):
+        return None
+    return native
+
+
+def _parts(m: Moment) -> tuple[Tensor, Optional[Tensor]]:
+    return (m.codes, m.scales) if isinstance(m, QuantizedMoment) else (m, None)
+
+
+def _addr(t: Optional[Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _threads(n: int, num_threads: Optional[int]) -> int:
+    native = _native._C
+    if num_threads is None and native is not None and n < native.PARALLEL_THRESHOLD:
+        return 1
+    return _resolve_threads(num_threads)
+
+
+# --- public operations ------------------------------------------------------------------------------------
+
+
+def decode_moment(m: Moment, fmt: MomentFormat, which: int, out: Tensor) -> None:
+    """Writes the fp32 values of moment `m` (`which`: 1 = exp_avg, 2 = exp_avg_sq) into `out` (fp32, n)."""
+    fmt = MomentFormat.parse(fmt)
+    _check_which(which)
+    n = _check_moment("m", m, fmt, None, None)
+    codes, scales = _parts(m)
+    _check_tensor("out", out, (torch.float32,), n, codes.device)
+    native = _native_for(codes, out)
+    if fmt is MomentFormat.FP32 or native is None:
+        out.copy_(_decode_torch(m, fmt, which).view(out.shape))
+        return
+    native.moments_decode(codes.data_ptr(), _addr(scales), _FORMAT_CODES[fmt], which, n, out.data_ptr(),
+                          _threads(n, None))
+
+
+def encode_moment(src: Tensor, fmt: MomentFormat, which: int, out: Moment) -> None:
+    """Encodes fp32 `src` (n elements; v itself for exp_avg_sq) into moment `out` of format `fmt`."""
+    fmt = MomentFormat.parse(fmt)
+    _check_which(which)
+    n = _check_moment("out", out, fmt, None, None)
+    codes, scales = _parts(out)
+    _check_tensor("src", src, (torch.float32,), n, codes.device)
+    native = _native_for(codes, src)
+    if fmt is MomentFormat.FP32 or native is None:
+        _encode_torch(src.view(-1), fmt, which, out)
+        return
+    native.moments_encode(src.data_ptr(), codes.data_ptr(), _addr(scales), _FORMAT_CODES[fmt], which, n,
+                          _threads(n, None))
+
+
+def adam_step_moments(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Moment,
+    exp_avg_sq: Moment,
+    fmt: MomentFormat,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool = True,
+    grad_scale: float = 1.0,
+    out: Optional[Tensor] = None,
+    num_threads: Optional[int] = None,
+) -> None:
+    """One Adam/AdamW update of fp32 `param` and the moments `exp_avg`, `exp_avg_sq` (stored as `fmt`) in place.
+
+    FP32 is exactly `adam_step_flat` (on the CPU; on a CUDA device `adam_step_torch`, the gpu tier's step). BF16
+    and INT8: m and v are decoded to fp32, updated with the same maths, the parameter update is computed from the
+    new fp32 m and v, then m and v are encoded again; one fused pass on the CPU with `offload._C`, torch operations
+    otherwise (also on a CUDA device). `grad` may be fp32, bf16 or fp16; `out` (fp32/bf16/fp16) receives the new
+    weights; `step` is the 1-based count after this update. INT8 moments must start at a block boundary: whole
+    moments or `slice_moment` views.
+    """
+    fmt = MomentFormat.parse(fmt)
+    _check_tensor("param", param, (torch.float32,), None, None)
+    n, device = param.numel(), param.device
+    _check_tensor("grad", grad, GRAD_DTYPES, n, device)
+    _check_moment("exp_avg", exp_avg, fmt, n, device)
+    _check_moment("exp_avg_sq", exp_avg_sq, fmt, n, device)
+    if out is not None:
+        _check_tensor("out", out, OUT_DTYPES, n, device)
+    if step < 1:
+        raise OffloadConfigError(f"step must be >= 1 (the count after this update), got {step}")
+    if num_threads is not None:
+        _resolve_threads(num_threads)  # validated on every path
+    hp: dict[str, Any] = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
+              grad_scale=grad_scale, out=out)
+    if fmt is MomentFormat.FP32:
+        assert isinstance(exp_avg, Tensor) and isinstance(exp_avg_sq, Tensor)
+        if device.type == "cpu":
+            adam_step_flat(param, grad, exp_avg, exp_avg_sq, num_threads=num_threads, **hp)
+        else:
+            adam_step_torch(param, grad, exp_avg, exp_avg_sq, step, float(lr), beta1, beta2, eps, weight_decay,
+                            adamw, grad_scale, out)
+        return
+    native = _native_for(param)
+    if native is None:
+        _adam_step_moments_torch(param, grad, exp_avg, exp_avg_sq, fmt, **hp)
+        return
+    (m_codes, m_scales), (v_codes, v_scales) = _parts(exp_avg), _parts(exp_avg_sq)
+    native.adam_moments_step(
+        param.data_ptr(), grad.data_ptr(), _DTYPE_CODES[grad.dtype], m_codes.data_ptr(), _addr(m_scales),
+        v_codes.data_ptr(), _addr(v_scales), _FORMAT_CODES[fmt], n, _addr(out),
+        0 if out is None else _DTYPE_CODES[out.dtype], int(step), float(lr), float(beta1), float(beta2), float(eps),
+        float(weight_decay), bool(adamw), float(grad_scale), _threads(n, num_threads))
+
+
+__all__ = [
+    "INT8_BLOCK", "Moment", "MomentFormat", "QuantizedMoment", "adam_step_moments", "code_nbytes", "decode_moment",
+    "encode_moment", "moment_from_bytes", "moment_nbytes", "scale_count", "slice_moment", "zeros_moment",
+]
