@@ -6,6 +6,7 @@ PYBIND11_MODULE(_C, m) {
       "Takes pointers and sizes; offload's Python layer validates dtype, device and contiguity first.";
   offload::bind_cpu_features(m);
   offload::bind_adam(m);
+  offload::bind_adam_moments(m);
   offload::bind_buffers(m);
   offload::bind_io(m);
   offload::bind_crc32c(m);

@@ -5,6 +5,7 @@
 namespace offload {
 void bind_cpu_features(pybind11::module_& m);  // common/cpu_features.cpp
 void bind_adam(pybind11::module_& m);          // adam/adam_bind.cpp
+void bind_adam_moments(pybind11::module_& m);  // adam/adam_moments_bind.cpp
 void bind_buffers(pybind11::module_& m);       // buffers/buffers_bind.cpp
 void bind_io(pybind11::module_& m);            // io/io_bind.cpp
 void bind_crc32c(pybind11::module_& m);        // common/crc32c.cpp

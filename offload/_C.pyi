@@ -26,6 +26,19 @@ def sum_of_squares(data: int, dtype: int, numel: int, num_threads: int, pool: Op
 def memory_traffic_probe(param: int, exp_avg: int, exp_avg_sq: int, grad: int, numel: int, num_threads: int,
                          pool: Optional[ThreadPool] = None) -> None: ...
 
+# --- Adam over compressed moments (csrc/adam/adam_moments.h) ---------------------------------------------
+INT8_BLOCK: int
+def moment_code_map(which: int) -> list[float]: ...  # which: 1 exp_avg (128 magnitudes), 2 sqrt(exp_avg_sq) (256)
+def adam_moments_step(param: int, grad: int, grad_dtype: int, exp_avg: int, exp_avg_scales: int, exp_avg_sq: int,
+                      exp_avg_sq_scales: int, format: int, numel: int, out: int, out_dtype: int, step: int,
+                      lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, adamw: bool,
+                      grad_scale: float, num_threads: int, pool: Optional[ThreadPool] = None,
+                      isa: str = "") -> None: ...  # format: 1 bf16, 2 int8 (scales 0 for bf16)
+def moments_encode(src: int, codes: int, scales: int, format: int, which: int, numel: int, num_threads: int,
+                   pool: Optional[ThreadPool] = None, isa: str = "") -> None: ...
+def moments_decode(codes: int, scales: int, format: int, which: int, numel: int, out: int, num_threads: int,
+                   pool: Optional[ThreadPool] = None, isa: str = "") -> None: ...
+
 # --- CRC-32C (csrc/common/crc32c.cpp) -------------------------------------------------------------------
 def crc32c(ptr: int, nbytes: int, seed: int = 0) -> int: ...
 def crc32c_portable(ptr: int, nbytes: int, seed: int = 0) -> int: ...

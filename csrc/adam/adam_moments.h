@@ -1,0 +1,93 @@
+// The fused Adam/AdamW step over compressed moments (bf16 or int8), and their encode/decode.
+//
+// Formats (offload/optim/moments.py [Note: int8 moment codes] is the full description):
+//   * bf16: m and v are n bfloat16 values each, rounded to nearest even.
+//   * int8: m and v are n code bytes each plus one fp32 scale per kInt8Block elements (the block's largest
+//     magnitude). m: bit 7 = sign, bits 0-6 index the 128-entry map; v is stored as sqrt(v): the byte indexes
+//     the 256-entry map. value = map[code] * scale (m negated by the sign bit; v squared).
+//     Encoding: y = |x| * (1/scale) (0 when scale is 0); code = #{midpoints between consecutive map values < y},
+//     i.e. round to nearest with ties to the lower code; a magnitude that rounds to 0 has no sign bit; a positive
+//     sqrt(v) never takes code 0. A NaN in a block makes its scale NaN.
+//
+// Contract (offload/optim/moments.py validates all of this before calling):
+//   * p: fp32; g: fp32/bf16/fp16; out: null or fp32/bf16/fp16; n elements each, as in adam_kernels.h.
+//   * codes: n elements of the format; scales (int8 only): ceil(n / kInt8Block) floats; element 0 starts a block.
+//   * nothing overlaps.
+// The step: decode m and v to fp32, then exactly the maths of adam_kernels.h (the same fp32 operations in the same
+// order), the new p from the new fp32 m and v, then encode m and v. One pass over memory; int8 blocks are
+// updated in two sweeps over a 2 KiB stack buffer (new m and sqrt(v) of the block: the scale needs the whole block
+// before any code can be written).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "adam/adam_kernels.h"
+#include "common/thread_pool.h"
+
+namespace offload {
+
+enum class MomentFormat { kBFloat16 = 1, kInt8 = 2 };
+
+constexpr int64_t kInt8Block = 256;  // elements per scale; the threads' chunks are whole blocks
+constexpr int kExpAvg = 1, kExpAvgSq = 2;  // `which`: picks the int8 map
+
+// The maps and the midpoints between their consecutive values: built once, in double, each value rounded once
+// to fp32 (offload/optim/moments.py builds the same numbers; a test compares).
+struct MomentMaps {
+  float m[128];      // |m| / scale: bitsandbytes' unsigned dynamic map over 6 decades (0, 126 values, 1)
+  float m_mid[127];
+  float v[256];      // sqrt(v) / scale: the unsigned dynamic map over 7 decades (0, 254 values, 1)
+  float v_mid[255];
+};
+const MomentMaps& moment_maps();
+
+struct MomentBuffers {
+  float* p;
+  const void* g;
+  DType g_dtype;
+  void* m;          // bf16 values or int8 codes
+  float* m_scales;  // int8 only
+  void* v;
+  float* v_scales;
+  MomentFormat format;
+  void* out;  // may be null
+  DType out_dtype;
+};
+
+// One ISA's kernels over elements [begin, end); begin is a multiple of kInt8Block.
+using MomentStepFn = void (*)(const MomentBuffers&, const AdamConstants&, int64_t begin, int64_t end);
+using MomentEncodeFn = void (*)(const float* src, void* codes, float* scales, MomentFormat format, int which,
+                                int64_t begin, int64_t end);
+using MomentDecodeFn = void (*)(const void* codes, const float* scales, MomentFormat format, int which, float* out,
+                                int64_t begin, int64_t end);
+
+struct MomentKernels {
+  MomentStepFn step;
+  MomentEncodeFn encode;
+  MomentDecodeFn decode;
+  const char* name;
+};
+
+#define OFFLOAD_MOMENT_KERNELS(isa)                                                                        \
+  void moment_step_##isa(const MomentBuffers&, const AdamConstants&, int64_t, int64_t);                   \
+  void moment_encode_##isa(const float*, void*, float*, MomentFormat, int, int64_t, int64_t);             \
+  void moment_decode_##isa(const void*, const float*, MomentFormat, int, float*, int64_t, int64_t);
+OFFLOAD_MOMENT_KERNELS(scalar)
+OFFLOAD_MOMENT_KERNELS(avx2)    // the scalar loops compiled for AVX2 + FMA + F16C
+OFFLOAD_MOMENT_KERNELS(avx512)  // 16 lanes; the int8 map lookups are gathers from L1
+#undef OFFLOAD_MOMENT_KERNELS
+
+// The kernels of one named variant ("avx512", "avx2", "scalar"; "" = the best for this CPU, as for adam_step).
+// Throws std::invalid_argument for an unknown or unsupported name.
+const MomentKernels& moment_kernels_for(const std::string& isa);
+
+// Whole-buffer operations, threaded like adam_step (pool, or num_threads for this call; inline when small).
+void moments_step(const MomentBuffers& buffers, const AdamConstants& constants, int64_t n, ThreadPool* pool,
+                  int num_threads, const MomentKernels& kernels);
+void moments_encode(const float* src, void* codes, float* scales, MomentFormat format, int which, int64_t n,
+                    ThreadPool* pool, int num_threads, const MomentKernels& kernels);
+void moments_decode(const void* codes, const float* scales, MomentFormat format, int which, float* out, int64_t n,
+                    ThreadPool* pool, int num_threads, const MomentKernels& kernels);
+
+}  // namespace offload

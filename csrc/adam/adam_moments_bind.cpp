@@ -1,0 +1,120 @@
+// Python bindings of the compressed-moment Adam step and of the moments' encode/decode. Arguments are raw
+// addresses and sizes: offload/optim/moments.py checks dtypes, devices, contiguity and sizes before calling.
+// Every call releases the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "adam/adam_moments.h"
+#include "bindings.h"
+
+namespace offload {
+
+namespace py = pybind11;
+
+namespace {
+
+DType dtype_code(int code, const char* what) {
+  if (code < 0 || code > 2) {
+    throw std::invalid_argument(std::string(what) + ": dtype code must be 0 (fp32), 1 (bf16) or 2 (fp16), got " +
+                                std::to_string(code));
+  }
+  return static_cast<DType>(code);
+}
+
+MomentFormat format_code(int code) {
+  if (code != 1 && code != 2) {
+    throw std::invalid_argument("format must be 1 (bf16) or 2 (int8), got " + std::to_string(code));
+  }
+  return static_cast<MomentFormat>(code);
+}
+
+void check_common(int64_t numel, MomentFormat format, uintptr_t scales, uintptr_t scales2) {
+  if (numel < 0) throw std::invalid_argument("numel must be >= 0, got " + std::to_string(numel));
+  if (format == MomentFormat::kInt8 && (scales == 0 || scales2 == 0)) {
+    throw std::invalid_argument("int8 moments need their scales");
+  }
+}
+
+void check_which(int which) {
+  if (which != kExpAvg && which != kExpAvgSq) {
+    throw std::invalid_argument("which must be 1 (exp_avg) or 2 (exp_avg_sq), got " + std::to_string(which));
+  }
+}
+
+template <typename T>
+T* address(uintptr_t ptr) {
+  return reinterpret_cast<T*>(ptr);
+}
+
+}  // namespace
+
+void bind_adam_moments(py::module_& m) {
+  m.attr("INT8_BLOCK") = kInt8Block;
+
+  m.def(
+      "moment_code_map",
+      [](int which) {
+        check_which(which);
+        const MomentMaps& maps = moment_maps();
+        return which == kExpAvg ? std::vector<float>(maps.m, maps.m + 128) : std::vector<float>(maps.v, maps.v + 256);
+      },
+      py::arg("which"), "The int8 map of exp_avg (which=1: 128 magnitudes) or of sqrt(exp_avg_sq) (which=2: 256).");
+
+  m.def(
+      "adam_moments_step",
+      [](uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_scales,
+         uintptr_t exp_avg_sq, uintptr_t exp_avg_sq_scales, int format, int64_t numel, uintptr_t out, int out_dtype,
+         int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
+         double grad_scale, int num_threads, ThreadPool* pool, const std::string& isa) {
+        const MomentFormat f = format_code(format);
+        check_common(numel, f, exp_avg_scales, exp_avg_sq_scales);
+        if (step < 1) throw std::invalid_argument("step must be >= 1");
+        MomentBuffers b{address<float>(param), address<const void>(grad), dtype_code(grad_dtype, "grad"),
+                        address<void>(exp_avg), address<float>(exp_avg_scales), address<void>(exp_avg_sq),
+                        address<float>(exp_avg_sq_scales), f, address<void>(out), dtype_code(out_dtype, "out")};
+        moments_step(b, make_adam_constants(step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale), numel,
+                     pool, num_threads, moment_kernels_for(isa));
+      },
+      py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_scales"),
+      py::arg("exp_avg_sq"), py::arg("exp_avg_sq_scales"), py::arg("format"), py::arg("numel"), py::arg("out"),
+      py::arg("out_dtype"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+      py::arg("weight_decay"), py::arg("adamw"), py::arg("grad_scale"), py::arg("num_threads"),
+      py::arg("pool") = nullptr, py::arg("isa") = "", py::call_guard<py::gil_scoped_release>(),
+      "Fused Adam/AdamW step over fp32 params and bf16 (format 1) or int8 (format 2) moments, given by address\n"
+      "(scales: 0 for bf16; out=0: none). dtype codes: 0 fp32, 1 bf16, 2 fp16. isa as for adam_step.");
+
+  m.def(
+      "moments_encode",
+      [](uintptr_t src, uintptr_t codes, uintptr_t scales, int format, int which, int64_t numel, int num_threads,
+         ThreadPool* pool, const std::string& isa) {
+        const MomentFormat f = format_code(format);
+        check_common(numel, f, scales, scales);
+        check_which(which);
+        moments_encode(address<const float>(src), address<void>(codes), address<float>(scales), f, which, numel, pool,
+                       num_threads, moment_kernels_for(isa));
+      },
+      py::arg("src"), py::arg("codes"), py::arg("scales"), py::arg("format"), py::arg("which"), py::arg("numel"),
+      py::arg("num_threads"), py::arg("pool") = nullptr, py::arg("isa") = "",
+      py::call_guard<py::gil_scoped_release>(), "Encodes fp32 values (v itself for which=2) into a moment.");
+
+  m.def(
+      "moments_decode",
+      [](uintptr_t codes, uintptr_t scales, int format, int which, int64_t numel, uintptr_t out, int num_threads,
+         ThreadPool* pool, const std::string& isa) {
+        const MomentFormat f = format_code(format);
+        check_common(numel, f, scales, scales);
+        check_which(which);
+        moments_decode(address<const void>(codes), address<const float>(scales), f, which, address<float>(out), numel,
+                       pool, num_threads, moment_kernels_for(isa));
+      },
+      py::arg("codes"), py::arg("scales"), py::arg("format"), py::arg("which"), py::arg("numel"), py::arg("out"),
+      py::arg("num_threads"), py::arg("pool") = nullptr, py::arg("isa") = "",
+      py::call_guard<py::gil_scoped_release>(), "Decodes a moment into fp32 values (v itself for which=2).");
+}
+
+}  // namespace offload

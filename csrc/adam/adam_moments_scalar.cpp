@@ -1,0 +1,24 @@
+// The portable moment kernels: any CPU; also the reference the SIMD kernels are tested against.
+#include "adam/adam_moments.h"
+
+#pragma GCC push_options
+// No contraction of a*b+c into fma beyond the ones written: keep the rounding steps of adam_kernels.h.
+#pragma GCC optimize("fp-contract=off")
+#include "adam/adam_moments_scalar.h"
+
+namespace offload {
+
+void moment_step_scalar(const MomentBuffers& b, const AdamConstants& c, int64_t begin, int64_t end) {
+  step_range(b, c, begin, end);
+}
+void moment_encode_scalar(const float* src, void* codes, float* scales, MomentFormat format, int which,
+                          int64_t begin, int64_t end) {
+  encode_range(src, codes, scales, format, which, begin, end);
+}
+void moment_decode_scalar(const void* codes, const float* scales, MomentFormat format, int which, float* out,
+                          int64_t begin, int64_t end) {
+  decode_range(codes, scales, format, which, out, begin, end);
+}
+
+}  // namespace offload
+#pragma GCC pop_options

@@ -1,0 +1,143 @@
+// The per-element moment kernels, included by adam_moments_scalar.cpp (baseline x86-64) and
+// adam_moments_avx2.cpp (under its target pragma). Internal linkage only (unnamed namespace, static inline), so
+// no copy compiled for a wider ISA leaks into another file through the linker.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "adam/adam_moments.h"
+#include "adam/scalar_math.h"
+
+namespace offload {
+namespace {
+
+// Number of midpoints < y: round to the nearest map value, ties to the lower code (NaN gives 0).
+inline int nearest_code(float y, const float* mids, int count) {
+  return static_cast<int>(std::lower_bound(mids, mids + count, y) - mids);
+}
+
+inline float inverse_scale(float scale) { return scale > 0.0f ? 1.0f / scale : 0.0f; }
+
+// Codes of one block: `vals` are m (sign-bearing) for kExpAvg, sqrt(v) for kExpAvgSq. Returns the scale.
+inline float encode_block(const float* vals, uint8_t* codes, int64_t count, int which) {
+  const MomentMaps& maps = moment_maps();
+  float scale = 0.0f;
+  bool nan = false;
+  for (int64_t i = 0; i < count; ++i) {
+    const float a = std::fabs(vals[i]);
+    nan |= a != a;
+    scale = a > scale ? a : scale;
+  }
+  if (nan) scale = NAN;
+  const float inv = inverse_scale(scale);
+  for (int64_t i = 0; i < count; ++i) {
+    const float y = std::fabs(vals[i]) * inv;
+    int c;
+    if (which == kExpAvg) {
+      c = nearest_code(y, maps.m_mid, 127);
+      if (vals[i] < 0.0f && c > 0) c |= 0x80;
+    } else {
+      c = nearest_code(y, maps.v_mid, 255);
+      if (y > 0.0f && c == 0) c = 1;
+    }
+    codes[i] = static_cast<uint8_t>(c);
+  }
+  return scale;
+}
+
+inline float decode_m(uint8_t c, float scale) {
+  const float x = moment_maps().m[c & 0x7f] * scale;
+  return (c & 0x80) ? -x : x;
+}
+
+inline float decode_sqrt_v(uint8_t c, float scale) { return moment_maps().v[c] * scale; }
+
+// The maths of scalar::adam_element on decoded m, v: updates p (and out), returns the new m and v.
+inline void adam_math(const MomentBuffers& b, const AdamConstants& c, int64_t i, float& m, float& v) {
+  float g = scalar::load(b.g, b.g_dtype, i) * c.grad_scale;
+  float p = b.p[i] * c.decay_factor;
+  if (c.use_l2) g = __builtin_fmaf(c.l2_weight, p, g);
+  m = __builtin_fmaf(c.lerp_weight, g - m, m);
+  v = __builtin_fmaf(c.one_minus_beta2 * g, g, v * c.beta2);
+  const float denom = __builtin_sqrtf(v) / c.bias_correction2_sqrt + c.eps;
+  p = p + (c.neg_step_size * m) / denom;
+  b.p[i] = p;
+  if (b.out) scalar::store(b.out, b.out_dtype, i, p);
+}
+
+inline void step_bf16(const MomentBuffers& b, const AdamConstants& c, int64_t begin, int64_t end) {
+  uint16_t* m16 = static_cast<uint16_t*>(b.m);
+  uint16_t* v16 = static_cast<uint16_t*>(b.v);
+  for (int64_t i = begin; i < end; ++i) {
+    float m = scalar::bf16_to_float(m16[i]), v = scalar::bf16_to_float(v16[i]);
+    adam_math(b, c, i, m, v);
+    m16[i] = scalar::float_to_bf16(m);
+    v16[i] = scalar::float_to_bf16(v);
+  }
+}
+
+inline void step_int8(const MomentBuffers& b, const AdamConstants& c, int64_t begin, int64_t end) {
+  uint8_t* mc = static_cast<uint8_t*>(b.m);
+  uint8_t* vc = static_cast<uint8_t*>(b.v);
+  float new_m[kInt8Block], new_s[kInt8Block];
+  for (int64_t start = begin; start < end; start += kInt8Block) {
+    const int64_t stop = std::min(end, start + kInt8Block), blk = start / kInt8Block;
+    const float m_scale = b.m_scales[blk], v_scale = b.v_scales[blk];
+    for (int64_t i = start; i < stop; ++i) {
+      float m = decode_m(mc[i], m_scale);
+      const float s = decode_sqrt_v(vc[i], v_scale);
+      float v = s * s;
+      adam_math(b, c, i, m, v);
+      new_m[i - start] = m;
+      new_s[i - start] = __builtin_sqrtf(v);
+    }
+    b.m_scales[blk] = encode_block(new_m, mc + start, stop - start, kExpAvg);
+    b.v_scales[blk] = encode_block(new_s, vc + start, stop - start, kExpAvgSq);
+  }
+}
+
+inline void step_range(const MomentBuffers& b, const AdamConstants& c, int64_t begin, int64_t end) {
+  if (b.format == MomentFormat::kBFloat16) step_bf16(b, c, begin, end);
+  else step_int8(b, c, begin, end);
+}
+
+inline void encode_range(const float* src, void* codes, float* scales, MomentFormat format, int which,
+                         int64_t begin, int64_t end) {
+  if (format == MomentFormat::kBFloat16) {
+    for (int64_t i = begin; i < end; ++i) static_cast<uint16_t*>(codes)[i] = scalar::float_to_bf16(src[i]);
+    return;
+  }
+  float mags[kInt8Block];
+  for (int64_t start = begin; start < end; start += kInt8Block) {
+    const int64_t stop = std::min(end, start + kInt8Block);
+    const float* vals = src + start;
+    if (which == kExpAvgSq) {
+      for (int64_t i = start; i < stop; ++i) mags[i - start] = __builtin_sqrtf(src[i]);
+      vals = mags;
+    }
+    scales[start / kInt8Block] = encode_block(vals, static_cast<uint8_t*>(codes) + start, stop - start, which);
+  }
+}
+
+inline void decode_range(const void* codes, const float* scales, MomentFormat format, int which, float* out,
+                         int64_t begin, int64_t end) {
+  if (format == MomentFormat::kBFloat16) {
+    for (int64_t i = begin; i < end; ++i) out[i] = scalar::bf16_to_float(static_cast<const uint16_t*>(codes)[i]);
+    return;
+  }
+  const uint8_t* c8 = static_cast<const uint8_t*>(codes);
+  for (int64_t i = begin; i < end; ++i) {
+    const float scale = scales[i / kInt8Block];
+    if (which == kExpAvg) {
+      out[i] = decode_m(c8[i], scale);
+    } else {
+      const float s = decode_sqrt_v(c8[i], scale);
+      out[i] = s * s;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace offload
