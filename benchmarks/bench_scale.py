@@ -5,6 +5,7 @@ built on the meta device, initialized block by block by offload, trained a few s
     python benchmarks/bench_scale.py --params-target 4e9 --host-memory 3GB --device-memory 3GB --nvme-path /mnt/nvme
     python benchmarks/bench_scale.py --quick              # ~100M parameters, a smoke run of < 1 minute
     python benchmarks/bench_scale.py --max-grad-norm 1.0  # clipping: the gradients wait on disk for the norm
+    python benchmarks/bench_scale.py --moments int8       # int8 Adam moments: half the state on disk
 
 The model is transformers' `LlamaForCausalLM` from a `LlamaConfig` (hidden 2560, MLP 6912, 20 heads, vocab
 32000, untied head, layers chosen to reach `--params-target`), built under `accelerate.init_empty_weights()`
@@ -12,7 +13,9 @@ The model is transformers' `LlamaForCausalLM` from a `LlamaConfig` (hidden 2560,
 model._init_weights)` as each block is placed; without transformers/accelerate (or with `--builtin`) a small
 Llama-like module of this file (RMSNorm, SwiGLU MLP, attention without rotary) built under
 `torch.device("meta")` and initialized by its modules' `reset_parameters()`. The model never exists whole in
-memory: training state = 16 B/param (fp32 master, Adam m and v in the swap file; bf16 weights and gradients).
+memory: training state = 16 B/param (fp32 master, Adam m and v in the swap file; bf16 weights and gradients);
+with `--moments bf16` 12, with `--moments int8` 10.03 (wrap's `moments=`: the swap file and each step's disk
+traffic shrink by the moments' bytes).
 
 Measured in one process: peak RSS (VmHWM, reset after the imports and the disk probe's buffer) against
 `host_memory + device_memory`; each step's time (forward, backward, `step()`, `zero_grad()`, then
@@ -46,6 +49,7 @@ from common import append_csv, machine_header, print_table  # noqa: E402
 import offload  # noqa: E402
 from offload.cli.estimate import ModelShape, estimate  # noqa: E402
 from offload.measure import DiskProbe, dram_bandwidth  # noqa: E402
+from offload.optim.moments import MomentFormat, moment_nbytes  # noqa: E402
 from offload.planner import GradFlow, Location  # noqa: E402
 from offload.planner import human_bytes as human  # noqa: E402
 from offload.policy import Tier, parse_bytes  # noqa: E402
@@ -56,7 +60,9 @@ except ImportError:  # a progress bar is a nicety
     tqdm = None
 
 GB = 1e9
-STATE_BYTES_PER_PARAM = 16  # fp32 master 4 + Adam m 4 + v 4 + bf16 weight 2 + bf16 gradient 2
+def state_bytes_per_param(moments: MomentFormat) -> float:
+    """fp32 master 4 + Adam m and v in the moments' format + bf16 weight 2 + bf16 gradient 2."""
+    return 8 + 2 * moment_nbytes(moments, 1 << 20) / (1 << 20)
 
 
 # ----- the model -----------------------------------------------------------------------------------------------
@@ -283,12 +289,14 @@ def deepspeed_line() -> str:
             "(the GPU issue compares with it)")
 
 
-def estimate_plan(blocks: List[tuple], device_memory: int, host_memory: int, clipping: bool):
+def estimate_plan(blocks: List[tuple], device_memory: int, host_memory: int, clipping: bool,
+                  moments: MomentFormat = MomentFormat.FP32):
     """What `python -m offload estimate` predicts for these blocks and budgets and this run's gradient flow
     (grad_accumulation_steps declared, clipping as asked)."""
     shape = ModelShape(tuple(blocks))
     try:
-        plan = estimate(shape, Tier.NVME, torch.bfloat16, device_memory, host_memory, GradFlow(1, clipping, 2))
+        plan = estimate(shape, Tier.NVME, torch.bfloat16, device_memory, host_memory, GradFlow(1, clipping, 2),
+                        moments)
         return plan, True, None
     except Exception as exc:  # noqa: BLE001 - OffloadConfigError: the estimate refuses; reported
         return None, True, f"{type(exc).__name__}: {exc}"
@@ -315,6 +323,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--max-grad-norm", type=float, default=None,
                         help="clip to this global norm: every gradient waits for it (on disk: docs/design.md "
                              "[Note: gradients on disk])")
+    parser.add_argument("--moments", choices=[m.value for m in MomentFormat], default="fp32",
+                        help="how the Adam moments are kept (offload.wrap's moments=): fp32 (exact), bf16, int8")
     parser.add_argument("--quick", action="store_true",
                         help="~100M parameters (hidden 768), budgets 250MB + 200MB: a smoke run (< 1 min)")
     args = parser.parse_args(argv)
@@ -331,16 +341,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     min_free = parse_bytes(args.min_free_disk or ("1GB" if args.quick else "10GB"), "--min-free-disk")
     args.layers = layers_for(args.params_target, args.vocab, args.dim, args.hidden)
     n_params = model_params(args.vocab, args.dim, args.hidden, args.layers)
-    state_bytes = STATE_BYTES_PER_PARAM * n_params
+    moments = MomentFormat.parse(args.moments)
+    per_param = state_bytes_per_param(moments)
+    state_bytes = int(per_param * n_params)
     ram = ram_bytes()
 
     base_dir = args.nvme_path or tempfile.gettempdir()
     free_before = shutil.disk_usage(base_dir).free
     # The swap file: 12 B/param of state, plus the bf16 weights the plan puts on disk (at most 2 B/param) and,
     # clipping, the bf16 gradients' records (2 B/param).
-    disk_need = (16 if args.max_grad_norm is not None else 14) * n_params + (1 << 30)
+    disk_per_param = per_param - 2 + (2 if args.max_grad_norm is not None else 0)
+    disk_need = int(disk_per_param * n_params) + (1 << 30)
     if free_before - disk_need < min_free:
-        fits = (free_before - min_free - (1 << 30)) / 14
+        fits = (free_before - min_free - (1 << 30)) / disk_per_param
         print(f"not run: ~{disk_need / GB:.1f} GB of swap for {n_params / 1e9:.2f}B parameters would leave "
               f"{(free_before - disk_need) / GB:.1f} GB free in {base_dir} (< --min-free-disk {min_free / GB:.0f} GB); "
               f"--params-target {max(fits, 0):.3g} fits", file=sys.stderr)
@@ -358,7 +371,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     modules_to_init = sum(1 for m in model.modules() if any(p is not None for p in m._parameters.values()))
     print(f"model: {described}; hidden {args.dim}, MLP {args.hidden}, {args.heads} heads, {args.layers} layers, "
           f"vocab {args.vocab}, untied head: {n_params:,} parameters ({n_params / 1e9:.3f}B)")
-    print(f"training state {state_bytes / GB:.1f} GB at {STATE_BYTES_PER_PARAM} B/param = "
+    print(f"training state {state_bytes / GB:.1f} GB at {per_param:.4g} B/param ({moments.value} moments) = "
           f"{state_bytes / ram:.2f}x this machine's RAM ({ram / GB:.1f} GB); budgets: host_memory "
           f"{human(host_memory)}, device_memory {human(device_memory)} (device = CPU RAM here)")
 
@@ -380,7 +393,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         t0 = time.perf_counter()
         engine = offload.wrap(model, tier="nvme", nvme_path=swap_dir, dtype=torch.bfloat16, device="cpu",
                               host_memory=host_memory, device_memory=device_memory, grad_accumulation_steps=1,
-                              max_grad_norm=args.max_grad_norm, init=init_fn)
+                              max_grad_norm=args.max_grad_norm, init=init_fn, moments=moments)
         wrap_seconds = time.perf_counter() - t0
         if init_bar is not None:
             init_bar.close()
@@ -435,9 +448,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         blocks = [(b.name, sum(g.trainable_numel for g in b.groups),
                    max((s.numel for g in b.groups for s in g.trainable_slots), default=0)) for b in engine.blocks]
         clipping = args.max_grad_norm is not None
-        est, windowed, refused = estimate_plan(blocks, device_memory, host_memory, clipping)
+        est, windowed, refused = estimate_plan(blocks, device_memory, host_memory, clipping, moments)
         uniform_est, _, uniform_refused = estimate_plan(list(ModelShape.uniform(n_params, len(blocks)).blocks),
-                                                        device_memory, host_memory, clipping)
+                                                        device_memory, host_memory, clipping, moments)
         engine.close()
         leftovers = [n for n in os.listdir(swap_dir) if not n.startswith("offload-probe-")]
         probe.close()
@@ -459,13 +472,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                              io_wait_s=d.get("nvme_io_wait_seconds", 0.0),
                              early_updates=d.get("early_block_updates", 0),
                              fetches=d.get("block_fetches", 0)))
-        capacity = (ram + free_before) / STATE_BYTES_PER_PARAM
+        capacity = (ram + free_before) / per_param
         t_cpu = n_params * 30 / dram
         mem_bound = host_memory + device_memory
         summary = [
             dict(quantity="parameters", value=f"{n_params:,} ({n_params / 1e9:.3f}B)",
                  against=f"{args.layers} layers x {args.dim}, vocab {args.vocab}"),
-            dict(quantity="training state (16 B/param)", value=f"{state_bytes / GB:.1f} GB",
+            dict(quantity=f"training state ({per_param:.4g} B/param)", value=f"{state_bytes / GB:.1f} GB",
                  against=f"{state_bytes / ram:.2f}x RAM ({ram / GB:.1f} GB)"),
             dict(quantity="peak RSS, whole process (VmHWM)", value=f"{peak / GB:.2f} GB",
                  against=f"host_memory + device_memory = {mem_bound / GB:.2f} GB"),
@@ -485,8 +498,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                          f"O_DIRECT {disk.direct}"),
             dict(quantity="T_cpu (Adam, 30 B/param / DRAM)", value=f"{t_cpu:.1f} s",
                  against=f"DRAM {dram / GB:.1f} GB/s measured"),
-            dict(quantity="params / ((RAM + free disk) / 16 B)", value=f"{n_params / capacity:.2f}",
-                 against=f"{capacity / 1e9:.2f}B params = ({ram / GB:.1f} + {free_before / GB:.1f} GB) / 16 B"),
+            dict(quantity=f"params / ((RAM + free disk) / {per_param:.4g} B)", value=f"{n_params / capacity:.2f}",
+                 against=f"{capacity / 1e9:.2f}B params = ({ram / GB:.1f} + {free_before / GB:.1f} GB) / "
+                         f"{per_param:.4g} B"),
             dict(quantity="over-budget events (device, host grads)",
                  value=f"{final_stats.get('device_over_budget_events', 0)}, "
                        f"{final_stats.get('host_grad_over_budget_events', 0)}",
@@ -504,7 +518,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         # ----- estimate vs plan ----------------------------------------------------------------------------------
         print()
-        flag = " --grad-accumulation-steps 1" + (" --max-grad-norm" if clipping else "")
+        flag = " --grad-accumulation-steps 1" + (" --max-grad-norm" if clipping else "") + f" --moments {moments.value}"
         print(f"python -m offload estimate --params {n_params} --layers {len(blocks)} --tier nvme --dtype bf16 "
               f"--host-memory {host_memory} --device-memory {device_memory}{flag}  (uniform blocks), and "
               f"offload.cli.estimate.estimate() on this model's {len(blocks)} blocks"
@@ -542,7 +556,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                             peak_rss_GB=peak / GB, rss_growth_GB=(peak - rss_base) / GB,
                                             disk_read_GBps=disk.read / GB, disk_write_GBps=disk.write / GB,
                                             wrap_s=wrap_seconds, model=described.split(" (")[0],
-                                            max_grad_norm=args.max_grad_norm,
+                                            max_grad_norm=args.max_grad_norm, moments=moments.value,
                                             malloc_env=" ".join(malloc_env)) for r in rows])
         return 0
     finally:  # an error midway must not strand a 30+ GB swap file (the engine's and the probe's files live here)

@@ -13,6 +13,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from offload.errors import OffloadConfigError
+from offload.optim.moments import MomentFormat, moment_nbytes
 from offload.policy import Tier
 
 
@@ -62,27 +63,35 @@ MAX_READ_AHEAD_DEPTH = 1024  # [Note: the read-ahead ring] host memory no weight
 PREFERRED_SLOT_BYTES = 32 << 20  # large enough that per-chunk overhead vanishes, small enough to pipeline
 
 
-def min_ring_bytes(depth: int = MIN_DEPTH) -> int:
+def chunk_granule(moments: MomentFormat = MomentFormat.FP32) -> int:
+    """Elements a chunk is a multiple of: every section's piece of a chunk then starts 4 KiB-aligned in the
+    file (one byte per int8 code needs twice CHUNK_GRANULE)."""
+    return 2 * CHUNK_GRANULE if moments is MomentFormat.INT8 else CHUNK_GRANULE
+
+
+def min_ring_bytes(depth: int = MIN_DEPTH, moments: MomentFormat = MomentFormat.FP32) -> int:
     """The smallest ring that works: `depth` slots of one granule each."""
-    return depth * CHUNK_GRANULE * SLOT_BYTES_PER_ELEMENT
+    return depth * chunk_granule(moments) * SLOT_BYTES_PER_ELEMENT
 
 
-def _preferred_slot_bytes(largest_record_numel: int) -> int:
+def _preferred_slot_bytes(largest_record_numel: int, moments: MomentFormat = MomentFormat.FP32) -> int:
     """A slot that holds the largest record whole (one chunk per update), up to PREFERRED_SLOT_BYTES."""
-    granules = -(-max(largest_record_numel, 1) // CHUNK_GRANULE)
-    unit = CHUNK_GRANULE * SLOT_BYTES_PER_ELEMENT
+    granule = chunk_granule(moments)
+    granules = -(-max(largest_record_numel, 1) // granule)
+    unit = granule * SLOT_BYTES_PER_ELEMENT
     return max(min(granules * unit, PREFERRED_SLOT_BYTES) // unit, 1) * unit
 
 
-def ring_size_for(largest_record_numel: int) -> RingSize:
+def ring_size_for(largest_record_numel: int, moments: MomentFormat = MomentFormat.FP32) -> RingSize:
     """The least ring that works and the one worth having for records of up to `largest_record_numel`."""
-    return RingSize(min_ring_bytes(), MAX_DEPTH * _preferred_slot_bytes(largest_record_numel))
+    return RingSize(min_ring_bytes(MIN_DEPTH, moments), MAX_DEPTH * _preferred_slot_bytes(largest_record_numel, moments))
 
 
-def ring_depth_for(ring_bytes: int, largest_record_numel: int) -> int:
+def ring_depth_for(ring_bytes: int, largest_record_numel: int, moments: MomentFormat = MomentFormat.FP32) -> int:
     """How many slots a ring of `ring_bytes` gets: as many preferred-size slots as fit, from MIN_DEPTH up to
     MAX_READ_AHEAD_DEPTH (a small ring keeps MIN_DEPTH smaller slots: a record is then simply more chunks)."""
-    return max(MIN_DEPTH, min(MAX_READ_AHEAD_DEPTH, ring_bytes // _preferred_slot_bytes(largest_record_numel)))
+    slot = _preferred_slot_bytes(largest_record_numel, moments)
+    return max(MIN_DEPTH, min(MAX_READ_AHEAD_DEPTH, ring_bytes // slot))
 
 
 def read_ahead_bytes(host_left: Optional[int], ring_bytes: int, state_bytes: int, slot_bytes: int) -> int:
@@ -353,21 +362,23 @@ def _too_small(blocks: Sequence[BlockSpec], host_left: int, ring: RingSize, flow
             f"{_human(ring.minimum)}; " + "; or ".join(options))
 
 
-def group_bytes(trainable_numel: int, dtype: torch.dtype, tier: Tier) -> Tuple[int, int]:
+def group_bytes(trainable_numel: int, dtype: torch.dtype, tier: Tier,
+                moments: MomentFormat = MomentFormat.FP32) -> Tuple[int, int]:
     """(optimizer state bytes, gradient accumulator bytes) of `trainable_numel` parameters computed in
-    `dtype`: fp32 master (none on the gpu tier when the weights are fp32 already), Adam m and v, gradient."""
+    `dtype`: fp32 master (none on the gpu tier when the weights are fp32 already), Adam m and v in the
+    `moments` format, gradient."""
     master = 0 if (tier is Tier.GPU and dtype == torch.float32) else 4 * trainable_numel
     grad = trainable_numel * dtype.itemsize
-    return master + 8 * trainable_numel, grad
+    return master + 2 * moment_nbytes(moments, trainable_numel), grad
 
 
 def spec_of(name: str, weight_bytes: int, groups: Sequence[Tuple[int, torch.dtype]], tier: Tier,
-            largest_grad_bytes: int = 0) -> BlockSpec:
+            largest_grad_bytes: int = 0, moments: MomentFormat = MomentFormat.FP32) -> BlockSpec:
     """The BlockSpec of a block from its (trainable numel, dtype) groups; the nvme tier keeps gradients on
     the host apart from the state on disk, the other tiers count them with the state."""
     state = grads = 0
     for numel, dtype in groups:
-        s, g = group_bytes(numel, dtype, tier)
+        s, g = group_bytes(numel, dtype, tier, moments)
         state, grads = state + s, grads + g
     if tier is Tier.NVME:
         return BlockSpec(name, weight_bytes, state, grads, largest_grad_bytes)

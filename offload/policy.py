@@ -15,6 +15,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from offload.errors import OffloadConfigError
+from offload.optim.moments import MomentFormat
 from offload.param_groups import GroupOptions
 
 
@@ -110,6 +111,8 @@ class OffloadPolicy:
             with torch). None (the default): when the updates could not run during the backward (clipping,
             or accumulation not declared). False: `step()` waits for every update (an update's error then
             raises from `step()`). See docs/design.md [Note: step returns early].
+        moments: how the Adam moments are kept (`MomentFormat`): fp32 (exactly torch AdamW), bf16, or int8
+            with a scale per block; the master weights stay fp32. See docs/design.md [Note: compressed moments].
     """
 
     tier: Tier = Tier.CPU
@@ -126,6 +129,7 @@ class OffloadPolicy:
     grad_accumulation_steps: Optional[int] = None
     param_groups: Tuple[GroupOptions, ...] = ()
     overlap_step: Optional[bool] = None
+    moments: MomentFormat = MomentFormat.FP32
 
     @property
     def step_returns_early(self) -> bool:
@@ -172,6 +176,8 @@ class OffloadPolicy:
         steps = self.grad_accumulation_steps
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise OffloadConfigError(f"grad_accumulation_steps must be an int >= 1 or None, got {steps!r}")
+        if not isinstance(self.moments, MomentFormat):
+            raise OffloadConfigError(f"moments must be a MomentFormat, got {self.moments!r}; use MomentFormat.parse()")
         if self.overlap_step is not None and not isinstance(self.overlap_step, bool):
             raise OffloadConfigError(f"overlap_step must be True, False or None, got {self.overlap_step!r}")
 

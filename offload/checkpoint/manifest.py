@@ -1,6 +1,7 @@
 """`manifest.json`: what a checkpoint holds, written last, so its presence marks a complete checkpoint.
 
-Keys: `format`/`version`; `tier` and `compute_dtype` of the engine that saved; `checksum` (the algorithm);
+Keys: `format`/`version`; `tier`, `compute_dtype` and `moments` (the Adam moments' format, "fp32" when
+absent; the optimizer file holds their fp32 values) of the engine that saved; `checksum` (the algorithm);
 `step`, `skipped_steps`; `param_groups` (hyperparameters without the params); `blocks` (per block, per
 flat group: dtype and each parameter's name, shape, element offset, trainable flag and Adam step count);
 `tied` (alias name -> stored name); `files` (per file: size, and per tensor its checksum and block);

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import warnings
 from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Union
 
 import torch
@@ -50,6 +51,7 @@ def load_checkpoint(engine: "CheckpointTarget", path: str, *, stateful: Optional
     groups = list(engine.checkpoint_groups())
     _check_compatible(groups, manifest, directory)
     _check_param_groups(engine, manifest, directory)
+    _warn_if_moments_convert(engine, manifest, directory)
     parts = manifest.get("optimizer_parts")  # saved by several data-parallel ranks (sharded.py)
     for name in (MODEL_FILE,) if parts else (MODEL_FILE, OPTIMIZER_FILE):
         if name not in manifest["files"]:
@@ -220,6 +222,23 @@ def _read_cast(reader: TensorFileReader, name: str, out: Tensor) -> None:
         out.copy_(staged)
     else:
         reader.read_into(name, out)
+
+
+def _warn_if_moments_convert(engine: "CheckpointTarget", manifest: Dict[str, Any], directory: str) -> None:
+    """A checkpoint saved with another `moments=` setting loads by converting its moments to this engine's
+    format ([Note: compressed moments]): exact from a coarser format to a finer one, rounded the other way."""
+    saved, mine = manifest.get("moments", "fp32"), engine.policy.moments.value
+    if saved != mine:
+        warnings.warn(f"offload: checkpoint {directory!r} was saved with moments={saved!r} and this engine keeps "
+                      f"moments={mine!r}: the Adam moments are converted as they load"
+                      + (" (rounded to the coarser format)" if _finer(saved, mine) else " (exactly)")
+                      + f"; wrap with moments={saved!r} to resume in the saved format", RuntimeWarning, stacklevel=4)
+
+
+def _finer(saved: str, mine: str) -> bool:
+    """Whether `saved` keeps more of a moment than `mine` (so converting rounds)."""
+    order = ["int8", "bf16", "fp32"]
+    return saved in order and mine in order and order.index(saved) > order.index(mine)
 
 
 def _check_param_groups(engine: "CheckpointTarget", manifest: Dict[str, Any], directory: str) -> None:

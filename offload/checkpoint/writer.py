@@ -160,6 +160,9 @@ def manifest_fields(engine: "CheckpointTarget", layout: _Layout, algorithm: str,
     return {
         "format": FORMAT, "version": VERSION, "created": time.time(), "checksum": algorithm,
         "tier": engine.policy.tier.value, "compute_dtype": str(engine.policy.dtype).replace("torch.", ""),
+        # [Note: compressed moments] the engine's moment format; the files hold their fp32 values, from which
+        # an engine of the same format gets back exactly the codes it saved
+        "moments": engine.policy.moments.value,
         "step": counters["steps"], "skipped_steps": counters["skipped_steps"],
         "param_groups": [dict(jsonable_group(g), param_names=[names[id(p)] for p in g["params"]])
                          for g in engine.optimizer.param_groups],

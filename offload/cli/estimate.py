@@ -23,6 +23,7 @@ import torch
 
 from offload.cli.options import byte_size, positive_int
 from offload.errors import OffloadConfigError
+from offload.optim.moments import MomentFormat, moment_nbytes
 from offload.planner import BlockSpec, GradFlow, Location, Plan, make_plan, ring_size_for, spec_of
 from offload.planner import human_bytes as _human
 from offload.policy import Tier, parse_bytes
@@ -61,13 +62,16 @@ class ModelShape:
 
 
 def estimate(shape: ModelShape, tier: Tier, dtype: torch.dtype, device_memory: Optional[int],
-             host_memory: Optional[int], flow: Optional[GradFlow] = None) -> Plan:
+             host_memory: Optional[int], flow: Optional[GradFlow] = None,
+             moments: MomentFormat = MomentFormat.FP32) -> Plan:
     """The plan `offload.wrap` would make for a model of this shape (all parameters trainable); `flow`: when the
-    gradients are consumed (declared accumulation, clipping), which decides where the nvme tier keeps them."""
+    gradients are consumed (declared accumulation, clipping), which decides where the nvme tier keeps them;
+    `moments`: how the Adam moments are kept (wrap's `moments=`)."""
     itemsize = dtype.itemsize
-    specs: List[BlockSpec] = [spec_of(block[0], block[1] * itemsize, [(block[1], dtype)], tier, largest * itemsize)
+    specs: List[BlockSpec] = [spec_of(block[0], block[1] * itemsize, [(block[1], dtype)], tier, largest * itemsize,
+                                      moments)
                               for block, largest in zip(shape.blocks, shape.largest_tensors())]
-    ring = ring_size_for(max(block[1] for block in shape.blocks)) if tier is Tier.NVME else None
+    ring = ring_size_for(max(block[1] for block in shape.blocks), moments) if tier is Tier.NVME else None
     return make_plan(specs, tier, device_memory, host_memory, ring, flow or GradFlow(itemsize=itemsize))
 
 
@@ -80,6 +84,21 @@ def _summary(plan: Plan) -> str:
     if plan.tier is Tier.NVME:
         line += f"\n           gradients: {plan.grads_placement()}"
     return line
+
+
+def _moments_line(moments: MomentFormat, params: int) -> str:
+    """What the moments format does to the disk: bytes of state per parameter against fp32 moments', and the
+    model whose fp32-moment state would take the same disk space."""
+    mine, fp32 = (4 * params + 2 * moment_nbytes(m, params) for m in (moments, MomentFormat.FP32))
+    line = f"optimizer state in the swap file: {mine / params:.2f} B/param with {moments.value} moments"
+    if moments is MomentFormat.FP32:
+        others = ", ".join(f"{m.value}: {(4 * params + 2 * moment_nbytes(m, params)) / params:.2f}"
+                           for m in MomentFormat if m is not MomentFormat.FP32)
+        return line + f" ({others}; choose with --moments)"
+    count = params * fp32 / mine
+    shown = f"{count / 1e9:.3g}B" if count >= 1e9 else f"{count / 1e6:.3g}M"
+    return (line + f", {mine / fp32:.2f}x of fp32's {fp32 / params:.0f}: the disk that holds this model's state with "
+            f"fp32 moments holds a {shown}-parameter model's with {moments.value}, and each step moves that much less")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -115,6 +134,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the gradients during the last backward, so none goes to disk")
     parser.add_argument("--max-grad-norm", action="store_true",
                         help="clipping on: gradients wait for the global norm (on disk when they do not fit)")
+    parser.add_argument("--moments", choices=[m.value for m in MomentFormat], default=MomentFormat.FP32.value,
+                        help="how the Adam moments are kept, as offload.wrap(moments=...): int8 and bf16 shrink the "
+                             "state (on the nvme tier, the swap file and the bytes each step moves)")
     parser.add_argument("--blocks", action="store_true", help="print the per-block plan table too")
 
 
@@ -153,14 +175,17 @@ def run(args: argparse.Namespace) -> int:
     fits_any = False
     flow = GradFlow(getattr(args, "grad_accumulation_steps", None), bool(getattr(args, "max_grad_norm", False)),
                     dtype.itemsize)
+    moments = MomentFormat.parse(getattr(args, "moments", MomentFormat.FP32.value))
     for tier in tiers:
         try:
-            plan = estimate(shape, tier, dtype, device_memory, host_memory, flow)
+            plan = estimate(shape, tier, dtype, device_memory, host_memory, flow, moments)
         except OffloadConfigError as exc:
             print(f"tier={tier.value:<5} does not fit: {exc}")
             continue
         fits_any = True
         print(f"tier={tier.value:<5} {_summary(plan)}")
+        if tier is Tier.NVME:
+            print("           " + _moments_line(moments, shape.params))
         if args.blocks:
             print(plan)
     return 0 if fits_any else 1

@@ -17,8 +17,7 @@ import shutil
 import uuid
 import warnings
 import weakref
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -27,116 +26,34 @@ from offload.errors import OffloadConfigError
 from offload.io import AsyncIO, SwapFile
 from offload.io.future import IOFuture, wait_all
 from offload.io.swap_file import file_system_of
+from offload.optim.moments import (
+    INT8_BLOCK,
+    Moment,
+    MomentFormat,
+    QuantizedMoment,
+    code_nbytes,
+    slice_moment,
+)
 from offload.tiers.disk_checksums import ReadPiece, RecordChecksums, VerifiedRead
+from offload.tiers.swap_layout import (  # re-exported (`__all__`): the layout's names were this module's
+    ALIGNMENT,
+    GRADS,
+    LAYOUT_VERSION,
+    SCALES,
+    STATE_TENSORS,
+    WEIGHTS,
+    SwapRecord,
+    WeightRecord,
+    plan_grad_layout,
+    plan_swap_layout,
+    plan_weight_layout,
+    round_up,
+    section_bytes,
+)
 from offload.tiers.swap_leftovers import hold_lock, remove_leftovers
 
 if TYPE_CHECKING:  # descriptions only: the tiers never call into the scheduler
-    from offload.scheduler.blocks.block import Block, FlatGroup
-
-ALIGNMENT = 4096
-STATE_TENSORS = ("master", "exp_avg", "exp_avg_sq")
-WEIGHTS, GRADS = "weights", "grads"  # the arrays a group may keep in the swap file besides its state
-LAYOUT_VERSION = 2  # 2: sections padded to 4 KiB (section_bytes)
-
-
-@dataclass(frozen=True)
-class SwapRecord:
-    """Where one flat group's optimizer state lives in the swap file."""
-
-    block: str
-    dtype: str
-    offset: int
-    numel: int  # trainable elements; the record holds 3 x numel fp32 values
-    params: Tuple[Tuple[str, Tuple[int, ...], int], ...]  # (name, shape, element offset in the group)
-
-    @property
-    def section_bytes(self) -> int:
-        """Bytes of each of the three sections (4 x numel, padded to 4 KiB)."""
-        return section_bytes(self.numel)
-
-    @property
-    def nbytes(self) -> int:
-        return 3 * self.section_bytes
-
-
-def section_bytes(numel: int) -> int:
-    """Bytes of one fp32 section of a record of `numel` elements: padded so every section starts aligned."""
-    return round_up(4 * numel, ALIGNMENT)
-
-
-@dataclass(frozen=True)
-class WeightRecord:
-    """Where an array of one flat group lives in the swap file, in the group's compute dtype, at a 4 KiB-aligned
-    offset: its compute weights when the plan puts the block's weights on disk (the whole group, trainable then
-    frozen parameters), or its gradient when gradients spill (the trainable range; grad_records)."""
-
-    block: str
-    dtype: str
-    offset: int
-    numel: int
-    itemsize: int
-    params: Tuple[Tuple[str, Tuple[int, ...], int], ...]
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.itemsize
-
-
-def plan_grad_layout(blocks: List["Block"], start: int,
-                     numel_of: Optional[Callable[[Any], int]] = None) -> Tuple[Dict[str, WeightRecord], int]:
-    """A gradient record for every group that trains (its trainable range, in the compute dtype; `numel_of`: a
-    data-parallel rank's padded range), placed from byte `start`; the new end. See docs/design.md
-    [Note: gradients on disk]."""
-    records: Dict[str, WeightRecord] = {}
-    offset = round_up(start, ALIGNMENT)
-    for block in blocks:
-        for group in block.groups:
-            if not group.trainable_numel:
-                continue
-            numel = group.trainable_numel if numel_of is None else numel_of(group)
-            params = tuple((s.name, tuple(s.shape), s.offset) for s in group.trainable_slots)
-            record = WeightRecord(block.name, str(group.dtype).replace("torch.", ""), offset, numel,
-                                  group.dtype.itemsize, params)
-            records[group.key] = record
-            offset += round_up(record.nbytes, ALIGNMENT)
-    return records, offset
-
-
-def plan_weight_layout(blocks: List["Block"], names: Tuple[str, ...], start: int) -> Tuple[Dict[str, WeightRecord], int]:
-    """Weight records (keyed by the group's layout key, `FlatGroup.key`) for the blocks named, placed from byte
-    `start`; the new end."""
-    records: Dict[str, WeightRecord] = {}
-    offset = round_up(start, ALIGNMENT)
-    for block in blocks:
-        if block.name not in names:
-            continue
-        for group in block.groups:
-            params = tuple((s.name, tuple(s.shape), s.offset) for s in group.slots)
-            itemsize = group.dtype.itemsize
-            record = WeightRecord(block.name, str(group.dtype).replace("torch.", ""), offset, group.numel, itemsize,
-                                  params)
-            records[group.key] = record
-            offset += round_up(record.nbytes, ALIGNMENT)
-    return records, offset
-
-
-def plan_swap_layout(blocks: List["Block"], numel_of: Optional[Callable[[Any], int]] = None,
-                     ) -> Tuple[Dict[str, SwapRecord], int]:
-    """Records for every group with trainable parameters (keyed by the group's layout key, `FlatGroup.key`)
-    and the file size. `numel_of`: a record's elements when it holds a part of the group (data-parallel)."""
-    records: Dict[str, SwapRecord] = {}
-    offset = 0
-    for block in blocks:
-        for group in block.groups:
-            if not group.trainable_numel:
-                continue
-            params = tuple((s.name, tuple(s.shape), s.offset) for s in group.trainable_slots)
-            numel = group.trainable_numel if numel_of is None else numel_of(group)
-            record = SwapRecord(block.name, str(group.dtype).replace("torch.", ""), offset, numel, params)
-            records[group.key] = record
-            offset += round_up(record.nbytes, ALIGNMENT)
-    return records, offset
-
+    from offload.scheduler.blocks.block import FlatGroup
 
 def check_room(directory: str, needed: int) -> None:
     """Refuse at wrap() a swap directory without room for the swap file, naming needed and free bytes."""
@@ -191,7 +108,8 @@ class SwapStore:
         self._write_layout(size)
 
     def _write_layout(self, size: int) -> None:
-        records = [dict(r.__dict__, section_bytes=r.section_bytes) for r in self.records.values()]
+        records = [dict(r.__dict__, section_bytes=r.section_bytes, section_sizes=r.section_sizes)
+                   for r in self.records.values()]
         layout = {"version": LAYOUT_VERSION, "swap_file": os.path.basename(self.path), "size": size,
                   "tensors": list(STATE_TENSORS), "records": records,
                   "weights": [r.__dict__ for r in self.weights.values()],
@@ -235,11 +153,16 @@ class SwapStore:
                weights: Optional[Tensor]) -> List[IOFuture]:
         """The body of `read_chunk` and `write_chunk`, given the direction's section and weights methods."""
         futures: List = []
+        fmt = self.records[group.key].moment_format
         try:
             if weights is not None and group.key in self.weights:
                 futures.append(weights_io(group, start, weights[:stop - start]))
-            for index, tensor in enumerate(sections):
-                futures.append(section_io(group, index, start, tensor[:stop - start]))
+            for index, section in enumerate(sections):
+                if index and fmt is not MomentFormat.FP32:
+                    futures.extend(self._moment_pieces(section_io, group, index, start,
+                                                       slice_moment(section, fmt, 0, stop - start)))
+                else:
+                    futures.append(section_io(group, index, start, section[:stop - start]))
         except BaseException:
             try:  # the pieces already started use the caller's buffers: finish them before it reuses them
                 wait_all(futures)
@@ -248,20 +171,44 @@ class SwapStore:
             raise
         return futures
 
-    def read_section(self, group: "FlatGroup", index: int, start: int, tensor: Tensor) -> IOFuture:
+    def _moment_pieces(self, section_io: Callable[..., IOFuture], group: "FlatGroup", index: int, start: int,
+                       moment: Moment) -> List[IOFuture]:
+        """A compressed moment's chunk moves as its codes (values) and, for int8, its scales: two pieces of the
+        section, each sealed and verified on its own."""
+        if not isinstance(moment, QuantizedMoment):
+            return [section_io(group, index, start, moment)]
+        codes = section_io(group, index, start, moment.codes)
+        try:
+            return [codes, section_io(group, (index, SCALES), start, moment.scales)]
+        except BaseException:
+            wait_all([codes])
+            raise
+
+    def read_section(self, group: "FlatGroup", index: Union[int, Tuple[int, str]], start: int,
+                     tensor: Tensor) -> IOFuture:
         """Start reading elements [start, start + numel) of one section (0 master, 1 exp_avg, 2 exp_avg_sq)
         into the fp32 `tensor`; verified against its seals once read (`_read`)."""
-        return self._read(*self._section_piece(group, index, start), start, tensor)
+        return self._read(*self._section_piece(group, index, start), tensor)
 
-    def write_section(self, group: "FlatGroup", index: int, start: int, tensor: Tensor) -> IOFuture:
+    def write_section(self, group: "FlatGroup", index: Union[int, Tuple[int, str]], start: int,
+                      tensor: Tensor) -> IOFuture:
         """Start writing the fp32 `tensor` to elements [start, start + numel) of one section (0 master,
         1 exp_avg, 2 exp_avg_sq); sealed before it is written (`_write`)."""
-        return self._write(*self._section_piece(group, index, start), start, tensor)
+        return self._write(*self._section_piece(group, index, start), tensor)
 
-    def _section_piece(self, group: "FlatGroup", index: int, start: int) -> Tuple[tuple, int, str]:
-        """(checksum key, file offset, block) of a section's piece from element `start`."""
+    def _section_piece(self, group: "FlatGroup", index: Union[int, Tuple[int, str]], start: int,
+                       ) -> Tuple[tuple, int, str, int]:
+        """(checksum key, file offset, block, first element for the seals) of a section's piece from element
+        `start`; `index` (i, SCALES) is the scales of moment section i, from its block of element `start`."""
         record = self.records[group.key]
-        return (group.key, index), record.offset + index * record.section_bytes + 4 * start, record.block
+        if isinstance(index, tuple):
+            section, _ = index
+            fmt = record.moment_format
+            codes = round_up(code_nbytes(fmt, record.numel), ALIGNMENT)
+            block = start // INT8_BLOCK
+            return (group.key, section, SCALES), record.section_offset(section) + codes + 4 * block, record.block, block
+        itemsize = 4 if index == 0 else code_nbytes(record.moment_format, 1)
+        return (group.key, index), record.section_offset(index) + itemsize * start, record.block, start
 
     def adopt(self, group: "FlatGroup", index: int, start: int, tensor: Tensor) -> None:
         """The file already holds `tensor` at elements [start, ...) of a section (a checkpoint cloned it there
@@ -337,13 +284,14 @@ def _check_record_buffer(record: SwapRecord, buffer: Tensor) -> int:
     return record.numel
 
 
-def round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
-
-
 def state_views(buffer: Tensor, numel: int) -> Tuple[Tensor, Tensor, Tensor]:
     """master, exp_avg, exp_avg_sq as views of one record-sized buffer (`SwapRecord.nbytes`): each section
     starts at a multiple of `section_bytes(numel)`, as on disk."""
     stride = section_bytes(numel) // 4
     flat = buffer.view(torch.float32)
     return flat[:numel], flat[stride:stride + numel], flat[2 * stride:2 * stride + numel]
+
+
+__all__ = ["ALIGNMENT", "GRADS", "LAYOUT_VERSION", "SCALES", "STATE_TENSORS", "WEIGHTS", "SwapRecord", "SwapStore",
+           "WeightRecord", "check_room", "plan_grad_layout", "plan_swap_layout", "plan_weight_layout", "round_up",
+           "section_bytes", "state_views", "warn_if_ram_backed"]

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from offload.errors import OffloadConfigError, OffloadError
+from offload.optim.moments import MomentFormat
 from offload.planner import BlockSpec, spec_of
 from offload.policy import Tier
 from offload.scheduler.torch_internals import own_parameters
@@ -129,11 +130,11 @@ class Block:
         for group in self.groups:
             yield from group.slots
 
-    def spec(self, tier: Tier) -> BlockSpec:
+    def spec(self, tier: Tier, moments: MomentFormat = MomentFormat.FP32) -> BlockSpec:
         """Bytes of the block's weights and optimizer state (fp32 master unless aliased, m, v, gradient)."""
         largest_grad = max((slot.numel * g.dtype.itemsize for g in self.groups for slot in g.trainable_slots), default=0)
         return spec_of(self.name, self.weight_bytes, [(g.trainable_numel, g.dtype) for g in self.groups], tier,
-                       largest_grad)
+                       largest_grad, moments)
 
     def move_to(self, new: Residency) -> None:
         """Change residency; a move the state machine does not allow is a bug, reported loudly."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Tuple
 
 from torch import Tensor
 
+from offload.optim.moments import MomentFormat
 from offload.planner import (  # the planner sizes the ring; re-exported (`__all__`) for existing imports
     CHUNK_GRANULE,
     MAX_DEPTH,
@@ -31,7 +32,7 @@ from offload.planner import (  # the planner sizes the ring; re-exported (`__all
     ring_depth_for,
     ring_size_for,
 )
-from offload.scheduler.ring.ring_slots import InFlight, Slot, SlotPool, WriteOrder
+from offload.scheduler.ring.ring_slots import InFlight, Slot, SlotPool, SlotSections, WriteOrder
 from offload.scheduler.ring.weight_io import DiskWeightIO
 from offload.tiers.disk import GRADS, WEIGHTS
 from offload.trace import Tracer
@@ -55,8 +56,9 @@ class DiskRing:
     """
 
     def __init__(self, store: "SwapStore", pool: "StagingPool", ring_bytes: int, depth: int = MIN_DEPTH,
-                 tracer: Optional[Tracer] = None) -> None:
-        self._slots = SlotPool(pool, ring_bytes, depth)
+                 tracer: Optional[Tracer] = None, moments: MomentFormat = MomentFormat.FP32) -> None:
+        self.moments = moments  # how the slots and the swap records keep the Adam moments
+        self._slots = SlotPool(pool, ring_bytes, depth, moments)
         self._order = WriteOrder(self._slots, tracer)  # every wait for the disk is a "disk wait" span
         self._store = store
         self._weights = DiskWeightIO(self._slots, self._order, store, WEIGHTS)
@@ -109,7 +111,7 @@ class DiskRing:
             self._read_ahead()
 
     # ----- the worker's side -------------------------------------------------------------------------
-    def load(self, group: "FlatGroup", start: int, stop: int) -> Tuple[Tensor, Tensor, Tensor]:
+    def load(self, group: "FlatGroup", start: int, stop: int) -> SlotSections:
         """Views (master, exp_avg, exp_avg_sq) of elements [start, stop) in a slot, read from disk; hand the
         slot back with `store` (or `abandon` on failure). When the group's compute weights live on disk,
         the slot's weight area (`weights_of`) is read too, and `store` writes it back."""
@@ -139,7 +141,7 @@ class DiskRing:
         self._read_ahead()
         return entry.slot.cut(stop - start)
 
-    def store(self, group: "FlatGroup", start: int, stop: int, sections: Tuple[Tensor, Tensor, Tensor]) -> None:
+    def store(self, group: "FlatGroup", start: int, stop: int, sections: SlotSections) -> None:
         """Write the chunk `load` returned back to disk; the slot returns to the ring when the write is done."""
         slot = self._slots.slot_of(sections[0])
         with self._slots.lock:  # submitted and registered at once: `_read_ahead` (other threads) must never
@@ -154,7 +156,7 @@ class DiskRing:
             self._checked_out.pop((group.key, start), None)
         self._read_ahead()
 
-    def weights_of(self, sections: Tuple[Tensor, Tensor, Tensor], group: "FlatGroup") -> Optional[Tensor]:
+    def weights_of(self, sections: SlotSections, group: "FlatGroup") -> Optional[Tensor]:
         """The loaded chunk's compute weights (the update writes the new ones there), or None when the
         group's weights do not live on disk."""
         if group.key not in self._store.weights:
@@ -178,7 +180,7 @@ class DiskRing:
                 self._slots.give_back(entry.slot)
 
     @contextlib.contextmanager
-    def borrow(self, count: int = 1) -> Iterator[List[Tuple[Tensor, Tensor, Tensor]]]:
+    def borrow(self, count: int = 1) -> Iterator[List[SlotSections]]:
         """`count` slots' three fp32 sections (`chunk_numel` elements each) for a caller that moves a record
         itself (checkpoints), given back on exit: memory the ring already holds, so a checkpoint of any size
         needs none of its own. Use it after `drain()`, with no update running (at most the ring's depth)."""
@@ -189,7 +191,7 @@ class DiskRing:
             for slot in slots:
                 self._slots.give_back(slot)
 
-    def abandon(self, sections: Tuple[Tensor, Tensor, Tensor]) -> None:
+    def abandon(self, sections: SlotSections) -> None:
         """Return a loaded chunk's slot without writing it (its update failed: the disk keeps the old state)."""
         slot = self._slots.slot_of(sections[0])
         with self._slots.lock:

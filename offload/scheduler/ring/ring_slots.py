@@ -42,7 +42,16 @@ from torch import Tensor
 
 from offload.errors import OffloadConfigError
 from offload.io.future import IOFuture, wait_all
-from offload.planner import CHUNK_GRANULE, SLOT_BYTES_PER_ELEMENT, min_ring_bytes
+from offload.optim.moments import (
+    Moment,
+    MomentFormat,
+    code_nbytes,
+    moment_from_bytes,
+    moment_nbytes,
+    scale_count,
+    slice_moment,
+)
+from offload.planner import SLOT_BYTES_PER_ELEMENT, chunk_granule, min_ring_bytes
 from offload.trace import Tracer
 
 if TYPE_CHECKING:
@@ -52,23 +61,51 @@ if TYPE_CHECKING:
 KEEP_FOR_LOAD = 1  # free slots a read ahead leaves: the one the worker's next `load` may need
 
 
+SlotSections = Tuple[Tensor, Moment, Moment]  # master (fp32), exp_avg, exp_avg_sq in the ring's moment format
+
+
 @dataclass
 class Slot:
     index: int
     buffer: "HostBuffer"
     raw: Tensor  # all of the slot's bytes
-    sections: Tuple[Tensor, Tensor, Tensor]  # fp32 views, `chunk_numel` elements each
+    sections: SlotSections  # `chunk_numel` elements each
+    moments: MomentFormat
+    weights_offset: int  # where the compute-weight area starts (after the sections, 4 KiB-aligned)
 
     def weights(self, dtype: torch.dtype, numel: int) -> Tensor:
         """The slot's compute-weight area (after the three sections) as `numel` elements of `dtype`."""
-        start = 3 * 4 * self.sections[0].numel()
+        start = self.weights_offset
         itemsize = dtype.itemsize
         return self.raw[start:start + numel * itemsize].view(dtype)
 
-    def cut(self, numel: int) -> Tuple[Tensor, Tensor, Tensor]:
+    def cut(self, numel: int) -> SlotSections:
         """The three sections' first `numel` elements: a chunk of that many elements in this slot."""
         master, exp_avg, exp_avg_sq = self.sections
-        return master[:numel], exp_avg[:numel], exp_avg_sq[:numel]
+        return (master[:numel], slice_moment(exp_avg, self.moments, 0, numel),
+                slice_moment(exp_avg_sq, self.moments, 0, numel))
+
+
+def slot_layout(moments: MomentFormat, chunk: int) -> Tuple[Tuple[int, int, int, int], int]:
+    """Byte offsets in a slot of (master, exp_avg, exp_avg_sq, compute weights) and the bytes used; each area
+    starts 4 KiB-aligned, a moment's int8 scales right after its codes. fp32 moments give the layout of
+    three fp32 sections followed by the weights."""
+    def after(offset: int, nbytes: int) -> int:
+        return -(-(offset + nbytes) // 4096) * 4096
+
+    master = 0
+    exp_avg = after(master, 4 * chunk)
+    exp_avg_sq = after(exp_avg, moment_nbytes(moments, chunk))
+    weights = after(exp_avg_sq, moment_nbytes(moments, chunk))
+    return (master, exp_avg, exp_avg_sq, weights), weights + 4 * chunk
+
+
+def _moment_at(raw: Tensor, offset: int, moments: MomentFormat, chunk: int) -> Moment:
+    """A moment of `chunk` elements viewing the slot's bytes from `offset`: codes, then int8 scales."""
+    codes = code_nbytes(moments, chunk)
+    scales = 4 * scale_count(moments, chunk)
+    return moment_from_bytes(moments, chunk, raw[offset:offset + codes],
+                             raw[offset + codes:offset + codes + scales] if scales else None)
 
 
 @dataclass
@@ -89,22 +126,26 @@ class SlotPool:
     """`depth` slots leased once from `pool` (their total is at most `ring_bytes`), handed out and taken back.
     Which slot is free to hand out is `WriteOrder`'s business: take slots through it."""
 
-    def __init__(self, pool: "StagingPool", ring_bytes: int, depth: int) -> None:
+    def __init__(self, pool: "StagingPool", ring_bytes: int, depth: int,
+                 moments: MomentFormat = MomentFormat.FP32) -> None:
         slot_bytes = ring_bytes // depth
-        chunk = slot_bytes // SLOT_BYTES_PER_ELEMENT // CHUNK_GRANULE * CHUNK_GRANULE
+        granule = chunk_granule(moments)
+        chunk = slot_bytes // SLOT_BYTES_PER_ELEMENT // granule * granule
         if chunk <= 0:
             raise OffloadConfigError(
-                f"the nvme staging ring needs at least {min_ring_bytes(depth)} bytes of host_memory, got "
+                f"the nvme staging ring needs at least {min_ring_bytes(depth, moments)} bytes of host_memory, got "
                 f"{ring_bytes}; raise host_memory")
+        (master, exp_avg, exp_avg_sq, weights), used = slot_layout(moments, chunk)
+        assert used <= SLOT_BYTES_PER_ELEMENT * chunk, "a compressed slot is never larger than an fp32 one"
         self.chunk_numel = chunk
         self.depth = depth
         self.slots: List[Slot] = []
         for index in range(depth):
             buffer = pool.lease(SLOT_BYTES_PER_ELEMENT * chunk)
             raw = buffer.view(torch.uint8, (SLOT_BYTES_PER_ELEMENT * chunk,))
-            flat = raw[:3 * 4 * chunk].view(torch.float32)
-            sections = (flat[:chunk], flat[chunk:2 * chunk], flat[2 * chunk:])
-            self.slots.append(Slot(index, buffer, raw, sections))
+            sections = (raw[master:master + 4 * chunk].view(torch.float32), _moment_at(raw, exp_avg, moments, chunk),
+                        _moment_at(raw, exp_avg_sq, moments, chunk))
+            self.slots.append(Slot(index, buffer, raw, sections, moments, weights))
         self.free: List[Slot] = list(self.slots)  # guarded by `lock`
         self.lock = threading.Lock()
         self._slot_returned = threading.Condition(self.lock)

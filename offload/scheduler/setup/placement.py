@@ -48,11 +48,11 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
     """The placement plan of `blocks` under the policy's budgets, and the tiers it needs, opened. In
     data-parallel mode the swap file holds this rank's parts only, in its own directory under nvme_path."""
     numel_of = None if dp is None else (lambda group: dp.shard_of(group.trainable_numel).numel)
-    records, swap_size = plan_swap_layout(blocks, numel_of) if policy.tier is Tier.NVME else ({}, 0)
+    records, swap_size = plan_swap_layout(blocks, numel_of, policy.moments) if policy.tier is Tier.NVME else ({}, 0)
     largest_record = max((r.numel for r in records.values()), default=0)
-    ring = ring_size_for(largest_record) if records else None
+    ring = ring_size_for(largest_record, policy.moments) if records else None
     flow = GradFlow(policy.grad_accumulation_steps, policy.max_grad_norm is not None, policy.dtype.itemsize)
-    plan = make_plan([b.spec(policy.tier) for b in blocks], policy.tier, policy.device_memory,
+    plan = make_plan([b.spec(policy.tier, policy.moments) for b in blocks], policy.tier, policy.device_memory,
                      policy.host_memory, ring, flow)
     if dp is not None and plan.disk_weight_blocks:
         raise OffloadConfigError(
@@ -85,7 +85,8 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
         try:
             tiers.staging = StagingPool(max(round_up(plan.ring_bytes, 4096), 4096))
             tiers.ring = DiskRing(tiers.swap, tiers.staging, plan.ring_bytes,
-                                  ring_depth_for(plan.ring_bytes, largest_record), tracer=tracer)
+                                  ring_depth_for(plan.ring_bytes, largest_record, policy.moments), tracer=tracer,
+                                  moments=policy.moments)
         except BaseException:
             tiers.close()  # nothing of a failed wrap() stays on disk
             raise
@@ -149,7 +150,7 @@ def _state_store(group, policy: OffloadPolicy, tiers: Tiers) -> StateStore:
     if tiers.ring is not None:
         return DiskStore(group, tiers.ring)
     on_host = policy.tier is not Tier.GPU
-    return MemoryStore(group, torch.device("cpu") if on_host else policy.device, on_host)
+    return MemoryStore(group, torch.device("cpu") if on_host else policy.device, on_host, policy.moments)
 
 
 def _grad_home(group, on_host: bool, policy: OffloadPolicy, tiers: Tiers, plan: Plan,

@@ -15,7 +15,17 @@ import torch
 from torch import Tensor
 
 from offload.optim.functional import adam_step_flat, adam_step_torch
-from offload.scheduler.state.state_store import StateStore
+from offload.optim.moments import (
+    EXP_AVG,
+    EXP_AVG_SQ,
+    INT8_BLOCK,
+    MomentFormat,
+    adam_step_moments,
+    decode_moment,
+    encode_moment,
+    slice_moment,
+)
+from offload.scheduler.state.state_store import StateChunk, StateStore
 
 
 @dataclass(frozen=True)
@@ -53,9 +63,13 @@ def adamw(store: StateStore, grad: Tensor, spans: List[UpdateSpan], grad_scale: 
                 lo, hi = max(a, start), min(b, stop)
                 if lo >= hi:
                     continue
+                piece = None if target is None else target[lo - base:hi - base]
+                if store.moments is not MomentFormat.FP32:
+                    _adamw_moments(store.moments, chunk, lo, hi, grad[lo:hi], step, hyper, grad_scale, piece,
+                                   num_threads)
+                    continue
                 state = (chunk.master[lo - start:hi - start], grad[lo:hi], chunk.exp_avg[lo - start:hi - start],
                          chunk.exp_avg_sq[lo - start:hi - start])
-                piece = None if target is None else target[lo - base:hi - base]
                 if store.uses_cpu_kernel:
                     adam_step_flat(*state, step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
                                    eps=hyper.eps, weight_decay=hyper.weight_decay, adamw=True,
@@ -66,6 +80,42 @@ def adamw(store: StateStore, grad: Tensor, spans: List[UpdateSpan], grad_scale: 
             store.abandon(chunk)
             raise
         store.store(chunk)
+
+
+def _adamw_moments(fmt: MomentFormat, chunk: StateChunk, lo: int, hi: int, grad: Tensor, step: int, hyper: AdamHyper,
+                   grad_scale: float, out: Optional[Tensor], num_threads: Optional[int]) -> None:
+    """AdamW on elements [lo, hi) of a chunk whose moments are compressed: the fused kernel on the compressed
+    form when the range starts on a quantization block (every span of a group stepped as one, the usual case);
+    else [Note: compressed moments] the blocks the range touches are decoded, stepped in fp32 and encoded
+    again (the other elements of those blocks are re-encoded at the block's new scale)."""
+    a, b = lo - chunk.start, hi - chunk.start
+    size, block = chunk.stop - chunk.start, block_of(fmt)
+    first = a // block * block
+    if first == a and (b % block == 0 or b == size):  # whole blocks: nothing outside [a, b) shares a scale
+        adam_step_moments(chunk.master[a:b], grad, slice_moment(chunk.exp_avg, fmt, a, b),
+                          slice_moment(chunk.exp_avg_sq, fmt, a, b), fmt, step=step, lr=hyper.lr, beta1=hyper.beta1,
+                          beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay, adamw=True,
+                          grad_scale=grad_scale, out=out, num_threads=num_threads)
+        return
+    last = min(-(-b // block) * block, size)
+    moments = [slice_moment(m, fmt, first, last) for m in (chunk.exp_avg, chunk.exp_avg_sq)]
+    values = [torch.empty(last - first, dtype=torch.float32, device=chunk.master.device) for _ in moments]
+    for which, moment, fp32 in zip((EXP_AVG, EXP_AVG_SQ), moments, values):
+        decode_moment(moment, fmt, which, fp32)
+    state = (chunk.master[a:b], grad, values[0][a - first:b - first], values[1][a - first:b - first])
+    if chunk.master.device.type == "cpu":
+        adam_step_flat(*state, step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps,
+                       weight_decay=hyper.weight_decay, adamw=True, grad_scale=grad_scale, out=out,
+                       num_threads=num_threads)
+    else:
+        _adamw_torch(*state, step, hyper, grad_scale, out)
+    for which, moment, fp32 in zip((EXP_AVG, EXP_AVG_SQ), moments, values):
+        encode_moment(fp32, fmt, which, moment)
+
+
+def block_of(fmt: MomentFormat) -> int:
+    """Elements that share a scale: where a compressed moment can be cut."""
+    return INT8_BLOCK if fmt is MomentFormat.INT8 else 1
 
 
 def clip_scale(norms: List[float], max_norm: float) -> Tuple[float, float]:

@@ -12,12 +12,16 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Callable, Generator, Iterator, List, Optional, Tuple
 
+import torch
+
 from offload.io.future import wait_all
+from offload.optim.moments import EXP_AVG, EXP_AVG_SQ, MomentFormat, QuantizedMoment, encode_moment, slice_moment
 from offload.scheduler.blocks.block import FlatGroup
-from offload.scheduler.state.state_store import Cloned, Fill, Span, StateChunk, SwapSections, Views
+from offload.scheduler.state.state_store import Cloned, Fill, Span, StateChunk, SwapSections, Views, decode_views
 
 if TYPE_CHECKING:
     from offload.scheduler.ring.disk_ring import DiskRing
+    from offload.scheduler.ring.ring_slots import SlotSections
     from offload.tiers.disk import SwapStore
 
 
@@ -31,17 +35,19 @@ class DiskStore:
     def __init__(self, group: FlatGroup, ring: "DiskRing") -> None:
         assert group.device_buffer is not None, "allocate the device buffer first"
         self.group = group
+        self.moments = ring.moments
         self._ring = ring
         weights = group.device_buffer
 
-        def fill(start: int, stop: int, sections: Views) -> None:
+        def fill(start: int, stop: int, sections: "SlotSections") -> None:
             master, exp_avg, exp_avg_sq = sections
             master.copy_(weights[start:stop])
             on_disk = ring.weights_of(sections, group)
             if on_disk is not None:
                 on_disk.copy_(weights[start:stop])
-            exp_avg.zero_()
-            exp_avg_sq.zero_()
+            for moment in (exp_avg, exp_avg_sq):
+                for part in (moment if isinstance(moment, QuantizedMoment) else (moment,)):
+                    part.zero_()  # zero codes at scale 0: exactly 0.0
 
         ring.write_fresh(group, fill)
 
@@ -88,7 +94,10 @@ class DiskStore:
 
     # ----- checkpoint side -----
     def swap_sections(self) -> Optional[SwapSections]:
-        """The record's sections in the swap file, for copy-on-write clones (after `drain`)."""
+        """The record's sections in the swap file, for copy-on-write clones (after `drain`); None with
+        compressed moments (a checkpoint holds fp32 values, which the swap file does not)."""
+        if self.moments is not MomentFormat.FP32:
+            return None
         self.drain()
         fd, offsets, nbytes = self._ring.swap.section_spans(self.group)
         return SwapSections(fd, offsets, nbytes)
@@ -104,16 +113,17 @@ class DiskStore:
             finally:
                 chunks.close()  # a read still in flight into the other slot finishes before it goes back
 
-    def _read_chunks(self, slots: List[Views]) -> Generator[Tuple[int, int, Views], None, None]:
+    def _read_chunks(self, slots: List["SlotSections"]) -> Generator[Tuple[int, int, Views], None, None]:
         """Chunk i is read into one slot while the caller writes chunk i-1 from the other (when the ring lends
-        two), so the swap file's reads overlap the checkpoint's writes."""
+        two), so the swap file's reads overlap the checkpoint's writes. Compressed moments are decoded to
+        fp32 (the checkpoint side's form) before the chunk is handed out."""
         chunks = self.chunks()
         swap = self._ring.swap
 
         def read(i: int):
             start, stop = chunks[i]
-            views = tuple(section[:stop - start] for section in slots[i % len(slots)])
-            return views, swap.read_chunk(self.group, start, stop, views)  # type: ignore[arg-type]
+            views = _cut(slots[i % len(slots)], self.moments, stop - start)
+            return views, swap.read_chunk(self.group, start, stop, views)
 
         pending = read(0) if chunks else None
         try:
@@ -122,9 +132,10 @@ class DiskStore:
                 views, futures = pending
                 pending = None
                 wait_all(futures)
+                fp32 = views if self.moments is MomentFormat.FP32 else decode_views(self.moments, *views)
                 if i + 1 < len(chunks) and len(slots) > 1:
                     pending = read(i + 1)
-                yield start, stop, views
+                yield start, stop, fp32  # type: ignore[misc]
                 if pending is None and i + 1 < len(chunks):
                     pending = read(i + 1)  # one slot: the next read starts once the caller is done with this one
         finally:
@@ -139,15 +150,21 @@ class DiskStore:
         already holds that many leading elements of section i (cloned copy-on-write); they are sealed, not
         written. A `fill` that fails leaves the record partly written, which the load reports."""
         self.drain()
+        assert self.moments is MomentFormat.FP32 or not any(cloned), "compressed records are never cloned"
         with self._ring.borrow(2) as slots:
             in_flight: List[Callable[[], None]] = []
             try:
                 for i, (start, stop) in enumerate(self.chunks()):
                     if len(in_flight) == len(slots):
                         in_flight.pop(0)()  # this slot's previous write is done before it is filled again
-                    views = tuple(section[:stop - start] for section in slots[i % len(slots)])
-                    fill(start, stop, views)  # type: ignore[arg-type]
-                    in_flight.append(self._store_chunk(start, stop, views, cloned))  # type: ignore[arg-type]
+                    views = _cut(slots[i % len(slots)], self.moments, stop - start)
+                    if self.moments is MomentFormat.FP32:
+                        fill(start, stop, views)  # type: ignore[arg-type]
+                        in_flight.append(self._store_chunk(start, stop, views, cloned))  # type: ignore[arg-type]
+                        continue
+                    _fill_encoded(fill, start, stop, views, self.moments)
+                    futures = self._ring.swap.write_chunk(self.group, start, stop, views)
+                    in_flight.append(lambda futures=futures: wait_all(futures))
                 while in_flight:
                     in_flight.pop(0)()
             finally:
@@ -177,3 +194,19 @@ class DiskStore:
                 swap.adopt(group, index, start, view)
 
         return finish
+
+
+def _cut(sections: "SlotSections", moments: MomentFormat, numel: int) -> "SlotSections":
+    """A borrowed slot's sections, cut to a chunk of `numel` elements."""
+    master, exp_avg, exp_avg_sq = sections
+    return master[:numel], slice_moment(exp_avg, moments, 0, numel), slice_moment(exp_avg_sq, moments, 0, numel)
+
+
+def _fill_encoded(fill: Fill, start: int, stop: int, sections: "SlotSections", moments: MomentFormat) -> None:
+    """`fill` a chunk of a record with compressed moments: the master weights straight into the slot, the
+    moments into fp32 staging, then encoded into the slot."""
+    master, exp_avg, exp_avg_sq = sections
+    staged = (torch.empty(stop - start, dtype=torch.float32), torch.empty(stop - start, dtype=torch.float32))
+    fill(start, stop, (master, *staged))
+    for which, moment, values in ((EXP_AVG, exp_avg, staged[0]), (EXP_AVG_SQ, exp_avg_sq, staged[1])):
+        encode_moment(values, moments, which, moment)

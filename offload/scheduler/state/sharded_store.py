@@ -41,6 +41,7 @@ class ShardedStore:
         self.inner = inner
         self.shard = shard
         self.group = inner.group
+        self.moments = inner.moments
         self.uses_cpu_kernel = inner.uses_cpu_kernel
         self.writes_compute_copy = True  # the other ranks' parts arrive by all-gather into the compute copy
         self.reads_ahead = inner.reads_ahead

@@ -15,9 +15,20 @@ from typing import Callable, Iterator, List, NamedTuple, Optional, Protocol, Seq
 import torch
 from torch import Tensor
 
+from offload.optim.moments import (
+    EXP_AVG,
+    EXP_AVG_SQ,
+    Moment,
+    MomentFormat,
+    decode_moment,
+    encode_moment,
+    moment_nbytes,
+    slice_moment,
+    zeros_moment,
+)
 from offload.scheduler.blocks.block import FlatGroup
 
-Views = Tuple[Tensor, Tensor, Tensor]  # master, exp_avg, exp_avg_sq: fp32, contiguous
+Views = Tuple[Tensor, Tensor, Tensor]  # master, exp_avg, exp_avg_sq: fp32, contiguous (the checkpoint side)
 Span = Tuple[int, int]  # elements [start, stop) of the group's trainable range
 Fill = Callable[[int, int, Views], None]  # writes a chunk's new state into host views
 Cloned = Sequence[int]  # per section, how many leading elements a swap file already holds (cloned)
@@ -30,8 +41,8 @@ class StateChunk(NamedTuple):
     start: int
     stop: int
     master: Tensor
-    exp_avg: Tensor
-    exp_avg_sq: Tensor
+    exp_avg: Moment  # in the store's `moments` format (a fp32 tensor for MomentFormat.FP32)
+    exp_avg_sq: Moment
     weights: Optional[Tensor] = None
 
 
@@ -54,6 +65,7 @@ class StateStore(Protocol):
     update will not run. Checkpoint side (no update running): `drain`, then `reading()` / `write(fill)`."""
 
     group: FlatGroup
+    moments: MomentFormat  # how the chunks' exp_avg and exp_avg_sq are kept; the checkpoint side is fp32 always
     uses_cpu_kernel: bool  # fp32 state in host memory: the fused CPU Adam; else torch maths on the device
     writes_compute_copy: bool  # False when the master weights are the compute weights (fp32 on the gpu tier)
     reads_ahead: bool  # `announce` starts reads that the ring keeps in its slots until `load` or `discard`
@@ -112,10 +124,12 @@ class MemoryStore:
     device (gpu tier, torch maths). On the gpu tier with fp32 compute weights the master weights are the
     device buffer itself (no second copy)."""
 
-    def __init__(self, group: FlatGroup, device: torch.device, on_host: bool) -> None:
+    def __init__(self, group: FlatGroup, device: torch.device, on_host: bool,
+                 moments: MomentFormat = MomentFormat.FP32) -> None:
         assert group.device_buffer is not None, "allocate the device buffer first"
         n = group.trainable_numel
         self.group = group
+        self.moments = moments
         self._on_host = on_host
         self.uses_cpu_kernel = on_host
         self.reads_ahead = False
@@ -123,8 +137,8 @@ class MemoryStore:
         aliased = group.dtype == torch.float32 and not on_host
         self.master = weights if aliased else weights.to(device, torch.float32, copy=True)
         self.writes_compute_copy = not aliased
-        self.exp_avg = torch.zeros(n, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=device)
+        self.exp_avg = zeros_moment(moments, n, device)
+        self.exp_avg_sq = zeros_moment(moments, n, device)
 
     @property
     def on_host(self) -> bool:
@@ -133,7 +147,7 @@ class MemoryStore:
     @property
     def nbytes_in_memory(self) -> int:
         own_master = 0 if not self.writes_compute_copy else self.master.nbytes
-        return own_master + self.exp_avg.nbytes + self.exp_avg_sq.nbytes
+        return own_master + 2 * moment_nbytes(self.moments, self.group.trainable_numel)
 
     # ----- update side: one chunk, the tensors themselves; nothing to read ahead or write back -----
     def chunks(self) -> List[Span]:
@@ -143,7 +157,8 @@ class MemoryStore:
         pass
 
     def load(self, start: int, stop: int) -> StateChunk:
-        return StateChunk(start, stop, self.master[start:stop], self.exp_avg[start:stop], self.exp_avg_sq[start:stop])
+        return StateChunk(start, stop, self.master[start:stop], slice_moment(self.exp_avg, self.moments, start, stop),
+                          slice_moment(self.exp_avg_sq, self.moments, start, stop))
 
     def store(self, chunk: StateChunk) -> None:
         pass
@@ -160,17 +175,25 @@ class MemoryStore:
     # ----- checkpoint side -----
     @contextlib.contextmanager
     def reading(self) -> Iterator[Iterator[Tuple[int, int, Views]]]:
-        """The state as one host chunk (read-only): the tensors themselves on the host, copies from a device."""
+        """The state as host chunks (read-only): the fp32 tensors themselves on the host, copies from a device;
+        compressed moments decoded to fp32 a piece at a time (`DECODE_CHUNK`)."""
+        if self.moments is not MomentFormat.FP32:
+            yield decoded_chunks(self, self.master, self.exp_avg, self.exp_avg_sq)
+            return
         views = tuple(t.detach().to("cpu").contiguous() for t in (self.master, self.exp_avg, self.exp_avg_sq))
         yield iter([(0, self.group.trainable_numel, views)])  # type: ignore[list-item]
 
     def write(self, fill: Fill, cloned: Cloned = (0, 0, 0)) -> None:
         """New state from `fill`: straight into host tensors (a load verified the files before anything
-        changes), through host staging for device tensors."""
-        targets = (self.master, self.exp_avg, self.exp_avg_sq)
+        changes), through host staging for device tensors; compressed moments are filled in fp32 a piece at
+        a time and encoded."""
         n = self.group.trainable_numel
-        if all(t.device.type == "cpu" and t.is_contiguous() for t in targets):
-            fill(0, n, targets)
+        if self.moments is not MomentFormat.FP32:
+            encode_chunks(self, self.master, self.exp_avg, self.exp_avg_sq, fill)
+            return
+        targets = (self.master, self.exp_avg, self.exp_avg_sq)
+        if all(t.device.type == "cpu" and t.is_contiguous() for t in targets):  # type: ignore[union-attr]
+            fill(0, n, targets)  # type: ignore[arg-type]
             return
         staged = tuple(torch.empty(t.shape, dtype=t.dtype) for t in targets)
         fill(0, n, staged)  # type: ignore[arg-type]
@@ -180,3 +203,47 @@ class MemoryStore:
 
     def swap_sections(self) -> Optional[SwapSections]:
         return None
+
+
+DECODE_CHUNK = 1 << 22  # elements a checkpoint decodes or encodes at once: 32 MiB of fp32 moments
+
+
+def decoded_chunks(store: StateStore, master: Tensor, exp_avg: Moment,
+                   exp_avg_sq: Moment) -> Iterator[Tuple[int, int, Views]]:
+    """A memory store's compressed state as fp32 host chunks of DECODE_CHUNK elements (a multiple of every
+    quantization block): the checkpoint side sees fp32 whatever the format."""
+    n = store.group.trainable_numel
+    for start in range(0, n, DECODE_CHUNK):
+        stop = min(start + DECODE_CHUNK, n)
+        yield start, stop, decode_views(store.moments, master[start:stop].detach(),
+                                        slice_moment(exp_avg, store.moments, start, stop),
+                                        slice_moment(exp_avg_sq, store.moments, start, stop))
+
+
+def decode_views(moments: MomentFormat, master: Tensor, exp_avg: Moment, exp_avg_sq: Moment) -> Views:
+    """fp32 host copies of one chunk's state (the master weights as they are when already on the host)."""
+    n = master.numel()
+    out = []
+    for which, moment in ((EXP_AVG, exp_avg), (EXP_AVG_SQ, exp_avg_sq)):
+        values = torch.empty(n, dtype=torch.float32, device=master.device)
+        decode_moment(moment, moments, which, values)
+        out.append(values.to("cpu"))
+    return master.to("cpu").contiguous(), out[0], out[1]
+
+
+def encode_chunks(store: StateStore, master: Tensor, exp_avg: Moment, exp_avg_sq: Moment, fill: Fill) -> None:
+    """A memory store's new compressed state from `fill`, DECODE_CHUNK elements at a time through fp32 host
+    staging; the master weights are filled in place when they are on the host."""
+    n = store.group.trainable_numel
+    for start in range(0, n, DECODE_CHUNK):
+        stop = min(start + DECODE_CHUNK, n)
+        on_host = master.device.type == "cpu"
+        target = master[start:stop] if on_host else torch.empty(stop - start, dtype=torch.float32)
+        staged = (target, torch.empty(stop - start, dtype=torch.float32), torch.empty(stop - start, dtype=torch.float32))
+        fill(start, stop, staged)
+        with torch.no_grad():
+            if not on_host:
+                master[start:stop].copy_(target)
+            for which, moment, values in ((EXP_AVG, exp_avg, staged[1]), (EXP_AVG_SQ, exp_avg_sq, staged[2])):
+                piece = slice_moment(moment, store.moments, start, stop)
+                encode_moment(values.to(master.device), store.moments, which, piece)

@@ -1,0 +1,157 @@
+"""`wrap(moments=...)` through the engine: every tier keeps bf16 or int8 moments, trains, resumes exactly from
+its own checkpoints, converts (with a warning) between settings, exports torch AdamW's fp32 state, and on the
+nvme tier moves and stores about half the bytes. The kernels themselves are tested in test_moments.py."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload.optim.moments import EXP_AVG, EXP_AVG_SQ, MomentFormat, decode_moment, zeros_moment
+
+COMPRESSED = ["bf16", "int8"]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 600), nn.Tanh(), nn.Linear(600, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+def _data():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(128, 32, generator=gen)
+    return x, x[:, :1].sin() + 0.1 * x[:, 1:2]
+
+
+def _wrap(tier: str, moments: str, tmp_path, **kw) -> offload.Engine:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    extra = {"nvme_path": str(tmp_path)} if tier == "nvme" else {}
+    return offload.wrap(_model(), tier, dtype=torch.float32, device="cpu", lr=1e-2, moments=moments, **extra, **kw)
+
+
+def _train(engine, steps: int):
+    x, y = _data()
+    losses = []
+    for _ in range(steps):
+        loss = ((engine(x) - y) ** 2).mean()
+        loss.backward()
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("moments", COMPRESSED)
+def test_every_tier_steps_the_same_compressed_moments_and_tracks_fp32(moments, tmp_path):
+    """The cpu and nvme tiers run the same kernel on the same codes (equal losses); the gpu tier, here on the
+    CPU, the same maths; each ends within 5% of fp32 moments' loss after 40 steps of a small regression."""
+    reference = _train(_wrap("cpu", "fp32", tmp_path / "ref"), 40)
+    runs = {tier: _train(_wrap(tier, moments, tmp_path / tier), 40) for tier in ("cpu", "nvme", "gpu")}
+    assert runs["cpu"] == runs["nvme"]
+    assert runs["gpu"] == pytest.approx(runs["cpu"], rel=1e-4)
+    assert runs["cpu"] != reference, "the moments are really kept in another format"
+    assert abs(runs["cpu"][-1] - reference[-1]) <= 0.05 * reference[-1]
+    assert runs["cpu"][-1] < 0.2 * runs["cpu"][0]
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("moments", COMPRESSED)
+def test_a_checkpoint_resumes_compressed_moments_exactly(tier, moments, tmp_path):
+    """The files hold the moments' fp32 values; the same format encodes them back to the very codes saved, so
+    a resumed run equals the uninterrupted one bit for bit."""
+    whole = _wrap(tier, moments, tmp_path / "a")
+    first = _train(whole, 3)
+    whole.save(str(tmp_path / "ckpt"))
+    rest = _train(whole, 4)
+    resumed = _wrap(tier, moments, tmp_path / "b")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same setting loads without a conversion warning
+        resumed.load(str(tmp_path / "ckpt"))
+    assert _train(resumed, 4) == rest
+    assert first[-1] > rest[-1]
+
+
+def test_a_checkpoint_of_another_setting_loads_converted_with_a_warning(tmp_path):
+    saved = _wrap("cpu", "fp32", tmp_path / "a")
+    _train(saved, 3)
+    saved.save(str(tmp_path / "ckpt"))
+    state = saved.optimizer.state_dict()["state"]
+    engine = _wrap("nvme", "int8", tmp_path / "b")
+    with pytest.warns(RuntimeWarning, match=r"moments='fp32'.*moments='int8'.*rounded"):
+        engine.load(str(tmp_path / "ckpt"))
+    loaded = engine.optimizer.state_dict()["state"]
+    for index, entry in state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            scale = entry[key].abs().max()
+            assert torch.allclose(loaded[index][key], entry[key], atol=0.02 * float(scale), rtol=0.05), key
+        assert torch.equal(loaded[index]["step"], entry["step"])
+    assert _train(engine, 2)[-1] < 1.0
+
+
+def test_torch_format_state_is_the_decoded_fp32_moments(tmp_path):
+    """engine.optimizer.state_dict() hands torch AdamW's fp32 moments: the decoded values of the codes."""
+    engine = _wrap("cpu", "int8", tmp_path)
+    _train(engine, 2)
+    state = engine.optimizer.state_dict()["state"]
+    store = next(g.state.store for b in engine.blocks for g in b.runtime.groups if g.state is not None)
+    n = store.group.trainable_numel
+    values = torch.empty(n)
+    decode_moment(store.exp_avg, MomentFormat.INT8, EXP_AVG, values)
+    first = store.group.trainable_slots[0]
+    assert torch.equal(state[0]["exp_avg"].reshape(-1), values[first.offset:first.offset + first.numel])
+    assert all(v["exp_avg"].dtype == torch.float32 for v in state.values())
+    decode_moment(store.exp_avg_sq, MomentFormat.INT8, EXP_AVG_SQ, values)
+    assert torch.equal(state[0]["exp_avg_sq"].reshape(-1), values[first.offset:first.offset + first.numel])
+
+
+def test_a_parameter_without_a_gradient_keeps_its_moments_in_int8(tmp_path):
+    """A parameter that got no gradient is skipped as torch skips it (its own step count): the update then
+    runs per parameter, and a parameter that starts inside a quantization block is stepped through fp32."""
+    engine = _wrap("nvme", "int8", tmp_path)
+    x, y = _data()
+    frozen_now = engine.module[2].bias
+    for step in range(3):
+        loss = ((engine(x) - y) ** 2).mean()
+        loss.backward()
+        if step == 1:
+            frozen_now.grad = None
+        engine.step()
+        engine.zero_grad()
+    state = engine.optimizer.state_dict()["state"]
+    names = [n for n, _ in engine.module.named_parameters()]
+    steps = {names[i]: int(v["step"]) for i, v in state.items()}
+    assert steps["2.bias"] == 2 and steps["0.weight"] == 3
+    assert all(torch.isfinite(v["exp_avg"]).all() for v in state.values())
+
+
+def test_the_nvme_tier_moves_and_stores_about_half_the_bytes_with_int8(tmp_path):
+    def bytes_per_step(moments: str):
+        directory = tmp_path / moments
+        engine = _wrap("nvme", moments, directory)
+        swap_file = sum(p.stat().st_size for p in directory.glob("*.swap"))
+        _train(engine, 1)
+        before = engine.stats()
+        _train(engine, 1)
+        after = engine.stats()
+        moved = sum(after[k] - before[k] for k in ("bytes_disk_read", "bytes_disk_written"))
+        return moved, swap_file
+
+    fp32, int8 = bytes_per_step("fp32"), bytes_per_step("int8")
+    assert int8[0] <= 0.55 * fp32[0], (int8, fp32)
+    assert int8[1] <= 0.6 * fp32[1], (int8, fp32)
+
+
+def test_wrap_refuses_an_unknown_moments_setting():
+    with pytest.raises(offload.OffloadConfigError, match=r"moments='fp8'.*'fp32', 'bf16', 'int8'"):
+        offload.wrap(_model(), "cpu", moments="fp8")
+
+
+def test_zero_moments_decode_to_zero():
+    for fmt in MomentFormat:
+        out = torch.ones(1000)
+        decode_moment(zeros_moment(fmt, 1000), fmt, EXP_AVG_SQ, out)
+        assert not out.any()
