@@ -1,5 +1,5 @@
-// AVX-512 (F, BW, VL, DQ) moment kernels: 16 lanes, masked tails. int8 decode is one gather from the map (1 KiB,
-// in L1); encode finds the decade of y with compares, a candidate code arithmetically, then moves it one step
+// AVX-512 (F, BW, VL, DQ) moment kernels: 16 lanes, masked tails. int8 decode looks the map up in registers;
+// encode finds the decade of y with compares, a candidate code arithmetically, then moves it one step
 // toward the nearest map value with two gathers of the midpoints: the same code as the scalar kernels' search.
 // Headers with templates are included before the target pragma, so their instantiations stay baseline x86-64.
 #include <algorithm>
@@ -95,57 +95,104 @@ inline void adam16(const MomentBuffers& b, const Constants512& c, int64_t i, __m
 
 // --- int8 codes ----------------------------------------------------------------------------------------------
 
-// One map's encoder: decade thresholds and, per decade d, y -> bucket = floor(y * a[d] - b[d]).
+// One map's encoder. The exact code is #{midpoints < y}; computing it with two gathered midpoints per lane costs
+// more than the rest of the step (gathers are slow on CPUs with the Downfall/GDS mitigation), so:
+//   1. the decade d of y by compares, then t = y * a[d] - b[d], whose integer part j is the bucket of y in its
+//      decade (the buckets' edges are the midpoints between the decade's values) and c = 2^(d+1) - 1 + j;
+//   2. the first bucket of a decade borders the previous decade's last value, and the last bucket the next
+//      decade's first value (or 1): there the midpoint is not an edge, so compare y with it (per-decade constants,
+//      picked with permutexvar);
+//   3. t carries ~2e-5 of rounding (a, b, y * a and the midpoints' own fp32 rounding), so when its fraction is
+//      within kEdge of an inner edge, the lane could be on either side: then (rarely: ~0.2% of lanes) the whole
+//      vector takes the exact path, the candidate corrected by one step with the two gathered midpoints.
 struct Encoder {
+  static constexpr float kEdge = 1.0f / 1024;
   const float* mids;
   int decades;
   __m512 bound[7];  // bound[i] = 10^(i + 1 - decades): y >= bound[i] means decade > i
   __m512 a, b;      // indexed by decade (permutexvar)
+  __m512 below, above;  // midpoint below the decade's first value, above its last value
   explicit Encoder(const float* midpoints, int num_decades) : mids(midpoints), decades(num_decades) {
-    alignas(64) float av[16] = {}, bv[16] = {};
+    alignas(64) float av[16] = {}, bv[16] = {}, lo[16] = {}, hi[16] = {};
     for (int d = 0; d < decades; ++d) {
-      const double k = std::ldexp(1.0, d + 1);
+      const int k = 2 << d;
       av[d] = static_cast<float>(k / (0.9 * std::pow(10.0, d - decades + 1)));
       bv[d] = static_cast<float>(k / 9.0);
+      lo[d] = midpoints[k - 2];      // between code k - 2 (previous decade's last, or 0) and k - 1
+      hi[d] = midpoints[2 * k - 2];  // between code 2k - 2 (this decade's last) and 2k - 1 (next first, or 1)
       if (d + 1 < decades) bound[d] = _mm512_set1_ps(static_cast<float>(std::pow(10.0, d + 1 - decades)));
     }
     a = _mm512_load_ps(av);
     b = _mm512_load_ps(bv);
+    below = _mm512_load_ps(lo);
+    above = _mm512_load_ps(hi);
   }
 
-  // The code of magnitudes y in [0, 1]: #{midpoints < y}. The arithmetic candidate is within one step of it
-  // (float rounding near a bucket edge or a decade boundary), so one comparison on each side settles it.
   inline __m512i encode(__m512 y) const {
-    const __m512i one = _mm512_set1_epi32(1);
-    __m512i d = _mm512_setzero_si512();
+    const __m512i one = _mm512_set1_epi32(1), zero = _mm512_setzero_si512();
+    __m512i d = zero;
     for (int i = 0; i + 1 < decades; ++i) d = _mm512_mask_add_epi32(d, _mm512_cmp_ps_mask(y, bound[i], _CMP_GE_OQ), d, one);
     const __m512 t = _mm512_fmsub_ps(y, _mm512_permutexvar_ps(d, a), _mm512_permutexvar_ps(d, b));
-    const __m512i k = _mm512_sllv_epi32(_mm512_set1_epi32(2), d);  // values in decade d
-    __m512i j = _mm512_max_epi32(_mm512_cvttps_epi32(t), _mm512_setzero_si512());  // NaN: INT_MIN -> 0
-    j = _mm512_min_epi32(j, _mm512_sub_epi32(k, one));
-    __m512i c = _mm512_add_epi32(_mm512_sub_epi32(k, one), j);  // in [1, size - 2]
+    const __m512i last = _mm512_sub_epi32(_mm512_sllv_epi32(_mm512_set1_epi32(2), d), one);  // K - 1
+    __m512i j = _mm512_max_epi32(_mm512_cvttps_epi32(t), zero);  // NaN: INT_MIN -> 0
+    j = _mm512_min_epi32(j, last);
+    const __m512i c = _mm512_add_epi32(last, j);  // in [1, size - 2]
+    const __m512 frac = _mm512_sub_ps(t, _mm512_cvtepi32_ps(j));
+    const __mmask16 first = _mm512_cmpeq_epi32_mask(j, zero), top = _mm512_cmpeq_epi32_mask(j, last);
+    const __mmask16 unsure = (_mm512_cmp_ps_mask(frac, _mm512_set1_ps(kEdge), _CMP_LT_OQ) & ~first) |
+                             (_mm512_cmp_ps_mask(frac, _mm512_set1_ps(1.0f - kEdge), _CMP_GT_OQ) & ~top);
+    if (__builtin_expect(unsure != 0, 0)) return exact(y, c);
+    const __mmask16 down = first & _mm512_cmp_ps_mask(y, _mm512_permutexvar_ps(d, below), _CMP_LE_OQ);
+    const __mmask16 up = top & _mm512_cmp_ps_mask(y, _mm512_permutexvar_ps(d, above), _CMP_GT_OQ);
+    return _mm512_mask_add_epi32(_mm512_mask_sub_epi32(c, down, c, one), up, c, one);
+  }
+
+  // c within one step of #{midpoints < y}: one comparison on each side settles it.
+  __m512i exact(__m512 y, __m512i c) const {
+    const __m512i one = _mm512_set1_epi32(1);
     const __m512 hi = _mm512_i32gather_ps(c, mids, 4);
     const __m512 lo = _mm512_i32gather_ps(_mm512_sub_epi32(c, one), mids, 4);
     const __mmask16 up = _mm512_cmp_ps_mask(y, hi, _CMP_GT_OQ), down = _mm512_cmp_ps_mask(y, lo, _CMP_LE_OQ);
-    c = _mm512_mask_add_epi32(c, up, c, one);
-    return _mm512_mask_sub_epi32(c, down, c, one);
+    return _mm512_mask_sub_epi32(_mm512_mask_add_epi32(c, up, c, one), down, c, one);
+  }
+};
+
+// A lookup in a table of 128 or 256 floats held in registers: vpermt2ps picks from 32 entries by the index's
+// low 5 bits, then blends by bits 5-7. Cheaper than a gather where the GDS (Downfall) mitigation slows gathers.
+template <int N>
+struct Table {
+  __m512 part[N / 16];
+  explicit Table(const float* values) {
+    for (int i = 0; i < N / 16; ++i) part[i] = _mm512_loadu_ps(values + 16 * i);
+  }
+  inline __m512 operator()(__m512i idx) const {
+    __m512 r[N / 32];
+    for (int q = 0; q < N / 32; ++q) r[q] = _mm512_permutex2var_ps(part[2 * q], idx, part[2 * q + 1]);
+    for (int bit = 32, count = N / 32; count > 1; bit *= 2, count /= 2) {
+      const __mmask16 high = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(bit));
+      for (int q = 0; q < count / 2; ++q) r[q] = _mm512_mask_blend_ps(high, r[2 * q], r[2 * q + 1]);
+    }
+    return r[0];
   }
 };
 
 struct Int8Codec {
   const MomentMaps& maps;
+  Table<128> m_map;
+  Table<256> v_map;
   Encoder m_enc, v_enc;
-  Int8Codec() : maps(moment_maps()), m_enc(maps.m_mid, 6), v_enc(maps.v_mid, 7) {}
+  Int8Codec()
+      : maps(moment_maps()), m_map(maps.m), v_map(maps.v), m_enc(maps.m_mid, 6), v_enc(maps.v_mid, 7) {}
 
   inline __m512 decode_m(const uint8_t* codes, int64_t i, __mmask16 k, __m512 scale) const {
     const __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes + i));
-    const __m512 mag = _mm512_i32gather_ps(_mm512_and_si512(c, _mm512_set1_epi32(0x7f)), maps.m, 4);
+    const __m512 mag = m_map(c);  // bit 7 is not looked at: 128 entries
     const __m512i sign = _mm512_slli_epi32(_mm512_srli_epi32(c, 7), 31);
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(mag, scale)), sign));
   }
   inline __m512 decode_sqrt_v(const uint8_t* codes, int64_t i, __mmask16 k, __m512 scale) const {
     const __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes + i));
-    return _mm512_mul_ps(_mm512_i32gather_ps(c, maps.v, 4), scale);
+    return _mm512_mul_ps(v_map(c), scale);
   }
 
   // Codes of one block of `count` values (m, sign-bearing, for kExpAvg; sqrt(v) for kExpAvgSq); returns its scale.
