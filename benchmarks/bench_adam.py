@@ -8,7 +8,8 @@ Every rival updates the same flat fp32 buffers (params are views into them, the 
 states are the same m and v), one step each, interleaved round by round, so they see the same memory.
 Bytes per parameter are what each mode must move at least: fp32 mode reads p, m, v, g (16) and writes
 p, m, v (12) = 28; engine mode reads p, m, v + a bf16 grad (14) and writes p, m, v + the bf16 copy (14) = 28;
-torch fused + copy moves 28 + 6 (re-read p, write bf16) = 34. `bound` = bytes / in-place bandwidth, where the
+torch fused + copy moves 28 + 6 (re-read p, write bf16) = 34; the compressed-moment kernels (engine mode, bf16 g in,
+bf16 copy out) move p 8 + g 2 + out 2 + m and v read and written: bf16 8 (= 20), int8 4 + the scales 1/16 (= 16.06). `bound` = bytes / in-place bandwidth, where the
 bandwidth comes from scaling the p, m and v buffers in place (1 read + 1 write per element) with the same
 threads; efficiency = bound / time.
 """
@@ -29,10 +30,11 @@ from benchmarks.common import append_csv, machine_header, print_table, summarize
 from offload import _native  # noqa: E402
 from offload._system import mem_available, usable_cores  # noqa: E402
 from offload.optim import CPUAdam, adam_step_flat  # noqa: E402
+from offload.optim.moments import adam_step_moments, zeros_moment  # noqa: E402
 
 HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-BYTES_PER_PARAM = {"fp32": 28, "engine": 28, "torch+copy": 34}
-BYTES_NEEDED_PER_PARAM = 28  # p, m, v, g32 (16) + g16, out16 (4) + torch foreach temporaries (~8)
+BYTES_PER_PARAM = {"fp32": 28, "engine": 28, "torch+copy": 34, "bf16 moments": 20, "int8 moments": 16 + 16 / 256}
+BYTES_NEEDED_PER_PARAM = 34  # p, m, v, g32 (16) + g16, out16 (4) + torch foreach temporaries (~8) + moments (6)
 
 
 class Buffers:
@@ -45,6 +47,7 @@ class Buffers:
         self.g32 = torch.randn(numel) * 1e-3
         self.g16 = self.g32.to(torch.bfloat16)
         self.out16 = torch.empty(numel, dtype=torch.bfloat16)
+        self.moments = {fmt: (zeros_moment(fmt, numel), zeros_moment(fmt, numel)) for fmt in ("bf16", "int8")}
         self.params: list[torch.nn.Parameter] = []
         offset = 0
         for shape in _layout(numel, big):
@@ -109,6 +112,13 @@ def _rivals(buf: Buffers, threads: int, with_deepspeed: bool) -> tuple[dict[str,
         step["n"] += 1
         adam_step_flat(buf.p, buf.g16, buf.m, buf.v, step=step["n"], out=buf.out16, **flat)
 
+    def ours_moments(fmt):
+        def run():
+            step["n"] += 1
+            m, v = buf.moments[fmt]
+            adam_step_moments(buf.p, buf.g16, m, v, fmt, step=step["n"], out=buf.out16, **flat)
+        return run
+
     cpu_adam = CPUAdam(buf.params, num_threads=threads, **HP)
     buf.share_state(cpu_adam, step_as_tensor=True)
     foreach = torch.optim.AdamW(buf.params, foreach=True, **HP)
@@ -123,6 +133,8 @@ def _rivals(buf: Buffers, threads: int, with_deepspeed: bool) -> tuple[dict[str,
     rivals = {
         "offload flat, fp32 grads": ours_fp32,
         "offload flat, engine (bf16 g in, bf16 copy out)": ours_engine,
+        "offload bf16 moments, engine": ours_moments("bf16"),
+        "offload int8 moments, engine": ours_moments("int8"),
         "offload CPUAdam (per tensor, fp32)": cpu_adam.step,
         "torch AdamW foreach": foreach.step,
         "torch AdamW fused": fused.step,
@@ -158,6 +170,9 @@ def _bandwidth_probe(buf: Buffers, threads: int) -> Callable[[], None]:
 
 
 def _mode(name: str) -> str:
+    for fmt in ("bf16", "int8"):
+        if f"{fmt} moments" in name:
+            return f"{fmt} moments"
     if "engine" in name:
         return "engine"
     if "copy" in name:
@@ -188,13 +203,15 @@ def run_size(numel: int, big: int, threads: int, rounds: int, with_deepspeed: bo
     for name, s in samples.items():
         med, p20, p80 = summarize(s)
         mode = _mode(name)
-        bound = BYTES_PER_PARAM["engine" if mode == "engine" else "fp32"] * numel / bandwidth
-        baseline = fused_copy_median if mode == "engine" else fused_median
+        bound = BYTES_PER_PARAM[mode if mode != "torch+copy" else "fp32"] * numel / bandwidth
+        engine_like = mode not in ("fp32", "torch+copy")  # bf16 copy out: compared with fused + copy
+        baseline = fused_copy_median if engine_like else fused_median
         rows.append(dict(
             size=f"{numel / 1e6:.0f}M", threads=threads, rival=name, ms=f"{med * 1e3:.1f}",
             p20_p80=f"{p20 * 1e3:.1f}-{p80 * 1e3:.1f}", Gparams_s=f"{numel / med / 1e9:.2f}",
             GB_s=f"{BYTES_PER_PARAM[mode] * numel / med / 1e9:.1f}",
-            vs_torch=f"{baseline / med:.2f}x" + (" (vs fused+copy)" if mode == "engine" else ""),
+            B_param=f"{BYTES_PER_PARAM[mode]:g}", bound_ms=f"{bound * 1e3:.1f}",
+            vs_torch=f"{baseline / med:.2f}x" + (" (vs fused+copy)" if engine_like else ""),
             bound_eff=f"{bound / med:.2f}",
             _csv=dict(kernel="adam", provider=name, mode=mode, metric="step_time", unit="s", x=numel,
                       p20=p20, p50=med, p80=p80, threads=threads, bandwidth_GBps=bandwidth / 1e9),
@@ -225,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(machine_header())
     print(f"# adamw lr={HP['lr']} wd={HP['weight_decay']}; rounds={rounds} (+1 warm-up), interleaved; "
-          f"bytes/param: fp32 28, engine 28, torch fused+copy 34")
+          f"bytes/param: fp32 28, engine 28, torch fused+copy 34, bf16 moments 20, int8 moments 16.06")
     rows = []
     for numel in sizes:
         avail = mem_available()
@@ -235,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for t in threads:
             rows += run_size(numel, big, t, rounds, with_ds)
-    print_table(rows, ["size", "threads", "rival", "ms", "p20_p80", "Gparams_s", "GB_s", "vs_torch", "bound_eff"])
+    print_table(rows, ["size", "threads", "rival", "ms", "p20_p80", "Gparams_s", "GB_s", "B_param", "bound_ms", "vs_torch",
+                       "bound_eff"])
     if not args.no_csv and not args.quick:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
         append_csv("adam", [dict(r["_csv"], timestamp=stamp) for r in rows if "_csv" in r])
