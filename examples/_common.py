@@ -45,6 +45,8 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     mem = parser.add_argument_group("offload")
     mem.add_argument("--nvme-path", default=None, metavar="DIR", help="swap directory for the optimizer state "
                      "(default OUT/swap; put it on your fastest disk)")
+    mem.add_argument("--moments", choices=("fp32", "bf16", "int8"), default="fp32",
+                     help="how the Adam moments are kept (offload.wrap's moments=): fp32 (exact), bf16, int8")
     mem.add_argument("--host-memory", default=None, help='host memory budget, e.g. "64GB" (default: none)')
     mem.add_argument("--device-memory", default=None, help='device memory budget, e.g. "20GB" (default: none)')
 

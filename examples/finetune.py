@@ -59,7 +59,7 @@ def build_engine(args: argparse.Namespace, model_dir: str) -> Any:
     return from_pretrained(model_dir, tier="nvme", nvme_path=nvme_path, dtype=getattr(torch, args.dtype),
                            lr=_common.peak_lr(args), weight_decay=0.01, max_grad_norm=args.max_grad_norm,
                            grad_accumulation_steps=args.accum, host_memory=args.host_memory,
-                           device_memory=args.device_memory)
+                           device_memory=args.device_memory, moments=args.moments)
 
 
 def train(args: argparse.Namespace, engine: Any, tokens: str) -> List[Dict[str, float]]:

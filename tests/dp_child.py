@@ -45,7 +45,7 @@ def train(case: dict, out: str) -> None:
     if case["tier"] == "nvme":
         options["nvme_path"] = os.path.join(out, f"swap-{case['name']}")
         os.makedirs(options["nvme_path"], exist_ok=True)
-    for key in ("max_grad_norm", "grad_accumulation_steps", "weight_decay"):
+    for key in ("max_grad_norm", "grad_accumulation_steps", "weight_decay", "moments"):
         if key in case:
             options[key] = case[key]
     load = case.get("load")

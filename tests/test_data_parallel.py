@@ -112,6 +112,25 @@ def assert_torch_state(tmp_path: Path, name: str, ddp_optimizer: dict) -> None:
             assert err < 1e-6, (name, index, key, err)
 
 
+def test_two_ranks_keep_int8_moments_of_their_own_parts(tmp_path):
+    """moments="int8" data-parallel: each rank quantizes its own part (blocks counted from its part's start),
+    the ranks stay bit-identical, the run tracks fp32 AdamW on the whole batch, and the torch-style state (the
+    decoded fp32 moments, gathered) loads back into a fresh engine unchanged."""
+    cases = [dict(name=f"{tier}-int8", tier=tier, steps=4, micro=1, moments="int8", torch_state=True)
+             for tier in ("cpu", "nvme")]
+    run_ranks(tmp_path, cases)
+    expected = reference(cases[0])
+    for case in cases:
+        result = torch.load(tmp_path / f"{case['name']}.pt", weights_only=False)
+        assert all(result["agree"]), case["name"]
+        diffs = [abs(a - b) for a, b in zip(result["losses"], expected["losses"])]
+        assert result["losses"] != expected["losses"] and max(diffs) < 0.05 * expected["losses"][-1], diffs
+        ranks = [torch.load(tmp_path / f"{case['name']}-optimizer-rank{r}.pt", weights_only=False) for r in (0, 1)]
+        assert all(rank["round_trip_equal"] for rank in ranks), case["name"]
+    cpu, nvme = (torch.load(tmp_path / f"{c['name']}.pt", weights_only=False) for c in cases)
+    assert cpu["losses"] == nvme["losses"], "the same codes on both tiers"
+
+
 def test_each_rank_keeps_half_of_the_optimizer_state(tmp_path):
     """engine.stats()['optimizer_state_bytes'] is this rank's part: about half of one process's."""
     import offload

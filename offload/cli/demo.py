@@ -30,6 +30,7 @@ from torch import nn
 
 from offload.cli.demo_data import DEMO_TOKENS, SUCCESSOR_PROBABILITIES
 from offload.cli.options import byte_size, non_negative_finite_float, positive_int
+from offload.optim.moments import MomentFormat
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 HEADS = 4  # DemoGPT's attention heads: --dim is split among them
@@ -151,6 +152,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="device budget, e.g. 64MB (weights stream beyond it)")
     parser.add_argument("--out", type=output_directory, default="offload-demo",
                         help="directory for the token file and loss.png (made if missing)")
+    parser.add_argument("--moments", choices=[m.value for m in MomentFormat], default="fp32",
+                        help="how the Adam moments are kept (offload.wrap's moments=): fp32 (exact), bf16, int8")
     parser.add_argument("--data-backend", choices=["auto", "dali", "numpy"], default="auto",
                         help="offload.data reader (auto: DALI when installed)")
 
@@ -200,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = offload.wrap(model, tier="nvme", nvme_path=swap_dir, lr=args.lr, dtype=dtype, device="cpu",
                               grad_accumulation_steps=1, host_memory=args.host_memory,
-                              device_memory=args.device_memory)
+                              device_memory=args.device_memory, moments=getattr(args, "moments", "fp32"))
         with engine:
             print(f"DemoGPT: {trainable / 1e6:.1f}M parameters, {args.layers} layers, dim {args.dim}, vocab "
                   f"{args.vocab}, {args.batch}x{args.context} tokens per step, {args.dtype}; swap in {swap_dir}")

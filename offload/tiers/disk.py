@@ -55,6 +55,9 @@ from offload.tiers.swap_leftovers import hold_lock, remove_leftovers
 if TYPE_CHECKING:  # descriptions only: the tiers never call into the scheduler
     from offload.scheduler.blocks.block import FlatGroup
 
+StateSections = Tuple[Tensor, Moment, Moment]  # a chunk of master weights and the two moments, in their format
+
+
 def check_room(directory: str, needed: int) -> None:
     """Refuse at wrap() a swap directory without room for the swap file, naming needed and free bytes."""
     free = shutil.disk_usage(directory).free
@@ -134,14 +137,14 @@ class SwapStore:
     # The read_/write_ pairs below start I/O and return its futures without waiting (`read` and `write`
     # above are the blocking whole-record moves). The caller keeps the tensors alive until the futures are
     # done and orders a read after any write of the same range (the ring: ring_slots.WriteOrder).
-    def read_chunk(self, group: "FlatGroup", start: int, stop: int, sections: Tuple[Tensor, Tensor, Tensor],
+    def read_chunk(self, group: "FlatGroup", start: int, stop: int, sections: StateSections,
                    weights: Optional[Tensor] = None) -> List[IOFuture]:
         """Start reading elements [start, stop) of the group's three sections into the given fp32 tensors,
         and of its compute weights into `weights` when given and the weights are on disk; one future per
         piece."""
         return self._chunk(self.read_section, self.read_weights, group, start, stop, sections, weights)
 
-    def write_chunk(self, group: "FlatGroup", start: int, stop: int, sections: Tuple[Tensor, Tensor, Tensor],
+    def write_chunk(self, group: "FlatGroup", start: int, stop: int, sections: StateSections,
                     weights: Optional[Tensor] = None) -> List[IOFuture]:
         """Start writing elements [start, stop) of the group's three sections from the given fp32 tensors,
         and of its compute weights from `weights` when given and the weights are on disk; one future per
@@ -149,7 +152,7 @@ class SwapStore:
         return self._chunk(self.write_section, self.write_weights, group, start, stop, sections, weights)
 
     def _chunk(self, section_io: Callable[..., IOFuture], weights_io: Callable[..., IOFuture], group: "FlatGroup",
-               start: int, stop: int, sections: Tuple[Tensor, Tensor, Tensor],
+               start: int, stop: int, sections: StateSections,
                weights: Optional[Tensor]) -> List[IOFuture]:
         """The body of `read_chunk` and `write_chunk`, given the direction's section and weights methods."""
         futures: List = []

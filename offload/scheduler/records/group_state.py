@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence, Tuple
 from torch import Tensor
 
 from offload.distributed.data_parallel import Shard
+from offload.optim.moments import moment_nbytes
 from offload.scheduler.blocks.block import FlatGroup
 from offload.scheduler.grads.grad_home import GradAccumulator
 from offload.scheduler.state.adamw import AdamHyper, UpdateSpan, adamw
@@ -37,8 +38,9 @@ class GroupState:
 
     @property
     def optimizer_state_bytes(self) -> int:
-        """Bytes of fp32 master weights and Adam moments this rank keeps (its shard), on any tier."""
-        return 12 * self.shard.numel
+        """Bytes of fp32 master weights and Adam moments (in the store's format) this rank keeps (its shard), on
+        any tier."""
+        return 4 * self.shard.numel + 2 * moment_nbytes(self.store.moments, self.shard.numel)
 
     @property
     def host_bytes(self) -> int:

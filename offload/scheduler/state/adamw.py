@@ -9,7 +9,7 @@ in the usual case (runtime.py, `GroupState.advance_steps`), one per parameter ot
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, cast
 
 import torch
 from torch import Tensor
@@ -68,8 +68,9 @@ def adamw(store: StateStore, grad: Tensor, spans: List[UpdateSpan], grad_scale: 
                     _adamw_moments(store.moments, chunk, lo, hi, grad[lo:hi], step, hyper, grad_scale, piece,
                                    num_threads)
                     continue
-                state = (chunk.master[lo - start:hi - start], grad[lo:hi], chunk.exp_avg[lo - start:hi - start],
-                         chunk.exp_avg_sq[lo - start:hi - start])
+                exp_avg, exp_avg_sq = cast(Tensor, chunk.exp_avg), cast(Tensor, chunk.exp_avg_sq)  # fp32 moments
+                state = (chunk.master[lo - start:hi - start], grad[lo:hi], exp_avg[lo - start:hi - start],
+                         exp_avg_sq[lo - start:hi - start])
                 if store.uses_cpu_kernel:
                     adam_step_flat(*state, step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
                                    eps=hyper.eps, weight_decay=hyper.weight_decay, adamw=True,

@@ -10,6 +10,7 @@ read back. See docs/design.md [Note: the nvme step pipeline].
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING, Callable, Generator, Iterator, List, Optional, Tuple
 
 import torch
@@ -135,7 +136,7 @@ class DiskStore:
                 fp32 = views if self.moments is MomentFormat.FP32 else decode_views(self.moments, *views)
                 if i + 1 < len(chunks) and len(slots) > 1:
                     pending = read(i + 1)
-                yield start, stop, fp32  # type: ignore[misc]
+                yield start, stop, fp32
                 if pending is None and i + 1 < len(chunks):
                     pending = read(i + 1)  # one slot: the next read starts once the caller is done with this one
         finally:
@@ -164,7 +165,7 @@ class DiskStore:
                         continue
                     _fill_encoded(fill, start, stop, views, self.moments)
                     futures = self._ring.swap.write_chunk(self.group, start, stop, views)
-                    in_flight.append(lambda futures=futures: wait_all(futures))
+                    in_flight.append(functools.partial(wait_all, futures))
                 while in_flight:
                     in_flight.pop(0)()
             finally:

@@ -10,7 +10,7 @@ store on another device) is a new implementation of this protocol, not a new bra
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, List, NamedTuple, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Iterator, List, NamedTuple, Optional, Protocol, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor
@@ -180,8 +180,13 @@ class MemoryStore:
         if self.moments is not MomentFormat.FP32:
             yield decoded_chunks(self, self.master, self.exp_avg, self.exp_avg_sq)
             return
-        views = tuple(t.detach().to("cpu").contiguous() for t in (self.master, self.exp_avg, self.exp_avg_sq))
+        views = tuple(t.detach().to("cpu").contiguous() for t in self._fp32_state())
         yield iter([(0, self.group.trainable_numel, views)])  # type: ignore[list-item]
+
+    def _fp32_state(self) -> Tuple[Tensor, Tensor, Tensor]:
+        """master, exp_avg, exp_avg_sq when the moments are fp32 (plain tensors)."""
+        assert self.moments is MomentFormat.FP32
+        return self.master, cast(Tensor, self.exp_avg), cast(Tensor, self.exp_avg_sq)
 
     def write(self, fill: Fill, cloned: Cloned = (0, 0, 0)) -> None:
         """New state from `fill`: straight into host tensors (a load verified the files before anything
@@ -191,9 +196,9 @@ class MemoryStore:
         if self.moments is not MomentFormat.FP32:
             encode_chunks(self, self.master, self.exp_avg, self.exp_avg_sq, fill)
             return
-        targets = (self.master, self.exp_avg, self.exp_avg_sq)
-        if all(t.device.type == "cpu" and t.is_contiguous() for t in targets):  # type: ignore[union-attr]
-            fill(0, n, targets)  # type: ignore[arg-type]
+        targets = self._fp32_state()
+        if all(t.device.type == "cpu" and t.is_contiguous() for t in targets):
+            fill(0, n, targets)
             return
         staged = tuple(torch.empty(t.shape, dtype=t.dtype) for t in targets)
         fill(0, n, staged)  # type: ignore[arg-type]
