@@ -101,6 +101,24 @@ def test_trains_as_the_plain_trainer_and_resumes_exactly(tier: str, tmp_path: Pa
     assert _max_weight_diff(want_weights, resumed.engine) <= TOL
 
 
+def test_int8_moments_through_offload_train_close_to_the_plain_trainer_and_resume_exactly(tmp_path: Path,
+                                                                                        reference: Any) -> None:
+    """offload=dict(moments="int8"): the Trainer's losses track the plain Trainer's (not exact: the moments
+    are rounded), and a resume from checkpoint-3 continues the int8 run itself bit for bit."""
+    want_logs, _want_weights = reference
+    options = dict(_offload("nvme", tmp_path), moments="int8")
+    first = OffloadTrainer(model=_model(), args=_args(tmp_path / "run", save_strategy="steps", save_steps=3),
+                           train_dataset=_dataset(), offload=options)
+    first.train()
+    logs = _logged(first)
+    assert [s for s, _l, _n in logs] == [s for s, _l, _n in want_logs]
+    assert logs != want_logs and all(abs(l - w) <= 0.02 * w for (_s, l, _n), (_t, w, _m) in zip(logs, want_logs))
+    first.engine.close()
+    resumed = OffloadTrainer(model=_model(), args=_args(tmp_path / "run"), train_dataset=_dataset(), offload=options)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
+    assert _logged(resumed, after_step=3) == [entry for entry in logs if entry[0] > 3]
+
+
 def test_bf16_mixed_precision_matches_the_plain_trainer(tmp_path: Path) -> None:
     """bf16=True: fp32 weights, the forward under accelerate's autocast, as the plain Trainer runs it."""
     plain = transformers.Trainer(model=_model(), args=_args(tmp_path / "plain", bf16=True, num_train_epochs=1),
