@@ -112,7 +112,7 @@ def test_int8_moments_through_offload_train_close_to_the_plain_trainer_and_resum
     first.train()
     logs = _logged(first)
     assert [s for s, _l, _n in logs] == [s for s, _l, _n in want_logs]
-    assert logs != want_logs and all(abs(l - w) <= 0.02 * w for (_s, l, _n), (_t, w, _m) in zip(logs, want_logs))
+    assert logs != want_logs and all(abs(got - w) <= 0.02 * w for (_s, got, _n), (_t, w, _m) in zip(logs, want_logs))
     first.engine.close()
     resumed = OffloadTrainer(model=_model(), args=_args(tmp_path / "run"), train_dataset=_dataset(), offload=options)
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
