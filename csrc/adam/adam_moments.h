@@ -75,7 +75,7 @@ struct MomentKernels {
   void moment_decode_##isa(const void*, const float*, MomentFormat, int, float*, int64_t, int64_t);
 OFFLOAD_MOMENT_KERNELS(scalar)
 OFFLOAD_MOMENT_KERNELS(avx2)    // the scalar loops compiled for AVX2 + FMA + F16C
-OFFLOAD_MOMENT_KERNELS(avx512)  // 16 lanes; the int8 map lookups are gathers from L1
+OFFLOAD_MOMENT_KERNELS(avx512)  // 16 lanes; the int8 maps and midpoints are looked up in registers
 #undef OFFLOAD_MOMENT_KERNELS
 
 // The kernels of one named variant ("avx512", "avx2", "scalar"; "" = the best for this CPU, as for adam_step).

@@ -1,10 +1,12 @@
-// AVX-512 (F, BW, VL, DQ) moment kernels: 16 lanes, masked tails. int8 decode looks the map up in registers;
-// encode finds the decade of y with compares, a candidate code arithmetically, then moves it one step
-// toward the nearest map value with two gathers of the midpoints: the same code as the scalar kernels' search.
+// AVX-512 (F, BW, VL, DQ) moment kernels: 16 lanes, masked tails. int8 maps and midpoints live in registers as
+// 16-bit planes looked up with vpermt2w, 32 lanes at a time; encode takes the decade of y from its exponent and
+// one compare, the one bucket edge near y arithmetically, and compares y with that midpoint: exact, no gathers.
 // Headers with templates are included before the target pragma, so their instantiations stay baseline x86-64.
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <immintrin.h>
 
 #include "adam/adam_moments.h"
@@ -95,139 +97,218 @@ inline void adam16(const MomentBuffers& b, const Constants512& c, int64_t i, __m
 
 // --- int8 codes ----------------------------------------------------------------------------------------------
 
-// One map's encoder. The exact code is #{midpoints < y}; computing it with two gathered midpoints per lane costs
-// more than the rest of the step (gathers are slow on CPUs with the Downfall/GDS mitigation), so:
-//   1. the decade d of y by compares, then t = y * a[d] - b[d], whose integer part j is the bucket of y in its
-//      decade (the buckets' edges are the midpoints between the decade's values) and c = 2^(d+1) - 1 + j;
-//   2. the first bucket of a decade borders the previous decade's last value, and the last bucket the next
-//      decade's first value (or 1): there the midpoint is not an edge, so compare y with it (per-decade constants,
-//      picked with permutexvar);
-//   3. t carries ~2e-5 of rounding (a, b, y * a and the midpoints' own fp32 rounding), so when its fraction is
-//      within kEdge of an inner edge, the lane could be on either side: then (rarely: ~0.2% of lanes) the whole
-//      vector takes the exact path, the candidate corrected by one step with the two gathered midpoints.
-struct Encoder {
-  static constexpr float kEdge = 1.0f / 1024;
-  const float* mids;
-  int decades;
-  __m512 bound[7];  // bound[i] = 10^(i + 1 - decades): y >= bound[i] means decade > i
-  __m512 a, b;      // indexed by decade (permutexvar)
-  __m512 below, above;  // midpoint below the decade's first value, above its last value
-  explicit Encoder(const float* midpoints, int num_decades) : mids(midpoints), decades(num_decades) {
-    alignas(64) float av[16] = {}, bv[16] = {}, lo[16] = {}, hi[16] = {};
-    for (int d = 0; d < decades; ++d) {
-      const int k = 2 << d;
-      av[d] = static_cast<float>(k / (0.9 * std::pow(10.0, d - decades + 1)));
-      bv[d] = static_cast<float>(k / 9.0);
-      lo[d] = midpoints[k - 2];      // between code k - 2 (previous decade's last, or 0) and k - 1
-      hi[d] = midpoints[2 * k - 2];  // between code 2k - 2 (this decade's last) and 2k - 1 (next first, or 1)
-      if (d + 1 < decades) bound[d] = _mm512_set1_ps(static_cast<float>(std::pow(10.0, d + 1 - decades)));
+// A table of N floats (N = 128 or 256) held in registers as two planes of 16-bit halves, looked up 32 lanes at a
+// time: vpermt2w picks from 64 words by the index's low 6 bits, blends by bits 6 (and 7) choose the register
+// pair. 32 lanes per lookup halve the permutes of a 16-lane float table; AVX-512BW only (no VBMI).
+// The indices come in "pack order", the order _mm512_packus_epi32(a, b) puts the lanes of two 16-lane vectors
+// in (per 128-bit lane L: a[4L..4L+3], b[4L..4L+3]); unpacking the two planes with unpack{lo,hi}_epi16 then gives
+// the floats of a and of b back in their natural order.
+template <int N>
+struct HalfTable {
+  static_assert(N == 128 || N == 256, "two or four register pairs per plane");
+  __m512i lo[N / 32], hi[N / 32];
+  explicit HalfTable(const float* values) {
+    for (int r = 0; r < N / 32; ++r) {
+      alignas(64) uint16_t l[32], h[32];
+      for (int i = 0; i < 32; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, values + 32 * r + i, 4);
+        l[i] = static_cast<uint16_t>(bits);
+        h[i] = static_cast<uint16_t>(bits >> 16);
+      }
+      lo[r] = _mm512_load_si512(l);
+      hi[r] = _mm512_load_si512(h);
     }
-    a = _mm512_load_ps(av);
-    b = _mm512_load_ps(bv);
-    below = _mm512_load_ps(lo);
-    above = _mm512_load_ps(hi);
   }
-
-  inline __m512i encode(__m512 y) const {
-    const __m512i one = _mm512_set1_epi32(1), zero = _mm512_setzero_si512();
-    __m512i d = zero;
-    for (int i = 0; i + 1 < decades; ++i) d = _mm512_mask_add_epi32(d, _mm512_cmp_ps_mask(y, bound[i], _CMP_GE_OQ), d, one);
-    const __m512 t = _mm512_fmsub_ps(y, _mm512_permutexvar_ps(d, a), _mm512_permutexvar_ps(d, b));
-    const __m512i last = _mm512_sub_epi32(_mm512_sllv_epi32(_mm512_set1_epi32(2), d), one);  // K - 1
-    __m512i j = _mm512_max_epi32(_mm512_cvttps_epi32(t), zero);  // NaN: INT_MIN -> 0
-    j = _mm512_min_epi32(j, last);
-    const __m512i c = _mm512_add_epi32(last, j);  // in [1, size - 2]
-    const __m512 frac = _mm512_sub_ps(t, _mm512_cvtepi32_ps(j));
-    const __mmask16 first = _mm512_cmpeq_epi32_mask(j, zero), top = _mm512_cmpeq_epi32_mask(j, last);
-    const __mmask16 unsure = (_mm512_cmp_ps_mask(frac, _mm512_set1_ps(kEdge), _CMP_LT_OQ) & ~first) |
-                             (_mm512_cmp_ps_mask(frac, _mm512_set1_ps(1.0f - kEdge), _CMP_GT_OQ) & ~top);
-    if (__builtin_expect(unsure != 0, 0)) return exact(y, c);
-    const __mmask16 down = first & _mm512_cmp_ps_mask(y, _mm512_permutexvar_ps(d, below), _CMP_LE_OQ);
-    const __mmask16 up = top & _mm512_cmp_ps_mask(y, _mm512_permutexvar_ps(d, above), _CMP_GT_OQ);
-    return _mm512_mask_add_epi32(_mm512_mask_sub_epi32(c, down, c, one), up, c, one);
+  static inline __m512i pick(const __m512i* plane, __m512i idx, __mmask32 bit6, __mmask32 bit7) {
+    __m512i r0 = _mm512_mask_blend_epi16(bit6, _mm512_permutex2var_epi16(plane[0], idx, plane[1]),
+                                         _mm512_permutex2var_epi16(plane[2], idx, plane[3]));
+    if constexpr (N == 256) {
+      const __m512i r1 = _mm512_mask_blend_epi16(bit6, _mm512_permutex2var_epi16(plane[4], idx, plane[5]),
+                                                 _mm512_permutex2var_epi16(plane[6], idx, plane[7]));
+      r0 = _mm512_mask_blend_epi16(bit7, r0, r1);
+    }
+    return r0;
   }
-
-  // c within one step of #{midpoints < y}: one comparison on each side settles it.
-  __m512i exact(__m512 y, __m512i c) const {
-    const __m512i one = _mm512_set1_epi32(1);
-    const __m512 hi = _mm512_i32gather_ps(c, mids, 4);
-    const __m512 lo = _mm512_i32gather_ps(_mm512_sub_epi32(c, one), mids, 4);
-    const __mmask16 up = _mm512_cmp_ps_mask(y, hi, _CMP_GT_OQ), down = _mm512_cmp_ps_mask(y, lo, _CMP_LE_OQ);
-    return _mm512_mask_sub_epi32(_mm512_mask_add_epi32(c, up, c, one), down, c, one);
+  // table[idx] for 32 word indices in pack order: a gets the first 16 lanes, b the second, in natural order.
+  inline void operator()(__m512i idx, __m512& a, __m512& b) const {
+    const __mmask32 bit6 = _mm512_test_epi16_mask(idx, _mm512_set1_epi16(64));
+    const __mmask32 bit7 = N == 256 ? _mm512_test_epi16_mask(idx, _mm512_set1_epi16(128)) : 0;
+    const __m512i l = pick(lo, idx, bit6, bit7), h = pick(hi, idx, bit6, bit7);
+    a = _mm512_castsi512_ps(_mm512_unpacklo_epi16(l, h));
+    b = _mm512_castsi512_ps(_mm512_unpackhi_epi16(l, h));
   }
 };
 
-// A lookup in a table of 128 or 256 floats held in registers: vpermt2ps picks from 32 entries by the index's
-// low 5 bits, then blends by bits 5-7. Cheaper than a gather where the GDS (Downfall) mitigation slows gathers.
+// 32 code bytes as words in pack order (see HalfTable), and the same words in natural order.
+inline __m512i codes_in_pack_order(const uint8_t* codes, __mmask32 k, __m512i& natural) {
+  const __m512i order = _mm512_set_epi16(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8,  //
+                                         23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  natural = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(k, codes));
+  return _mm512_permutexvar_epi16(order, natural);
+}
+
+// Four vectors of codes in [0, 255] as 64 bytes in natural order.
+inline __m512i pack_codes(__m512i c0, __m512i c1, __m512i c2, __m512i c3) {
+  // packus leaves dword 4L + q (128-bit lane L) holding elements 4L..4L+3 of c_q; put it at 4q + L.
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  const __m512i bytes = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
+  return _mm512_permutexvar_epi32(order, bytes);
+}
+
+inline __mmask64 lanes64(int64_t count) { return count >= 64 ? ~__mmask64{0} : (__mmask64{1} << count) - 1; }
+inline __mmask32 lanes32(int64_t count) { return count >= 32 ? ~__mmask32{0} : (__mmask32{1} << count) - 1; }
+
+// One map's encoder: code = #{midpoints < y}, exactly, with no gathers and no branch per vector.
+//   1. The decade d of y: the binade of y (its exponent field) gives the decade of the binade's bottom, dlo, and
+//      the power of ten inside the binade, if any (a binade spans a factor 2, so at most one): d = dlo + (y >= it).
+//   2. Decade d has K = 2^(d+1) evenly spaced values, codes K-1 .. 2K-2; t = (y - 10^(d-D+1)/10) / width is the
+//      position of y in units of the bucket width, so its inner bucket edges are at t = 1 .. K-1. The border
+//      edges (midpoints to the neighbouring decade's values, or to 0 or 1) are at t = 0.2 and K+1 (0.139 below
+//      decade 0, K-0.25 at the top). e = floor(t - 0.5) + K - 1 = floor(y * a[d] - b[d]) then names the one edge
+//      within half a bucket of y: every other edge is more than 0.25 (in t) away from y, far beyond the ~1e-4 of
+//      fp32 rounding in t and in the decade choice.
+//   3. code = e + (y > mid[e]), the midpoints looked up in registers (HalfTable).
+// A y of 0 gives e = 0 and code 0. For v the first midpoint is replaced by 0: a positive y never takes code 0.
 template <int N>
-struct Table {
-  __m512 part[N / 16];
-  explicit Table(const float* values) {
-    for (int i = 0; i < N / 16; ++i) part[i] = _mm512_loadu_ps(values + 16 * i);
-  }
-  inline __m512 operator()(__m512i idx) const {
-    __m512 r[N / 32];
-    for (int q = 0; q < N / 32; ++q) r[q] = _mm512_permutex2var_ps(part[2 * q], idx, part[2 * q + 1]);
-    for (int bit = 32, count = N / 32; count > 1; bit *= 2, count /= 2) {
-      const __mmask16 high = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(bit));
-      for (int q = 0; q < count / 2; ++q) r[q] = _mm512_mask_blend_ps(high, r[2 * q], r[2 * q + 1]);
+struct Encoder {
+  static constexpr int kFirstExp = 96;  // binades of y below 2^(kFirstExp - 126) share slot 0: all in decade 0
+  HalfTable<N> mids;
+  __m512i dlo[2];
+  __m512 split[2], a, b;
+  explicit Encoder(const float* midpoints, int decades, bool floor_at_one) : mids(padded(midpoints, floor_at_one)) {
+    alignas(64) int32_t lo[32];
+    alignas(64) float at[32], av[16] = {}, bv[16] = {};
+    for (int s = 0; s < 32; ++s) {
+      const double bottom = s == 0 ? 0.0 : std::ldexp(1.0, kFirstExp + s - 127), top = std::ldexp(1.0, kFirstExp + s - 126);
+      lo[s] = 0;
+      at[s] = INFINITY;
+      for (int i = 0; i + 1 < decades; ++i) {
+        const float bound = static_cast<float>(std::pow(10.0, i + 1 - decades));  // y >= bound: decade > i
+        if (bound <= bottom) ++lo[s];
+        else if (bound < top) at[s] = bound;
+      }
     }
-    return r[0];
+    for (int d = 0; d < decades; ++d) {
+      const double k = std::ldexp(1.0, d + 1);
+      av[d] = static_cast<float>(k / (0.9 * std::pow(10.0, d - decades + 1)));
+      bv[d] = static_cast<float>(k / 9.0 - k + 1.5);
+    }
+    for (int h = 0; h < 2; ++h) {
+      dlo[h] = _mm512_load_si512(lo + 16 * h);
+      split[h] = _mm512_load_ps(at + 16 * h);
+    }
+    a = _mm512_load_ps(av);
+    b = _mm512_load_ps(bv);
+  }
+  static const float* padded(const float* midpoints, bool floor_at_one) {
+    thread_local float table[N];
+    std::memcpy(table, midpoints, sizeof(float) * (N - 1));
+    table[N - 1] = INFINITY;  // never looked up: e <= N - 2
+    if (floor_at_one) table[0] = 0.0f;
+    return table;
+  }
+
+  // e of step 2 for y in [0, 1 + 2^-20]: lanes of a finite, normal (or zero) scale.
+  inline __m512i edge(__m512 y) const {
+    const __m512i slot = _mm512_subs_epu16(_mm512_srli_epi32(_mm512_castps_si512(y), 23), _mm512_set1_epi32(kFirstExp));
+    __m512i d = _mm512_permutex2var_epi32(dlo[0], slot, dlo[1]);
+    const __mmask16 above = _mm512_cmp_ps_mask(y, _mm512_permutex2var_ps(split[0], slot, split[1]), _CMP_GE_OQ);
+    d = _mm512_mask_sub_epi32(d, above, d, _mm512_set1_epi32(-1));
+    return _mm512_cvttps_epi32(_mm512_fmsub_ps(y, _mm512_permutexvar_ps(d, a), _mm512_permutexvar_ps(d, b)));
+  }
+
+  // Codes of 64 values y (4 vectors): e + (y > mid[e]).
+  inline void codes(const __m512 (&y)[4], __m512i (&c)[4]) const {
+    __m512i e[4];
+    for (int q = 0; q < 4; ++q) e[q] = edge(y[q]);
+    __m512 mid[4];
+    mids(_mm512_packus_epi32(e[0], e[1]), mid[0], mid[1]);
+    mids(_mm512_packus_epi32(e[2], e[3]), mid[2], mid[3]);
+    for (int q = 0; q < 4; ++q) {
+      c[q] = _mm512_mask_sub_epi32(e[q], _mm512_cmp_ps_mask(y[q], mid[q], _CMP_GT_OQ), e[q], _mm512_set1_epi32(-1));
+    }
   }
 };
 
 struct Int8Codec {
   const MomentMaps& maps;
-  Table<128> m_map;
-  Table<256> v_map;
-  Encoder m_enc, v_enc;
+  HalfTable<128> m_map;
+  HalfTable<256> v_map;
+  Encoder<128> m_enc;
+  Encoder<256> v_enc;
   Int8Codec()
-      : maps(moment_maps()), m_map(maps.m), v_map(maps.v), m_enc(maps.m_mid, 6), v_enc(maps.v_mid, 7) {}
+      : maps(moment_maps()), m_map(maps.m), v_map(maps.v), m_enc(maps.m_mid, 6, false), v_enc(maps.v_mid, 7, true) {}
 
-  inline __m512 decode_m(const uint8_t* codes, int64_t i, __mmask16 k, __m512 scale) const {
-    const __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes + i));
-    const __m512 mag = m_map(c);  // bit 7 is not looked at: 128 entries
-    const __m512i sign = _mm512_slli_epi32(_mm512_srli_epi32(c, 7), 31);
-    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(mag, scale)), sign));
+  // 32 decoded values at codes[0..31] (lanes beyond k decode code 0): m signed, a and b the two halves.
+  inline void decode_m(const uint8_t* codes, __mmask32 k, __m512 scale, __m512& a, __m512& b) const {
+    __m512i natural;
+    m_map(codes_in_pack_order(codes, k, natural), a, b);  // bit 7 is not looked at: 128 entries
+    const __mmask32 neg = _mm512_test_epi16_mask(natural, _mm512_set1_epi16(0x80));
+    const __m512i sign = _mm512_set1_epi32(INT32_MIN);
+    a = _mm512_castsi512_ps(_mm512_mask_xor_epi32(_mm512_castps_si512(_mm512_mul_ps(a, scale)), static_cast<__mmask16>(neg),
+                                                  _mm512_castps_si512(_mm512_mul_ps(a, scale)), sign));
+    b = _mm512_castsi512_ps(_mm512_mask_xor_epi32(_mm512_castps_si512(_mm512_mul_ps(b, scale)),
+                                                  static_cast<__mmask16>(neg >> 16),
+                                                  _mm512_castps_si512(_mm512_mul_ps(b, scale)), sign));
   }
-  inline __m512 decode_sqrt_v(const uint8_t* codes, int64_t i, __mmask16 k, __m512 scale) const {
-    const __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes + i));
-    return _mm512_mul_ps(v_map(c), scale);
+  inline void decode_sqrt_v(const uint8_t* codes, __mmask32 k, __m512 scale, __m512& a, __m512& b) const {
+    __m512i natural;
+    v_map(codes_in_pack_order(codes, k, natural), a, b);
+    a = _mm512_mul_ps(a, scale);
+    b = _mm512_mul_ps(b, scale);
   }
 
-  // Codes of one block of `count` values (m, sign-bearing, for kExpAvg; sqrt(v) for kExpAvgSq); returns its scale.
-  float encode_block(const float* vals, uint8_t* codes, int64_t count, int which) const {
-    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-    __m512 mx = _mm512_setzero_ps();
-    __mmask16 nan = 0;
-    for (int64_t i = 0; i < count; i += kLanes) {
-      const __mmask16 k = lanes(count - i);
-      const __m512 a = _mm512_and_ps(_mm512_maskz_loadu_ps(k, vals + i), abs_mask);
-      nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
-      mx = _mm512_max_ps(mx, a);
-    }
-    const float scale = nan ? NAN : _mm512_reduce_max_ps(mx);
-    const __m512 inv = _mm512_set1_ps(scale > 0.0f ? 1.0f / scale : 0.0f);
-    const __m512i zero = _mm512_setzero_si512();
-    for (int64_t i = 0; i < count; i += kLanes) {
-      const __mmask16 k = lanes(count - i);
-      const __m512 x = _mm512_maskz_loadu_ps(k, vals + i);
-      const __m512 y = _mm512_mul_ps(_mm512_and_ps(x, abs_mask), inv);
-      __m512i c;
-      if (which == kExpAvg) {
-        c = m_enc.encode(y);
-        const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ) & _mm512_cmpgt_epi32_mask(c, zero);
-        c = _mm512_mask_or_epi32(c, neg, c, _mm512_set1_epi32(0x80));
-      } else {
-        c = v_enc.encode(y);
-        const __mmask16 floor = _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GT_OQ) & _mm512_cmpeq_epi32_mask(c, zero);
-        c = _mm512_mask_mov_epi32(c, floor, _mm512_set1_epi32(1));
+  // Codes of one block of `count` values (m, sign-bearing, for kExpAvg; sqrt(v) for kExpAvgSq) with the given
+  // scale, the block's largest magnitude (NaN if it holds a NaN).
+  void encode_block(const float* vals, uint8_t* codes, int64_t count, float scale, int which) const {
+    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    if (!(scale == 0.0f || (scale >= FLT_MIN && scale <= FLT_MAX))) return encode_special(vals, codes, count, inv, which);
+    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff)), inv16 = _mm512_set1_ps(inv);
+    for (int64_t i = 0; i < count; i += 64) {
+      __m512 x[4], y[4];
+      __m512i c[4];
+      for (int q = 0; q < 4; ++q) {
+        x[q] = _mm512_load_ps(vals + i + 16 * q);  // a whole 64-value group: the buffer has 256 (lanes past count unused)
+        y[q] = _mm512_mul_ps(_mm512_and_ps(x[q], abs_mask), inv16);
       }
-      _mm_mask_storeu_epi8(codes + i, k, _mm512_cvtepi32_epi8(c));
+      if (which == kExpAvg) {
+        m_enc.codes(y, c);
+        for (int q = 0; q < 4; ++q) {  // sign bit for x < 0 unless the code is 0
+          const __mmask16 neg = _mm512_mask_cmp_ps_mask(_mm512_test_epi32_mask(c[q], c[q]), x[q], _mm512_setzero_ps(), _CMP_LT_OQ);
+          c[q] = _mm512_mask_or_epi32(c[q], neg, c[q], _mm512_set1_epi32(0x80));
+        }
+      } else {
+        v_enc.codes(y, c);
+      }
+      _mm512_mask_storeu_epi8(codes + i, lanes64(count - i), pack_codes(c[0], c[1], c[2], c[3]));
     }
-    return scale;
+  }
+
+  // A block whose scale is NaN, infinite or subnormal: y = |x| * inv is 0, NaN or inf (or finite where inv is).
+  // Codes as the vector path of earlier versions gave them: NaN -> 1, inf -> the first code of the top decade.
+  void encode_special(const float* vals, uint8_t* codes, int64_t count, float inv, int which) const {
+    const bool is_m = which == kExpAvg;
+    const float* mids = is_m ? maps.m_mid : maps.v_mid;
+    const int num_mids = is_m ? 127 : 255;
+    for (int64_t i = 0; i < count; ++i) {
+      const float x = vals[i], y = std::fabs(x) * inv;
+      int c = y != y ? 1 : y == INFINITY ? (num_mids + 1) / 2 : static_cast<int>(std::lower_bound(mids, mids + num_mids, y) - mids);
+      if (is_m && x < 0.0f && c > 0) c |= 0x80;
+      if (!is_m && y > 0.0f && c == 0) c = 1;
+      codes[i] = static_cast<uint8_t>(c);
+    }
   }
 };
+
+// The block scale from the integer max of |x|'s bits: NaN bits exceed +inf's, so a NaN anywhere shows.
+inline float scale_from_bits(__m512i max_bits) {
+  const uint32_t bits = _mm512_reduce_max_epu32(max_bits);
+  if (bits > 0x7f800000u) return NAN;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return scale;
+}
 
 template <DType G, DType O, bool kHasOut>
 void step_bf16(const MomentBuffers& b, const AdamConstants& constants, int64_t begin, int64_t end) {
@@ -243,6 +324,8 @@ void step_bf16(const MomentBuffers& b, const AdamConstants& constants, int64_t b
   }
 }
 
+// Each block in two sweeps: decode, Adam and the running max of |m| and sqrt(v), 32 lanes at a time, into a
+// stack buffer; then the codes of the buffer, 64 at a time.
 template <DType G, DType O, bool kHasOut>
 void step_int8(const MomentBuffers& b, const AdamConstants& constants, int64_t begin, int64_t end) {
   const Constants512 c(constants);
@@ -250,20 +333,32 @@ void step_int8(const MomentBuffers& b, const AdamConstants& constants, int64_t b
   uint8_t* mc = static_cast<uint8_t*>(b.m);
   uint8_t* vc = static_cast<uint8_t*>(b.v);
   alignas(64) float new_m[kInt8Block], new_s[kInt8Block];
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
   for (int64_t start = begin; start < end; start += kInt8Block) {
     const int64_t stop = std::min(end, start + kInt8Block), blk = start / kInt8Block;
     const __m512 m_scale = _mm512_set1_ps(b.m_scales[blk]), v_scale = _mm512_set1_ps(b.v_scales[blk]);
-    for (int64_t i = start; i < stop; i += kLanes) {
-      const __mmask16 k = lanes(stop - i);
-      __m512 m = codec.decode_m(mc, i, k, m_scale);
-      const __m512 s_old = codec.decode_sqrt_v(vc, i, k, v_scale);
-      __m512 v = _mm512_mul_ps(s_old, s_old), s;
-      adam16<G, O, kHasOut>(b, c, i, k, m, v, s);
-      _mm512_mask_storeu_ps(new_m + (i - start), k, m);
-      _mm512_mask_storeu_ps(new_s + (i - start), k, s);
+    __m512i m_max = _mm512_setzero_si512(), s_max = _mm512_setzero_si512();
+    for (int64_t i = start; i < stop; i += 2 * kLanes) {
+      const __mmask32 k = lanes32(stop - i);
+      __m512 m[2], s[2], v[2];
+      codec.decode_m(mc + i, k, m_scale, m[0], m[1]);
+      codec.decode_sqrt_v(vc + i, k, v_scale, s[0], s[1]);
+      for (int h = 0; h < 2; ++h) {
+        const __mmask16 kh = static_cast<__mmask16>(k >> (16 * h));
+        v[h] = _mm512_mul_ps(s[h], s[h]);
+        adam16<G, O, kHasOut>(b, c, i + 16 * h, kh, m[h], v[h], s[h]);
+        _mm512_store_ps(new_m + (i - start) + 16 * h, m[h]);
+        _mm512_store_ps(new_s + (i - start) + 16 * h, s[h]);
+        // Masked: past the block's end the decoded zeros times a NaN scale would be NaN.
+        m_max = _mm512_mask_max_epu32(m_max, kh, m_max, _mm512_and_si512(_mm512_castps_si512(m[h]), abs_mask));
+        s_max = _mm512_mask_max_epu32(s_max, kh, s_max, _mm512_and_si512(_mm512_castps_si512(s[h]), abs_mask));
+      }
     }
-    b.m_scales[blk] = codec.encode_block(new_m, mc + start, stop - start, kExpAvg);
-    b.v_scales[blk] = codec.encode_block(new_s, vc + start, stop - start, kExpAvgSq);
+    const float m_block_scale = scale_from_bits(m_max), s_block_scale = scale_from_bits(s_max);
+    codec.encode_block(new_m, mc + start, stop - start, m_block_scale, kExpAvg);
+    codec.encode_block(new_s, vc + start, stop - start, s_block_scale, kExpAvgSq);
+    b.m_scales[blk] = m_block_scale;
+    b.v_scales[blk] = s_block_scale;
   }
 }
 
@@ -304,17 +399,20 @@ void moment_encode_avx512(const float* src, void* codes, float* scales, MomentFo
   }
   const Int8Codec codec;
   alignas(64) float mags[kInt8Block];
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
   for (int64_t start = begin; start < end; start += kInt8Block) {
     const int64_t stop = std::min(end, start + kInt8Block);
-    const float* vals = src + start;
-    if (which == kExpAvgSq) {
-      for (int64_t i = start; i < stop; i += kLanes) {
-        const __mmask16 k = lanes(stop - i);
-        _mm512_mask_storeu_ps(mags + (i - start), k, _mm512_sqrt_ps(_mm512_maskz_loadu_ps(k, src + i)));
-      }
-      vals = mags;
+    __m512i max_bits = _mm512_setzero_si512();
+    for (int64_t i = start; i < stop; i += kLanes) {
+      const __mmask16 k = lanes(stop - i);
+      __m512 x = _mm512_maskz_loadu_ps(k, src + i);
+      if (which == kExpAvgSq) x = _mm512_sqrt_ps(x);
+      _mm512_store_ps(mags + (i - start), x);
+      max_bits = _mm512_max_epu32(max_bits, _mm512_and_si512(_mm512_castps_si512(x), abs_mask));
     }
-    scales[start / kInt8Block] = codec.encode_block(vals, static_cast<uint8_t*>(codes) + start, stop - start, which);
+    const float scale = scale_from_bits(max_bits);
+    codec.encode_block(mags, static_cast<uint8_t*>(codes) + start, stop - start, scale, which);
+    scales[start / kInt8Block] = scale;
   }
 }
 
@@ -332,16 +430,17 @@ void moment_decode_avx512(const void* codes, const float* scales, MomentFormat f
   for (int64_t start = begin; start < end; start += kInt8Block) {
     const int64_t stop = std::min(end, start + kInt8Block);
     const __m512 scale = _mm512_set1_ps(scales[start / kInt8Block]);
-    for (int64_t i = start; i < stop; i += kLanes) {
-      const __mmask16 k = lanes(stop - i);
-      __m512 x;
+    for (int64_t i = start; i < stop; i += 2 * kLanes) {
+      const __mmask32 k = lanes32(stop - i);
+      __m512 x[2];
       if (which == kExpAvg) {
-        x = codec.decode_m(c8, i, k, scale);
+        codec.decode_m(c8 + i, k, scale, x[0], x[1]);
       } else {
-        const __m512 s = codec.decode_sqrt_v(c8, i, k, scale);
-        x = _mm512_mul_ps(s, s);
+        codec.decode_sqrt_v(c8 + i, k, scale, x[0], x[1]);
+        for (__m512& s : x) s = _mm512_mul_ps(s, s);
       }
-      _mm512_mask_storeu_ps(out + i, k, x);
+      _mm512_mask_storeu_ps(out + i, static_cast<__mmask16>(k), x[0]);
+      _mm512_mask_storeu_ps(out + i + kLanes, static_cast<__mmask16>(k >> 16), x[1]);
     }
   }
 }
