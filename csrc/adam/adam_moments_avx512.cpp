@@ -301,6 +301,12 @@ struct Int8Codec {
   }
 };
 
+// Built once (its tables take a few hundred pow() calls); each kernel call copies it to its stack.
+const Int8Codec& int8_codec() {
+  static const Int8Codec codec;
+  return codec;
+}
+
 // The block scale from the integer max of |x|'s bits: NaN bits exceed +inf's, so a NaN anywhere shows.
 inline float scale_from_bits(__m512i max_bits) {
   const uint32_t bits = _mm512_reduce_max_epu32(max_bits);
@@ -329,7 +335,7 @@ void step_bf16(const MomentBuffers& b, const AdamConstants& constants, int64_t b
 template <DType G, DType O, bool kHasOut>
 void step_int8(const MomentBuffers& b, const AdamConstants& constants, int64_t begin, int64_t end) {
   const Constants512 c(constants);
-  const Int8Codec codec;
+  const Int8Codec codec = int8_codec();
   uint8_t* mc = static_cast<uint8_t*>(b.m);
   uint8_t* vc = static_cast<uint8_t*>(b.v);
   alignas(64) float new_m[kInt8Block], new_s[kInt8Block];
@@ -397,7 +403,7 @@ void moment_encode_avx512(const float* src, void* codes, float* scales, MomentFo
     }
     return;
   }
-  const Int8Codec codec;
+  const Int8Codec codec = int8_codec();
   alignas(64) float mags[kInt8Block];
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
   for (int64_t start = begin; start < end; start += kInt8Block) {
@@ -425,7 +431,7 @@ void moment_decode_avx512(const void* codes, const float* scales, MomentFormat f
     }
     return;
   }
-  const Int8Codec codec;
+  const Int8Codec codec = int8_codec();
   const uint8_t* c8 = static_cast<const uint8_t*>(codes);
   for (int64_t start = begin; start < end; start += kInt8Block) {
     const int64_t stop = std::min(end, start + kInt8Block);
