@@ -15,7 +15,7 @@ from offload.engine.engine import Engine
 from offload.errors import OffloadConfigError
 from offload.optim.moments import MomentFormat
 from offload.param_groups import parse_param_groups
-from offload.policy import OffloadPolicy, Tier, parse_bytes, resolve_device
+from offload.policy import Activations, OffloadPolicy, Tier, parse_bytes, resolve_device
 from offload.scheduler.setup.initial_weights import choose
 
 Bytes = Union[int, str, None]
@@ -39,6 +39,7 @@ def wrap(
     param_groups: Optional[Sequence[Dict[str, Any]]] = None,
     overlap_step: Optional[bool] = None,
     moments: Union[str, MomentFormat] = "fp32",
+    activations: Optional[str] = None,
     weights: Optional[Union[str, os.PathLike]] = None,
     init: Optional[Callable[[nn.Module], None]] = None,
     **unknown: object,
@@ -70,6 +71,10 @@ def wrap(
             the bytes), or "int8" (a quarter, plus one fp32 scale per 256 elements): on the nvme tier the
             disk then moves about half the bytes per step (6 instead of 12 per parameter). The master weights
             stay fp32; the update is computed in fp32 and only the stored moments are rounded, as 8-bit Adam.
+        activations: None (default) keeps the tensors autograd saves in the forward where they were made;
+            "offload" (tier="nvme") writes each saved tensor of 1 MiB or more to a file in the swap directory
+            as the forward goes and reads it back, bit for bit, when the backward needs it: long sequences
+            then need host/device memory for the weights' working set, not for every layer's activations.
         weights: a pretrained checkpoint to fill the model from, block by block as it is placed (a
             `.safetensors` file, a directory of Hugging Face shards, or an offload checkpoint directory):
             the model may be built on the meta device (`accelerate.init_empty_weights()`), so it never
@@ -99,6 +104,7 @@ def wrap(
         param_groups=parse_param_groups(param_groups),
         overlap_step=overlap_step,
         moments=MomentFormat.parse(moments),
+        activations=Activations.parse(activations),
     )
     if policy.tier is Tier.NVME:
         _check_nvme_path(policy.nvme_path)

@@ -19,6 +19,25 @@ from offload.optim.moments import MomentFormat
 from offload.param_groups import GroupOptions
 
 
+class Activations(enum.Enum):
+    """What happens to the tensors autograd saves in the forward: KEEP (where the forward made them) or OFFLOAD
+    (to the swap directory, back for the backward: docs/design.md [Note: activations off the device])."""
+
+    KEEP = "keep"
+    OFFLOAD = "offload"
+
+    @staticmethod
+    def parse(value: Union[None, str, "Activations"]) -> "Activations":
+        if value is None:
+            return Activations.KEEP
+        if isinstance(value, Activations):
+            return value
+        if isinstance(value, str) and value.strip().lower() == "offload":
+            return Activations.OFFLOAD
+        raise OffloadConfigError(f"activations={value!r} is not a setting: use None (saved tensors stay where the "
+                                 "forward made them) or 'offload' (they go to the swap directory and come back)")
+
+
 class Tier(enum.Enum):
     """Where the optimizer state (fp32 master weights, Adam moments) lives.
 
@@ -113,6 +132,8 @@ class OffloadPolicy:
             raises from `step()`). See docs/design.md [Note: step returns early].
         moments: how the Adam moments are kept (`MomentFormat`): fp32 (exactly torch AdamW), bf16, or int8
             with a scale per block; the master weights stay fp32. See docs/design.md [Note: compressed moments].
+        activations: whether the tensors autograd saves in the forward stay where they were made (KEEP) or go
+            to the swap directory and come back for the backward, bit for bit (OFFLOAD).
     """
 
     tier: Tier = Tier.CPU
@@ -130,6 +151,7 @@ class OffloadPolicy:
     param_groups: Tuple[GroupOptions, ...] = ()
     overlap_step: Optional[bool] = None
     moments: MomentFormat = MomentFormat.FP32
+    activations: Activations = Activations.KEEP
 
     @property
     def step_returns_early(self) -> bool:
@@ -176,6 +198,13 @@ class OffloadPolicy:
         steps = self.grad_accumulation_steps
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise OffloadConfigError(f"grad_accumulation_steps must be an int >= 1 or None, got {steps!r}")
+        if not isinstance(self.activations, Activations):
+            raise OffloadConfigError(f"activations must be an Activations, got {self.activations!r}; use "
+                                     "Activations.parse()")
+        if self.activations is Activations.OFFLOAD and self.tier is not Tier.NVME:
+            raise OffloadConfigError(
+                f"activations='offload' sends saved activations to the swap directory, which only tier='nvme' has "
+                f"(tier is {self.tier.value!r}): use tier='nvme' with nvme_path=..., or activations=None")
         if not isinstance(self.moments, MomentFormat):
             raise OffloadConfigError(f"moments must be a MomentFormat, got {self.moments!r}; use MomentFormat.parse()")
         if self.overlap_step is not None and not isinstance(self.overlap_step, bool):

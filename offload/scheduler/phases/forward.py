@@ -8,7 +8,7 @@ resident and the next one prefetched), `post_forward(blocks)` lets them go. See 
 
 from __future__ import annotations
 
-from typing import ContextManager, List, Optional
+from typing import Callable, ContextManager, List, Optional
 
 import torch
 from torch import nn
@@ -25,7 +25,8 @@ from offload.scheduler.weights.streamer import WeightStreamer
 
 class ForwardPhase:
     def __init__(self, blocks: List[Block], module: nn.Module, tracker: BackwardTracker, clock: PhaseClock,
-                 order: ForwardOrder, streamer: WeightStreamer, modes: Modes) -> None:
+                 order: ForwardOrder, streamer: WeightStreamer, modes: Modes,
+                 saved_tensors: Optional[Callable[[], ContextManager[object]]] = None) -> None:
         self._blocks = blocks
         self._module = module
         self._tracker = tracker
@@ -34,6 +35,9 @@ class ForwardPhase:
         self._streamer = streamer
         self._modes = modes
         self._saved_tensor_hooks: List[ContextManager[object]] = []
+        # the root forward's saved-tensor hooks: streamed weights as handles, and (activations="offload") the
+        # rest to the swap directory (activations/spill.py)
+        self._saved_tensors = saved_tensors or streamer.saved_tensors_hooks
         self._root_grad_enabled = False  # whether the root forward in progress records a graph
 
     @eager
@@ -44,7 +48,7 @@ class ForwardPhase:
         refuse_outer_data_parallel(self._module)  # DDP / FSDP around the engine's module
         self._root_grad_enabled = torch.is_grad_enabled()
         self._clock.forward_begins()
-        context = self._streamer.saved_tensors_hooks()
+        context = self._saved_tensors()
         context.__enter__()
         self._saved_tensor_hooks.append(context)
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+import torch
 from torch import nn
 
 from offload.distributed.data_parallel import DataParallel
 from offload.planner import Plan
-from offload.policy import OffloadPolicy
+from offload.policy import Activations, OffloadPolicy
+from offload.scheduler.activations.spill import STAGING_SLOT_BYTES, STAGING_SLOTS, ActivationSpill, storage_keeper
 from offload.scheduler.blocks.block import Block
 from offload.scheduler.blocks.forward_order import ForwardOrder
 from offload.scheduler.grads.backward_tracker import BackwardTracker
@@ -36,6 +38,7 @@ from offload.scheduler.weights.pending_guard import PendingGuard
 from offload.scheduler.weights.tiers import Tiers
 from offload.scheduler.worker.block_jobs import BlockJobs
 from offload.scheduler.worker.step_worker import StepWorker
+from offload.tiers.host import StagingPool
 from offload.trace import Tracer
 
 
@@ -57,6 +60,8 @@ def assemble(blocks: List[Block], module: nn.Module, policy: OffloadPolicy, plan
         group_of = {p: i for i, g in enumerate(optimizer_groups) for p in g["params"]}
         materialize(blocks, module, plan, policy, tiers, group_of, initial, services, dp)
         disk.drain()  # the start weights' writes on disk, every slot free
+        if policy.activations is Activations.OFFLOAD:
+            tiers.activations = _activation_spill(blocks, tiers)
         return _phases(blocks, module, policy, plan, tiers, optimizer_groups, services, modes)
     except BaseException:
         worker.close()
@@ -73,9 +78,24 @@ def _phases(blocks: List[Block], module: nn.Module, policy: OffloadPolicy, plan:
     hypers = StepHypers(optimizer.param_groups)
     sync = Synchronizer(blocks, slots, services.worker, modes.disk, tiers.copies, tiers.streamer, services.guard)
     weights = ModuleWeights(blocks, sync)
-    forward = ForwardPhase(blocks, module, tracker, clock, services.order, tiers.streamer, modes)
+    forward = ForwardPhase(blocks, module, tracker, clock, services.order, tiers.streamer, modes,
+                           None if tiers.activations is None else tiers.activations.hooks)
     backward = BackwardPhase(slots, tracker, clock, forward, modes.clipping, hypers)
     step = StepPhase(blocks, slots, services, tracker, hypers, modes.clipping, backward, weights, sync, policy)
     optimizer.drive_with(step)
     tiers.streamer.read_through.serve(sync)  # streamed parameters read outside their forward open their block
     return StepPipeline(blocks, forward, backward, step, sync, weights, services, tiers, tracker, clock, optimizer)
+
+
+def _activation_spill(blocks: List[Block], tiers: Tiers) -> ActivationSpill:
+    """activations="offload": saved tensors to a file beside the swap file, through a staging area of its own
+    (STAGING_SLOTS x STAGING_SLOT_BYTES, outside host_memory: docs/design.md [Note: activations off the
+    device])."""
+    assert tiers.swap is not None, "the policy allows activations='offload' on the nvme tier only"
+
+    def buffers() -> List[torch.Tensor]:
+        return [g.device_buffer for b in blocks for g in b.groups if g.device_buffer is not None]
+
+    staging = StagingPool(STAGING_SLOTS * STAGING_SLOT_BYTES)
+    return ActivationSpill(tiers.swap.directory, staging, STAGING_SLOT_BYTES, STAGING_SLOTS, storage_keeper(buffers),
+                           tiers.streamer.pack, tiers.streamer.unpack)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional
 
+from offload.scheduler.activations.spill import ActivationSpill
 from offload.scheduler.grads.grad_window import GradPool
 from offload.scheduler.ring.disk_ring import DiskRing
 from offload.scheduler.weights.streamer import WeightStreamer
@@ -25,6 +26,7 @@ class Tiers:
     staging: Optional[StagingPool] = None
     ring: Optional[DiskRing] = None
     grad_pool: Optional[GradPool] = None  # the nvme tier's gradient window (grad_pool.py)
+    activations: Optional[ActivationSpill] = None  # activations="offload": saved tensors to the swap directory
 
     def stats(self) -> Dict[str, float]:
         """Each tier's own counters, for `engine.stats()`."""
@@ -43,10 +45,14 @@ class Tiers:
             out.update(self.ring.stats())
         if self.staging is not None:
             out["nvme_staging_bytes"] = self.staging.budget_bytes
+        if self.activations is not None:
+            out.update(self.activations.stats())
         return out
 
     def close(self) -> None:
         """Delete the swap file and free the ring's slots and the staging pool (after the ring has drained)."""
+        if self.activations is not None:
+            self.activations.close()
         if self.ring is not None:
             self.ring.close()
         if self.swap is not None:

@@ -1,0 +1,87 @@
+"""`wrap(activations="offload")`: the tensors autograd saves in the forward go to the swap directory and come
+back bit for bit, so training is exactly the run without it (issue 26, first part: the saved-tensor path on
+the nvme tier; the planner's activation bytes and the benchmark are still to come)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import offload
+from tests.models import TinyGPT
+
+
+def _batches(steps: int, batch: int = 8, context: int = 256, vocab: int = 64):
+    gen = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, vocab, (batch, context), generator=gen),
+             torch.randint(0, vocab, (batch, context), generator=gen)) for _ in range(steps)]
+
+
+def _run(tmp_path, activations, checkpointing=None, steps: int = 3, **kw):
+    torch.manual_seed(0)
+    model = TinyGPT(dim=128, context=256, heads=2, checkpointing=checkpointing)
+    directory = tmp_path / f"swap-{activations}-{checkpointing}"
+    directory.mkdir()
+    engine = offload.wrap(model, "nvme", nvme_path=str(directory), dtype=torch.float32, device="cpu", lr=1e-3,
+                          activations=activations, **kw)
+    losses = []
+    for idx, tgt in _batches(steps):
+        loss = engine(idx, tgt)
+        loss.backward()
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    stats = engine.stats()
+    weights = {k: v.clone() for k, v in engine.state_dict().items()}
+    engine.close()
+    return losses, weights, stats
+
+
+@pytest.mark.parametrize("checkpointing", [None, "non_reentrant", "reentrant"])
+def test_training_with_activations_offloaded_is_exactly_the_run_without(tmp_path, checkpointing):
+    losses, weights, _ = _run(tmp_path, None, checkpointing)
+    spilled_losses, spilled_weights, stats = _run(tmp_path, "offload", checkpointing)
+    assert spilled_losses == losses
+    assert all(torch.equal(spilled_weights[k], weights[k]) for k in weights)
+    assert stats["activation_tensors_spilled"] > 0 and stats["activation_bytes_to_disk"] >= 1 << 20
+    assert stats["activation_bytes_from_disk"] == stats["activation_bytes_to_disk"]
+
+
+def test_streamed_weights_still_stream_and_activations_spill(tmp_path):
+    """With a device budget below the weights, saved streamed weights stay handles (fetched again), and the
+    rest spills; the run is still exact."""
+    losses, weights, _ = _run(tmp_path, None, device_memory=1_900_000, grad_accumulation_steps=1)
+    spilled_losses, spilled_weights, stats = _run(tmp_path, "offload", device_memory=1_900_000,
+                                                  grad_accumulation_steps=1)
+    assert spilled_losses == losses and stats["block_fetches"] > 0
+    assert all(torch.equal(spilled_weights[k], weights[k]) for k in weights)
+
+
+def test_the_activation_file_is_removed_at_close(tmp_path):
+    _run(tmp_path, "offload", steps=1)
+    assert not list(tmp_path.rglob("*.activations"))
+
+
+def test_activations_offload_needs_the_nvme_tier_and_a_known_setting(tmp_path):
+    with pytest.raises(offload.OffloadConfigError, match=r"activations='offload'.*tier='nvme'"):
+        offload.wrap(TinyGPT(), "cpu", activations="offload")
+    with pytest.raises(offload.OffloadConfigError, match=r"activations='disk'.*None.*'offload'"):
+        offload.wrap(TinyGPT(), "nvme", nvme_path=str(tmp_path), activations="disk")
+
+
+def test_a_gpt2_on_long_sequences_grows_far_less_with_activations_offloaded():
+    """The issue's measurement, scaled to CI: transformers GPT-2 (4 x 256) on 2 x 1024 tokens, nvme tier, 128 MiB
+    + 128 MiB budgets, each run in its own process (benchmarks/bench_activations.py): equal losses, and peak
+    RSS growth at most 0.4 of the run without (the 8 x 512 model on 4 x 2048 tokens: 0.14, docs/benchmarks.md)."""
+    pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[hf]'")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.bench_activations import run_row
+
+    plain = run_row("plain", 1024, 2, layers=4, dim=256, batch=2)
+    spilled = run_row("offload", 1024, 2, layers=4, dim=256, batch=2)
+    assert spilled["losses"] == plain["losses"]
+    assert spilled["spilled"] > 0
+    assert spilled["growth"] <= 0.4 * plain["growth"], (spilled["growth"], plain["growth"])
