@@ -158,3 +158,38 @@ def test_zero_moments_decode_to_zero():
         out = torch.ones(1000)
         decode_moment(zeros_moment(fmt, 1000), fmt, EXP_AVG_SQ, out)
         assert not out.any()
+
+
+@pytest.mark.parametrize("moments", COMPRESSED)
+def test_weights_and_gradients_on_disk_step_the_same_compressed_moments(moments, tmp_path):
+    """With host_memory too small for the streamed weights (they live in the swap file beside the records) and
+    clipping over undeclared accumulation (the gradients wait on disk), the nvme tier's slots carry weights,
+    gradients and compressed moments at once: the run equals the cpu tier's with the same moments."""
+    from tests.models import TinyGPT
+    from tests.test_engine_streaming import BUDGET
+
+    def run(tier: str):
+        torch.manual_seed(0)
+        directory = tmp_path / tier
+        directory.mkdir()
+        host = {"int8": 360 << 10, "bf16": 232 << 10}[moments]  # the least ring (int8: 4096-element granules)
+        extra = dict(nvme_path=str(directory), device_memory=BUDGET, host_memory=host) if tier == "nvme" else {}
+        engine = offload.wrap(TinyGPT(), tier, dtype=torch.float32, device="cpu", lr=1e-2, max_grad_norm=0.05,
+                              moments=moments, **extra)
+        gen = torch.Generator().manual_seed(2)
+        losses = []
+        for _ in range(3):
+            for _ in range(2):
+                idx, tgt = (torch.randint(0, 64, (4, 16), generator=gen) for _ in range(2))
+                loss = engine(idx, tgt)
+                (loss / 2).backward()
+                losses.append(loss.item())
+            engine.step()
+            engine.zero_grad()
+        plan = engine.plan
+        engine.close()
+        return losses, plan
+
+    nvme, plan = run("nvme")
+    assert plan.disk_weight_blocks and plan.grads_on_disk
+    assert nvme == run("cpu")[0]
