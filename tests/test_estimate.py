@@ -113,3 +113,30 @@ def test_the_gradient_window_survives_a_device_budget():
     largest = max(b.grad_bytes for b in plan.blocks)
     assert plan.grad_window_bytes == 3 * largest
     assert plan.bytes_on(Location.HOST) <= 128 * 10**9
+
+
+def test_activations_of_the_issues_long_context_example(capsys):
+    """Hidden 8192, 80 layers, 32K tokens, checkpointing per layer: the checkpoints are 40 GiB (issue 26's
+    figure), and with activations='offload' the device keeps about one layer's recompute."""
+    argv = ["estimate", "--layers", "80", "--dim", "8192", "--seq-len", "32768", "--checkpointing", "--tier", "nvme",
+            "--device-memory", "24GB", "--host-memory", "128GB"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "512.0 MiB a layer, 40.0 GiB in all" in out
+    assert "activations='offload': about 8.5 GiB on the device, 40.0 GiB through the swap file" in out
+
+
+def test_offloading_activations_fits_more_tokens_than_keeping_them():
+    from offload.cli.activation_estimate import estimate_activations, tokens_that_fit
+
+    room = 20 << 30
+    kept = tokens_that_fit(room, 32, 4096, 32, 4096, 2, checkpointing=False, offloaded=False, fused_attention=True)
+    offloaded = tokens_that_fit(room, 32, 4096, 32, 4096, 2, checkpointing=False, offloaded=True, fused_attention=True)
+    assert offloaded >= 16 * kept > 0
+    one = estimate_activations(32, 4096, 32, 4096, 1, 2, checkpointing=False, fused_attention=False)
+    assert one.per_layer == 4096 * (34 * 4096 + 5 * 32 * 4096) and one.total == 32 * one.per_layer
+
+
+def test_seq_len_needs_a_gpt_config(capsys):
+    assert main(["estimate", "--params", "7e9", "--seq-len", "2048"]) == 2
+    assert "--seq-len estimates a GPT config's activations" in capsys.readouterr().err

@@ -21,6 +21,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from offload.cli.activation_estimate import describe
 from offload.cli.options import byte_size, positive_int
 from offload.errors import OffloadConfigError
 from offload.optim.moments import MomentFormat, moment_nbytes
@@ -137,6 +138,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--moments", choices=[m.value for m in MomentFormat], default=MomentFormat.FP32.value,
                         help="how the Adam moments are kept, as offload.wrap(moments=...): int8 and bf16 shrink the "
                              "state (on the nvme tier, the swap file and the bytes each step moves)")
+    parser.add_argument("--seq-len", type=positive_int, default=None,
+                        help="tokens per sequence: also estimate the activations (a GPT config: --layers, --dim)")
+    parser.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per micro-batch (--seq-len)")
+    parser.add_argument("--heads", type=positive_int, default=None, help="attention heads (default: --dim / 128)")
+    parser.add_argument("--eager-attention", action="store_true",
+                        help="attention saves its s x s scores (no fused/flash kernel; CPU training with dropout)")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="activation checkpointing per layer: only each layer's input is kept (--seq-len)")
     parser.add_argument("--blocks", action="store_true", help="print the per-block plan table too")
 
 
@@ -167,6 +176,9 @@ def run(args: argparse.Namespace) -> int:
         host_memory = _budget(args.host_memory, "--host-memory")
     except (OffloadConfigError, OverflowError) as exc:
         return _usage_error(str(exc))
+    seq_len = getattr(args, "seq_len", None)
+    if seq_len is not None and args.dim is None:
+        return _usage_error("--seq-len estimates a GPT config's activations: give --layers and --dim (and --heads)")
     tiers = list(Tier) if args.tier == "all" else [Tier.parse(args.tier)]
     count = f"{shape.params / 1e9:.3g}B" if shape.params >= 1e9 else f"{shape.params / 1e6:.3g}M"
     print(f"model: {count} parameters in {len(shape.blocks)} blocks, compute dtype {args.dtype}; "
@@ -186,6 +198,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"tier={tier.value:<5} {_summary(plan)}")
         if tier is Tier.NVME:
             print("           " + _moments_line(moments, shape.params))
+        if seq_len is not None:
+            room = None if device_memory is None else device_memory - plan.bytes_on(Location.DEVICE)
+            lines = describe(layers, args.dim, getattr(args, "heads", None) or max(args.dim // 128, 1), seq_len,
+                             getattr(args, "micro_batch", 1), dtype.itemsize, bool(getattr(args, "checkpointing", False)),
+                             room, _human, fused_attention=not getattr(args, "eager_attention", False))
+            print("\n".join("           " + line for line in lines.split("\n")))
         if args.blocks:
             print(plan)
     return 0 if fits_any else 1
