@@ -85,3 +85,45 @@ def test_a_gpt2_on_long_sequences_grows_far_less_with_activations_offloaded():
     assert spilled["losses"] == plain["losses"]
     assert spilled["spilled"] > 0
     assert spilled["growth"] <= 0.4 * plain["growth"], (spilled["growth"], plain["growth"])
+
+
+@pytest.mark.parametrize("activations", [None, "offload"])
+def test_a_forward_without_a_backward_frees_its_graph_and_the_files_space(tmp_path, activations):
+    """A loss dropped without backward (a skipped batch) takes its graph with it: the saved-tensor hooks keep no
+    node's own output as it is (a cycle the collector cannot see), and the activation file's space is reused,
+    so it does not grow step after step."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    directory = tmp_path / "swap"
+    directory.mkdir()
+    engine = offload.wrap(TinyGPT(dim=128, context=256, heads=2), "nvme", nvme_path=str(directory),
+                          dtype=torch.float32, device="cpu", device_memory=1_900_000, activations=activations)
+    (idx, tgt), = _batches(1)
+    class Probe:
+        pass
+
+    loss = engine(idx, tgt)
+    probes, seen, todo = [], set(), [loss.grad_fn]
+    while todo:  # a probe on every node of the graph: each lives exactly as long as its node
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        probe = Probe()
+        node.metadata["probe"] = probe
+        probes.append(weakref.ref(probe))
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    del loss, node, probe, todo
+    gc.collect()
+    assert len(probes) > 20 and not [p for p in probes if p() is not None], "the dropped graph is freed"
+    peaks = []
+    for _ in range(3):
+        loss = engine(idx, tgt)
+        loss.backward()
+        engine.step()
+        engine.zero_grad()
+        peaks.append(engine.stats().get("activation_file_peak_bytes", 0))
+    engine.close()
+    assert peaks[0] == peaks[-1], peaks

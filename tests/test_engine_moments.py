@@ -108,18 +108,25 @@ def test_torch_format_state_is_the_decoded_fp32_moments(tmp_path):
     assert torch.equal(state[0]["exp_avg_sq"].reshape(-1), values[first.offset:first.offset + first.numel])
 
 
-def test_a_parameter_without_a_gradient_keeps_its_moments_in_int8(tmp_path):
-    """A parameter that got no gradient is skipped as torch skips it (its own step count): the update then
-    runs per parameter, and a parameter that starts inside a quantization block is stepped through fp32."""
+def test_a_parameter_without_a_gradient_is_skipped_in_int8(tmp_path):
+    """A parameter that got no gradient is skipped as torch skips it: its step count and master weights stay.
+    The update then runs per parameter, and a parameter that starts inside a quantization block is stepped
+    through fp32; its skipped neighbour's moments in the shared block are re-encoded at the block's new scale
+    ([Note: compressed moments]: the one place int8 moments move without a step), so they are compared
+    within the codes' rounding, not exactly."""
     engine = _wrap("nvme", "int8", tmp_path)
     x, y = _data()
-    frozen_now = engine.module[2].bias
+    skipped = engine.module[2].bias
+    before = None
     for step in range(3):
         loss = ((engine(x) - y) ** 2).mean()
         loss.backward()
         if step == 1:
-            frozen_now.grad = None
+            skipped.grad = None
+            before = (skipped.detach().clone(), engine.optimizer.state_dict()["state"])
         engine.step()
+        if step == 1:
+            assert torch.equal(skipped.detach(), before[0]), "a skipped parameter's weights do not move"
         engine.zero_grad()
     state = engine.optimizer.state_dict()["state"]
     names = [n for n, _ in engine.module.named_parameters()]

@@ -226,19 +226,14 @@ def _read_cast(reader: TensorFileReader, name: str, out: Tensor) -> None:
 
 def _warn_if_moments_convert(engine: "CheckpointTarget", manifest: Dict[str, Any], directory: str) -> None:
     """A checkpoint saved with another `moments=` setting loads by converting its moments to this engine's
-    format ([Note: compressed moments]): exact from a coarser format to a finer one, rounded the other way."""
+    format ([Note: compressed moments]): exact into fp32, rounded into bf16 or int8 (int8's decoded values are
+    not all bf16 numbers, nor bf16's int8 codes)."""
     saved, mine = manifest.get("moments", "fp32"), engine.policy.moments.value
     if saved != mine:
         warnings.warn(f"offload: checkpoint {directory!r} was saved with moments={saved!r} and this engine keeps "
                       f"moments={mine!r}: the Adam moments are converted as they load"
-                      + (" (rounded to the coarser format)" if _finer(saved, mine) else " (exactly)")
+                      + (" (exactly)" if mine == "fp32" else " (rounded to this engine's format)")
                       + f"; wrap with moments={saved!r} to resume in the saved format", RuntimeWarning, stacklevel=4)
-
-
-def _finer(saved: str, mine: str) -> bool:
-    """Whether `saved` keeps more of a moment than `mine` (so converting rounds)."""
-    order = ["int8", "bf16", "fp32"]
-    return saved in order and mine in order and order.index(saved) > order.index(mine)
 
 
 def _check_param_groups(engine: "CheckpointTarget", manifest: Dict[str, Any], directory: str) -> None:

@@ -358,12 +358,6 @@ def adam_step_moments(
         float(weight_decay), bool(adamw), float(grad_scale), _threads(n, num_threads))
 
 
-__all__ = [
-    "INT8_BLOCK", "Moment", "MomentFormat", "QuantizedMoment", "adam_step_moments", "code_nbytes", "decode_moment",
-    "encode_moment", "moment_from_bytes", "moment_nbytes", "scale_count", "slice_moment", "zeros_moment",
-]
-
-
 __all__ = ["EXP_AVG", "EXP_AVG_SQ", "INT8_BLOCK", "Moment", "MomentFormat", "QuantizedMoment", "adam_step_moments",
            "code_map", "code_nbytes", "decode_moment", "encode_moment", "moment_from_bytes", "moment_nbytes",
            "moment_numel", "scale_count", "slice_moment", "zeros_moment"]

@@ -39,7 +39,7 @@ READ_AHEAD = 2  # saved tensors whose reads start before the backward asks for t
 class SpilledTensor:
     """A saved tensor in the activation file: where, its shape and dtype, and its write in flight."""
 
-    __slots__ = ("offset", "nbytes", "shape", "dtype", "device", "index", "writes", "read", "__weakref__")
+    __slots__ = ("offset", "nbytes", "shape", "dtype", "device", "index", "writes", "read", "unpacked", "__weakref__")
 
     def __init__(self, offset: int, nbytes: int, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device,
                  index: int) -> None:
@@ -51,6 +51,7 @@ class SpilledTensor:
         self.index = index  # order of the pack within its forward
         self.writes: List[IOFuture] = []
         self.read: Optional[Tuple[Tensor, IOFuture]] = None  # a read started ahead: (aligned buffer, future)
+        self.unpacked = False  # the backward has had it once (a read ahead skips it; a second backward reads again)
 
 
 class ActivationFile:
@@ -76,8 +77,13 @@ class ActivationFile:
             self.peak_bytes = max(self.peak_bytes, self._end)
             return offset
 
-    def release(self) -> None:
-        """One handle is gone; when none is left, the file's space is reused from the start."""
+    def release(self, writes: List[IOFuture]) -> None:
+        """One handle is gone (its `writes`); when none is left, the file's space is reused from the start. A
+        write still in flight would land on the space after reuse: it finishes first."""
+        try:
+            wait_all(writes)
+        except Exception:  # noqa: BLE001, S110 - nobody reads this tensor again; the space is reused anyway
+            pass
         with self._lock:
             self._live -= 1
             if self._live == 0:
@@ -105,6 +111,7 @@ class ActivationSpill:
         self._keep = keep
         self._inner_pack, self._inner_unpack = inner_pack, inner_unpack
         self._slot_bytes = slot_bytes
+        self._staging = staging
         self._slots: List[Tuple["HostBuffer", List[IOFuture]]] = [(staging.lease(slot_bytes), []) for _ in range(slots)]
         self._next_slot = itertools.cycle(range(slots))
         self._pack_index = itertools.count()
@@ -114,13 +121,18 @@ class ActivationSpill:
     # ----- the hooks ---------------------------------------------------------------------------------
     def pack(self, tensor: Tensor) -> object:
         packed = self._inner_pack(tensor)
-        if packed is not tensor or not self._spills(tensor):
-            return packed
+        if not isinstance(packed, Tensor):
+            return packed  # a streamed weight's handle
+        if not self._spills(tensor):
+            # [Note: a kept saved tensor is detached] returning a node's own output from a pack hook makes a cycle
+            # (node -> saved tensor -> its grad_fn -> node) that the collector cannot see: a graph never
+            # backwarded would live forever. autograd puts the graph edge back on unpack (as save_on_cpu relies on).
+            return tensor.detach() if tensor.grad_fn is not None else tensor
         source = tensor.detach().contiguous()
         nbytes = source.numel() * source.element_size()
         handle = SpilledTensor(self._file.allocate(nbytes), nbytes, tuple(tensor.shape), tensor.dtype, tensor.device,
                                next(self._pack_index))
-        weakref.finalize(handle, self._file.release)
+        weakref.finalize(handle, self._file.release, handle.writes)
         flat = source.view(-1).view(torch.uint8) if nbytes else source.view(torch.uint8)
         for start in range(0, nbytes, self._slot_bytes):
             piece = flat[start:start + self._slot_bytes]
@@ -140,12 +152,12 @@ class ActivationSpill:
             return self._inner_unpack(packed)
         wait_all(packed.writes)
         read, packed.read = packed.read, None
+        packed.unpacked = True
         self._read_ahead(packed.index)
         if read is None:
             read = self._start_read(packed)
         buffer, future = read
         future.result()
-        self._file.bytes_read += packed.nbytes
         out = buffer[:packed.nbytes].view(packed.dtype).view(packed.shape)
         return out.to(packed.device) if packed.device.type != "cpu" else out
 
@@ -165,13 +177,14 @@ class ActivationSpill:
         """Start reading a saved tensor into a 4 KiB-aligned host buffer of its own (the tensor unpack returns
         is a view of it: no second copy on the CPU)."""
         buffer = _aligned_empty(handle.nbytes)
+        self._file.bytes_read += handle.nbytes  # every read counted, reads ahead included
         return buffer, self._io.pread(buffer, self._file.file, handle.offset)
 
     def _read_ahead(self, index: int) -> None:
         """Start reading the tensors packed just before this one (the backward's next ones), at most READ_AHEAD."""
         for earlier in range(index - 1, index - 1 - READ_AHEAD, -1):
             handle = self._by_index.get(earlier)
-            if handle is None or handle.read is not None:
+            if handle is None or handle.read is not None or handle.unpacked:
                 continue
             wait_all(handle.writes)
             handle.read = self._start_read(handle)
@@ -185,9 +198,14 @@ class ActivationSpill:
                 "activation_file_peak_bytes": self._file.peak_bytes, "activation_tensors_spilled": self.tensors_spilled}
 
     def close(self) -> None:
-        self._io.wait_all()
-        self._file.close()
-        self._io.close()
+        """Finish the writes, delete the file, and give the staging slots back (the pool is this spill's)."""
+        try:
+            self._io.wait_all()
+            self._file.close()
+            self._io.close()
+        finally:
+            self._slots.clear()
+            self._staging.close()
 
 
 def _padded(buffer: "HostBuffer", nbytes: int) -> Tensor:

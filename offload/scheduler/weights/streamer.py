@@ -186,7 +186,9 @@ class WeightStreamer:
             released = self._placeholders.get(address)
             if released is not None:
                 raise self._read_outside_its_module(tensor, self._blocks[released[0]], released[1])
-            return tensor
+            # [Note: a kept saved tensor is detached] (activations/spill.py): a node's own output returned
+            # as it is would keep a graph that is never backwarded alive forever
+            return tensor.detach() if tensor.grad_fn is not None else tensor
         return PackedWeight(owner[0], owner[1], int(tensor.storage_offset()), tuple(tensor.shape), tuple(tensor.stride()))
 
     def unpack(self, packed: object) -> Tensor:

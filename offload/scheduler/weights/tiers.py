@@ -51,8 +51,13 @@ class Tiers:
 
     def close(self) -> None:
         """Delete the swap file and free the ring's slots and the staging pool (after the ring has drained)."""
-        if self.activations is not None:
-            self.activations.close()
+        try:
+            if self.activations is not None:
+                self.activations.close()
+        finally:
+            self._close_storage()
+
+    def _close_storage(self) -> None:
         if self.ring is not None:
             self.ring.close()
         if self.swap is not None:
