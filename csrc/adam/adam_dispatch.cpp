@@ -11,10 +11,6 @@ namespace offload {
 
 namespace {
 
-// 64K elements: 256 KiB of each fp32 array per task, so the four streams of one task stay in L2 and the
-// shared task counter is touched rarely. A multiple of 64 keeps every chunk start equally aligned.
-constexpr int64_t kChunk = int64_t{1} << 16;
-
 constexpr AdamKernels kAvx512{adam_range_avx512, sum_squares_avx512, "avx512"};
 constexpr AdamKernels kAvx2{adam_range_avx2, sum_squares_avx2, "avx2"};
 constexpr AdamKernels kScalar{adam_range_scalar, sum_squares_scalar, "scalar"};
@@ -30,24 +26,6 @@ const AdamKernels& select_kernels() {
 const AdamKernels& best_kernels() {
   static const AdamKernels& selected = select_kernels();  // immutable after first use
   return selected;
-}
-
-// Runs body(begin, end) over [0, n) in chunks: inline when small or single-threaded, otherwise on `pool`,
-// or on a pool made for this call when the caller owns none.
-template <typename Body>
-void for_chunks(int64_t n, ThreadPool* pool, int num_threads, const Body& body) {
-  const int threads = pool ? pool->size() : num_threads;
-  if (n < kParallelThreshold || threads <= 1) {
-    body(0, n);
-    return;
-  }
-  const int64_t tasks = (n + kChunk - 1) / kChunk;
-  std::unique_ptr<ThreadPool> own;
-  if (!pool) {
-    own = std::make_unique<ThreadPool>(static_cast<int>(std::min<int64_t>(threads, tasks)));
-    pool = own.get();
-  }
-  pool->parallel_for(tasks, [&](int64_t t) { body(t * kChunk, std::min(n, (t + 1) * kChunk)); });
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <string>
 
+#include "adam/for_chunks.h"  // kParallelThreshold, for_chunks
 #include "common/thread_pool.h"
 
 namespace offload {
@@ -77,8 +78,6 @@ struct AdamKernels {
 };
 const AdamKernels& adam_kernels_for(const std::string& isa);
 
-// Below this many elements the kernels run on the calling thread: waking workers costs more than it saves.
-constexpr int64_t kParallelThreshold = int64_t{1} << 18;
 
 // Updates all n elements. pool may be null (then the call creates threads only when n is large and
 // num_threads > 1); otherwise the pool's threads are used and num_threads is ignored.

@@ -18,81 +18,22 @@
 // No contraction of a*b+c into fma beyond the ones written: keep the rounding steps of adam_kernels.h.
 #pragma GCC optimize("fp-contract=off")
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
+#include "adam/avx512_common.h"
 
 namespace offload {
 namespace {
-
-constexpr int kLanes = 16;
 
 inline __mmask16 lanes(int64_t count) {
   return count >= kLanes ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << count) - 1u);
 }
 
-template <DType T>
-inline __m512 load16(const void* base, int64_t i, __mmask16 k) {
-  if constexpr (T == DType::kFloat32) {
-    return _mm512_maskz_loadu_ps(k, static_cast<const float*>(base) + i);
-  } else {
-    __m256i h = _mm256_maskz_loadu_epi16(k, static_cast<const uint16_t*>(base) + i);
-    if constexpr (T == DType::kBFloat16) {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    } else {
-      return _mm512_cvtph_ps(h);
-    }
-  }
-}
-
-// Round to nearest even with integer arithmetic, NaN kept quiet: as adam_avx512_impl.h's to_bf16.
-inline __m256i to_bf16(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i upper = _mm512_srli_epi32(bits, 16);
-  const __m512i lsb = _mm512_and_si512(upper, _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(upper, _mm512_set1_epi32(0x40)));
-  return _mm512_cvtepi32_epi16(rounded);
-}
-
-template <DType O>
-inline void store16(void* out, int64_t i, __m512 x, __mmask16 k) {
-  if constexpr (O == DType::kFloat32) {
-    _mm512_mask_storeu_ps(static_cast<float*>(out) + i, k, x);
-  } else {
-    __m256i h = (O == DType::kBFloat16) ? to_bf16(x) : _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + i, k, h);
-  }
-}
-
-struct Constants512 {
-  __m512 grad_scale, decay_factor, l2_weight, lerp_weight, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step;
-  bool use_l2;
-  explicit Constants512(const AdamConstants& c)
-      : grad_scale(_mm512_set1_ps(c.grad_scale)),
-        decay_factor(_mm512_set1_ps(c.decay_factor)),
-        l2_weight(_mm512_set1_ps(c.l2_weight)),
-        lerp_weight(_mm512_set1_ps(c.lerp_weight)),
-        beta2(_mm512_set1_ps(c.beta2)),
-        one_minus_beta2(_mm512_set1_ps(c.one_minus_beta2)),
-        bc2_sqrt(_mm512_set1_ps(c.bias_correction2_sqrt)),
-        eps(_mm512_set1_ps(c.eps)),
-        neg_step(_mm512_set1_ps(c.neg_step_size)),
-        use_l2(c.use_l2) {}
-};
-
 // adam_kernels.h's maths on decoded m, v; stores p (and out); returns the new m, v and sqrt(v) in place.
 template <DType G, DType O, bool kHasOut>
 inline void adam16(const MomentBuffers& b, const Constants512& c, int64_t i, __mmask16 k, __m512& m, __m512& v,
                    __m512& s) {
-  __m512 g = _mm512_mul_ps(load16<G>(b.g, i, k), c.grad_scale);
-  __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, b.p + i), c.decay_factor);
-  if (c.use_l2) g = _mm512_fmadd_ps(c.l2_weight, p, g);
-  m = _mm512_fmadd_ps(c.lerp_weight, _mm512_sub_ps(g, m), m);
-  v = _mm512_fmadd_ps(_mm512_mul_ps(c.one_minus_beta2, g), g, _mm512_mul_ps(v, c.beta2));
-  s = _mm512_sqrt_ps(v);
-  __m512 denom = _mm512_add_ps(_mm512_div_ps(s, c.bc2_sqrt), c.eps);
-  p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c.neg_step, m), denom));  // torch's addcdiv order
+  const __m512 p = adam_math16(c, load16<G>(b.g, i, k), _mm512_maskz_loadu_ps(k, b.p + i), m, v, s);
   _mm512_mask_storeu_ps(b.p + i, k, p);
-  if constexpr (kHasOut) store16<O>(b.out, i, p, k);
+  if constexpr (kHasOut) store16<O, false>(b.out, i, p, k);
 }
 
 // --- int8 codes ----------------------------------------------------------------------------------------------

@@ -5,15 +5,13 @@
 #include <stdexcept>
 
 #include "adam/adam_moments.h"
+#include "adam/for_chunks.h"
 #include "common/cpu_features.h"
 
 namespace offload {
 
 namespace {
 
-// 64K elements (256 blocks) per task, as adam_dispatch.cpp's chunks: a multiple of kInt8Block, so no block is
-// split between threads.
-constexpr int64_t kChunk = int64_t{1} << 16;
 static_assert(kChunk % kInt8Block == 0, "chunks must hold whole blocks");
 
 constexpr MomentKernels kAvx512{moment_step_avx512, moment_encode_avx512, moment_decode_avx512, "avx512"};
@@ -45,22 +43,6 @@ MomentMaps make_maps() {
   return maps;
 }
 
-template <typename Body>
-void for_blocks(int64_t n, ThreadPool* pool, int num_threads, const Body& body) {
-  const int threads = pool ? pool->size() : num_threads;
-  if (n < kParallelThreshold || threads <= 1) {
-    body(0, n);
-    return;
-  }
-  const int64_t tasks = (n + kChunk - 1) / kChunk;
-  std::unique_ptr<ThreadPool> own;
-  if (!pool) {
-    own = std::make_unique<ThreadPool>(static_cast<int>(std::min<int64_t>(threads, tasks)));
-    pool = own.get();
-  }
-  pool->parallel_for(tasks, [&](int64_t t) { body(t * kChunk, std::min(n, (t + 1) * kChunk)); });
-}
-
 }  // namespace
 
 const MomentMaps& moment_maps() {
@@ -80,20 +62,20 @@ const MomentKernels& moment_kernels_for(const std::string& isa) {
 void moments_step(const MomentBuffers& buffers, const AdamConstants& constants, int64_t n, ThreadPool* pool,
                   int num_threads, const MomentKernels& kernels) {
   const MomentStepFn fn = kernels.step;
-  for_blocks(n, pool, num_threads, [&](int64_t begin, int64_t end) { fn(buffers, constants, begin, end); });
+  for_chunks(n, pool, num_threads, [&](int64_t begin, int64_t end) { fn(buffers, constants, begin, end); });
 }
 
 void moments_encode(const float* src, void* codes, float* scales, MomentFormat format, int which, int64_t n,
                     ThreadPool* pool, int num_threads, const MomentKernels& kernels) {
   const MomentEncodeFn fn = kernels.encode;
-  for_blocks(n, pool, num_threads,
+  for_chunks(n, pool, num_threads,
              [&](int64_t begin, int64_t end) { fn(src, codes, scales, format, which, begin, end); });
 }
 
 void moments_decode(const void* codes, const float* scales, MomentFormat format, int which, float* out, int64_t n,
                     ThreadPool* pool, int num_threads, const MomentKernels& kernels) {
   const MomentDecodeFn fn = kernels.decode;
-  for_blocks(n, pool, num_threads,
+  for_chunks(n, pool, num_threads,
              [&](int64_t begin, int64_t end) { fn(codes, scales, format, which, out, begin, end); });
 }
 

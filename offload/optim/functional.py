@@ -21,10 +21,18 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _check(name: str, t: Tensor, dtypes: tuple, numel: Optional[int]) -> None:
+    """A CPU Adam step's operand: on the CPU, then as `check_tensor`."""
+    if isinstance(t, Tensor) and t.device.type != "cpu":
+        raise OffloadConfigError(f"{name} is on {t.device}; the CPU Adam step needs CPU tensors: pass {name}.cpu()")
+    check_tensor(name, t, dtypes, numel)
+
+
+def check_tensor(name: str, t: object, dtypes: tuple, numel: Optional[int],
+                 device: Optional[torch.device] = None) -> None:
+    """A step's operand: a contiguous tensor of one of `dtypes`, of `numel` elements and on `device` when given;
+    else a clear error naming it and the fix."""
     if not isinstance(t, Tensor):
         raise OffloadConfigError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise OffloadConfigError(f"{name} is on {t.device}; the CPU Adam step needs CPU tensors: pass {name}.cpu()")
     if t.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise OffloadConfigError(f"{name} has dtype {t.dtype}; expected one of {names}")
@@ -32,6 +40,8 @@ def _check(name: str, t: Tensor, dtypes: tuple, numel: Optional[int]) -> None:
         raise OffloadConfigError(f"{name} is not contiguous: pass {name}.contiguous()")
     if numel is not None and t.numel() != numel:
         raise OffloadConfigError(f"{name} has {t.numel()} elements but param has {numel}")
+    if device is not None and t.device != device:
+        raise OffloadConfigError(f"{name} is on {t.device} but param is on {device}: keep them on one device")
 
 
 def adam_step_flat(

@@ -68,6 +68,7 @@ from offload.optim.functional import (
     _resolve_threads,
     adam_step_flat,
     adam_step_torch,
+    check_tensor,
 )
 from offload.optim.moment_format import (
     _FORMAT_CODES,
@@ -205,20 +206,6 @@ def _adam_step_moments_torch(param, grad, exp_avg, exp_avg_sq, fmt, *, step, lr,
 # --- validation -----------------------------------------------------------------------------------------
 
 
-def _check_tensor(name: str, t: object, dtypes: tuple, numel: Optional[int], device: Optional[torch.device]) -> None:
-    if not isinstance(t, Tensor):
-        raise OffloadConfigError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise OffloadConfigError(f"{name} has dtype {t.dtype}; expected one of {names}")
-    if not t.is_contiguous():
-        raise OffloadConfigError(f"{name} is not contiguous: pass {name}.contiguous()")
-    if numel is not None and t.numel() != numel:
-        raise OffloadConfigError(f"{name} has {t.numel()} elements but param has {numel}")
-    if device is not None and t.device != device:
-        raise OffloadConfigError(f"{name} is on {t.device} but param is on {device}: keep them on one device")
-
-
 def _check_moment(name: str, m: object, fmt: MomentFormat, numel: Optional[int],
                   device: Optional[torch.device]) -> int:
     """Checks that `m` is a moment of `fmt` (of `numel` elements when given); returns its element count."""
@@ -226,9 +213,9 @@ def _check_moment(name: str, m: object, fmt: MomentFormat, numel: Optional[int],
         if not isinstance(m, QuantizedMoment):
             raise OffloadConfigError(f"{name} must be a QuantizedMoment (codes, scales) for int8 moments, "
                                      f"got {type(m).__name__}")
-        _check_tensor(f"{name}.codes", m.codes, (torch.uint8,), numel, device)
+        check_tensor(f"{name}.codes", m.codes, (torch.uint8,), numel, device)
         n = m.codes.numel()
-        _check_tensor(f"{name}.scales", m.scales, (torch.float32,), None, m.codes.device)
+        check_tensor(f"{name}.scales", m.scales, (torch.float32,), None, m.codes.device)
         if m.scales.numel() != scale_count(fmt, n):
             raise OffloadConfigError(f"{name}.scales has {m.scales.numel()} scales; {n} codes need "
                                      f"ceil({n} / {INT8_BLOCK}) = {scale_count(fmt, n)}")
@@ -236,7 +223,7 @@ def _check_moment(name: str, m: object, fmt: MomentFormat, numel: Optional[int],
     dtype = torch.float32 if fmt is MomentFormat.FP32 else torch.bfloat16
     if isinstance(m, QuantizedMoment):
         raise OffloadConfigError(f"{name} is a QuantizedMoment but the format is {fmt.value}: pass a {dtype} tensor")
-    _check_tensor(name, m, (dtype,), numel, device)
+    check_tensor(name, m, (dtype,), numel, device)
     assert isinstance(m, Tensor)
     return m.numel()
 
@@ -273,7 +260,7 @@ def decode_moment(m: Moment, fmt: MomentFormat, which: int, out: Tensor) -> None
     _check_which(which)
     n = _check_moment("m", m, fmt, None, None)
     codes, scales = _parts(m)
-    _check_tensor("out", out, (torch.float32,), n, codes.device)
+    check_tensor("out", out, (torch.float32,), n, codes.device)
     native = _native_for(codes, out)
     if fmt is MomentFormat.FP32 or native is None:
         out.copy_(_decode_torch(m, fmt, which).view(out.shape))
@@ -288,7 +275,7 @@ def encode_moment(src: Tensor, fmt: MomentFormat, which: int, out: Moment) -> No
     _check_which(which)
     n = _check_moment("out", out, fmt, None, None)
     codes, scales = _parts(out)
-    _check_tensor("src", src, (torch.float32,), n, codes.device)
+    check_tensor("src", src, (torch.float32,), n, codes.device)
     native = _native_for(codes, src)
     if fmt is MomentFormat.FP32 or native is None:
         _encode_torch(src.view(-1), fmt, which, out)
@@ -325,13 +312,13 @@ def adam_step_moments(
     moments or `slice_moment` views.
     """
     fmt = MomentFormat.parse(fmt)
-    _check_tensor("param", param, (torch.float32,), None, None)
+    check_tensor("param", param, (torch.float32,), None, None)
     n, device = param.numel(), param.device
-    _check_tensor("grad", grad, GRAD_DTYPES, n, device)
+    check_tensor("grad", grad, GRAD_DTYPES, n, device)
     _check_moment("exp_avg", exp_avg, fmt, n, device)
     _check_moment("exp_avg_sq", exp_avg_sq, fmt, n, device)
     if out is not None:
-        _check_tensor("out", out, OUT_DTYPES, n, device)
+        check_tensor("out", out, OUT_DTYPES, n, device)
     if step < 1:
         raise OffloadConfigError(f"step must be >= 1 (the count after this update), got {step}")
     if num_threads is not None:

@@ -280,7 +280,11 @@ def _remove_files(paths: Tuple[str, ...], owner_pid: int) -> None:
 
 
 def _check_record_buffer(record: SwapRecord, buffer: Tensor) -> int:
-    """A whole-record buffer must hold the padded sections (layout v2), or a section would be cut short."""
+    """A whole-record buffer must hold the padded sections (layout v2), or a section would be cut short; its three
+    fp32 views (`state_views`) describe fp32 moments only."""
+    if record.moment_format is not MomentFormat.FP32:
+        raise ValueError(f"the record of block {record.block!r} keeps {record.moments} moments: move it chunk by chunk "
+                         "(read_chunk / write_chunk with its moments), not as three fp32 sections")
     if buffer.numel() * buffer.element_size() < record.nbytes:
         raise ValueError(f"buffer of {buffer.numel() * buffer.element_size()} bytes for the record of block "
                          f"{record.block!r}, which needs {record.nbytes} (3 sections of {record.section_bytes})")
