@@ -12,6 +12,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
+from offload.activation_use import ActivationUse
 from offload.errors import OffloadConfigError
 from offload.optim.moments import MomentFormat, moment_nbytes
 from offload.policy import Tier
@@ -90,6 +91,7 @@ class Plan:
     grads_on_disk: bool = False  # gradients that must wait go to their records in the swap file (a window stays)
     grad_disk_bytes_per_step: int = 0  # bytes of gradients written and read back per step (an estimate)
     micro_batches_on_device: bool = True  # declared accumulation's earlier micro-batches sum on the device
+    activations: Optional[ActivationUse] = None  # measured in a training forward (engine.plan adds it)
 
     @property
     def host_grad_bytes(self) -> int:
@@ -102,6 +104,11 @@ class Plan:
     def device_weight_budget(self) -> Optional[int]:
         """What the device budget leaves for weights: `device_grad_bytes` is kept for autograd's gradient."""
         return None if self.device_budget is None else self.device_budget - self.device_grad_bytes
+
+    @property
+    def device_room(self) -> Optional[int]:
+        """What the device budget leaves after the plan's weights and gradient room: for activations."""
+        return None if self.device_budget is None else max(self.device_budget - self.bytes_on(Location.DEVICE), 0)
 
     @property
     def all_grad_bytes(self) -> int:
@@ -147,6 +154,8 @@ class Plan:
         if self.device_grad_bytes:
             lines.append(f"  device keeps {_human(self.device_grad_bytes)} for the largest gradient autograd makes "
                          "before the engine takes it")
+        if self.activations is not None:
+            lines += self.activations.lines(self.device_room, _human)
         return "\n".join(lines)
 
     def grads_placement(self) -> str:

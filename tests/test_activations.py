@@ -1,6 +1,6 @@
 """`wrap(activations="offload")`: the tensors autograd saves in the forward go to the swap directory and come
-back bit for bit, so training is exactly the run without it (issue 26, first part: the saved-tensor path on
-the nvme tier; the planner's activation bytes and the benchmark are still to come)."""
+back bit for bit, so training is exactly the run without it; `engine.plan` shows what a training forward saved
+(issue 26)."""
 
 from __future__ import annotations
 
@@ -127,3 +127,91 @@ def test_a_forward_without_a_backward_frees_its_graph_and_the_files_space(tmp_pa
         peaks.append(engine.stats().get("activation_file_peak_bytes", 0))
     engine.close()
     assert peaks[0] == peaks[-1], peaks
+
+
+def _plain_saved_bytes(model: torch.nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> int:
+    """Plain PyTorch's own count of one forward's saved tensors: each distinct tensor once, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = set()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.untyped_storage().data_ptr() not in params:
+            seen.add((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(idx, tgt)
+    return sum(nbytes for _, nbytes in seen)
+
+
+@pytest.mark.parametrize("activations", [None, "offload"])
+def test_the_plan_shows_what_a_training_forward_saved_and_how_many_tokens_fit(tmp_path, activations):
+    """engine.plan gains the activation lines after a training forward: the bytes saved (plain PyTorch's own
+    count of the same forward), what went to the swap file (the spill's counter), and the tokens per micro-batch
+    the device room holds kept and offloaded; an eval forward measures nothing."""
+    torch.manual_seed(0)
+    model = TinyGPT(dim=128, context=256, heads=2)
+    (idx, tgt), = _batches(1)
+    expected = _plain_saved_bytes(model, idx, tgt)
+    directory = tmp_path / "swap"
+    directory.mkdir()
+    engine = offload.wrap(model, "nvme", nvme_path=str(directory), dtype=torch.float32, device="cpu",
+                          device_memory=8 << 20, activations=activations)
+    with torch.no_grad():
+        engine(idx, tgt)
+    assert engine.plan.activations is None and "activations (measured" not in str(engine.plan)
+    loss = engine(idx, tgt)
+    loss.backward()
+    use = engine.plan.activations
+    assert use is not None and use.tokens == idx.numel() and not use.recomputed
+    assert 0 < use.largest_block_bytes < use.saved_bytes
+    text = str(engine.plan)
+    if activations is None:
+        assert use.saved_bytes == expected and use.moved_bytes == 0 and "would move" in text
+    else:  # a tensor saved by two nodes goes to the file twice: never fewer bytes than plain's count
+        assert use.moved_bytes == engine.stats()["activation_bytes_to_disk"] and use.saved_bytes >= expected
+        assert "to the swap file" in text and "would move" not in text
+    room = engine.plan.device_room
+    assert room is not None and room > 0 and f"({offload.planner.human_bytes(room)}) holds" in text
+    assert use.tokens_that_fit(room, offloaded=True) > use.tokens_that_fit(room, offloaded=False) > 0
+    engine.close()
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+def test_hf_gradient_checkpointing_with_activations_offloaded_is_exact_and_the_plan_shows_the_checkpoints(tmp_path):
+    """Issue 26's second line: HF `gradient_checkpointing_enable()` (its default, reentrant) with
+    activations="offload" gives the losses of the run without offload, and the plan shows the checkpoints' bytes
+    going to the swap file."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[hf]'")
+
+    def run(activations):
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(n_layer=3, n_embd=128, n_head=4, vocab_size=512, n_positions=512,
+                                         bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(config)
+        model.gradient_checkpointing_enable()
+        directory = tmp_path / f"swap-{activations}"
+        directory.mkdir()
+        engine = offload.wrap(model, "nvme", nvme_path=str(directory), dtype=torch.float32, device="cpu",
+                              activations=activations, grad_accumulation_steps=1)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(2):
+            ids = torch.randint(0, 512, (2, 512), generator=gen)
+            loss = engine(input_ids=ids, labels=ids).loss
+            loss.backward()
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.item())
+        plan = engine.plan
+        engine.close()
+        return losses, plan
+
+    plain, plain_plan = run(None)
+    spilled, plan = run("offload")
+    assert spilled == plain
+    use = plan.activations
+    assert use is not None and use.recomputed and use.tokens == 2 * 512
+    checkpoints = 3 * 2 * 512 * 128 * 4  # each layer's input hidden state, fp32
+    assert use.moved_bytes >= checkpoints and "to the swap file" in str(plan) and "checkpoints" in str(plan)
+    assert plain_plan.activations is not None and plain_plan.activations.movable_bytes >= checkpoints

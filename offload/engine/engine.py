@@ -10,6 +10,7 @@ layers and the path of one gradient.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import weakref
@@ -66,12 +67,11 @@ class Engine:
         names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
         groups = optimizer_groups(policy.param_groups, trainable, names)
         tracer = Tracer()
-        self.plan: Plan
-        self.plan, tiers = plan_and_open(self.blocks, policy, tracer, dp)
+        self._plan, tiers = plan_and_open(self.blocks, policy, tracer, dp)
         cores = usable_cores() // (1 if dp is None else dp.local_world)  # the ranks of one machine share its cores
         threads = max(1, cores // 2) if policy.device.type == "cpu" else max(1, cores)
         try:
-            self._pipeline = assemble(self.blocks, module, policy, self.plan, tiers, tracer, groups, initial,
+            self._pipeline = assemble(self.blocks, module, policy, self._plan, tiers, tracer, groups, initial,
                                       threads, dp)
         except BaseException:
             tiers.close()  # nothing of a failed wrap() stays on disk
@@ -88,6 +88,13 @@ class Engine:
         # cost of bringing every streamed weight back into a model about to vanish.
         self._dropped = weakref.finalize(self, self._release.dropped)
         self._dropped.atexit = False
+
+    @property
+    def plan(self) -> Plan:
+        """Where each block's weights and state live; once a training forward has run, with what it saved for its
+        backward (activations, measured) and how many tokens per micro-batch the device room holds."""
+        use = self._pipeline.activation_use()
+        return self._plan if use is None else dataclasses.replace(self._plan, activations=use)
 
     # ----- training ----------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):

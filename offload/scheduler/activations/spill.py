@@ -163,8 +163,7 @@ class ActivationSpill:
 
     # ----- internals ---------------------------------------------------------------------------------
     def _spills(self, tensor: Tensor) -> bool:
-        return (tensor.layout is torch.strided and not tensor.is_meta and not tensor.is_sparse
-                and tensor.numel() * tensor.element_size() >= MIN_SPILL_BYTES and not self._keep(tensor))
+        return movable(tensor) and not self._keep(tensor)
 
     def _take_slot(self) -> Tuple["HostBuffer", List[IOFuture]]:
         """The next staging slot, once the writes from it are done."""
@@ -189,10 +188,6 @@ class ActivationSpill:
             wait_all(handle.writes)
             handle.read = self._start_read(handle)
 
-    def hooks(self) -> "torch.autograd.graph.saved_tensors_hooks":
-        """For the root forward: every saved tensor passes through `pack` and comes back through `unpack`."""
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-
     def stats(self) -> Dict[str, float]:
         return {"activation_bytes_to_disk": self._file.bytes_written, "activation_bytes_from_disk": self._file.bytes_read,
                 "activation_file_peak_bytes": self._file.peak_bytes, "activation_tensors_spilled": self.tensors_spilled}
@@ -206,6 +201,12 @@ class ActivationSpill:
         finally:
             self._slots.clear()
             self._staging.close()
+
+
+def movable(tensor: Tensor) -> bool:
+    """A saved tensor large enough to go to the activation file (if it is no weight of the engine's)."""
+    return (tensor.layout is torch.strided and not tensor.is_meta and not tensor.is_sparse
+            and tensor.numel() * tensor.element_size() >= MIN_SPILL_BYTES)
 
 
 def _padded(buffer: "HostBuffer", nbytes: int) -> Tensor:

@@ -8,12 +8,13 @@ resident and the next one prefetched), `post_forward(blocks)` lets them go. See 
 
 from __future__ import annotations
 
-from typing import Callable, ContextManager, List, Optional
+from typing import ContextManager, List, Optional
 
 import torch
 from torch import nn
 
 from offload.distributed.guard import refuse_outer_data_parallel
+from offload.scheduler.activations.meter import RootSavedTensors
 from offload.scheduler.blocks.block import Block
 from offload.scheduler.blocks.forward_order import ForwardOrder
 from offload.scheduler.grads.backward_tracker import BackwardTracker
@@ -25,8 +26,7 @@ from offload.scheduler.weights.streamer import WeightStreamer
 
 class ForwardPhase:
     def __init__(self, blocks: List[Block], module: nn.Module, tracker: BackwardTracker, clock: PhaseClock,
-                 order: ForwardOrder, streamer: WeightStreamer, modes: Modes,
-                 saved_tensors: Optional[Callable[[], ContextManager[object]]] = None) -> None:
+                 order: ForwardOrder, streamer: WeightStreamer, modes: Modes, saved_tensors: RootSavedTensors) -> None:
         self._blocks = blocks
         self._module = module
         self._tracker = tracker
@@ -35,20 +35,20 @@ class ForwardPhase:
         self._streamer = streamer
         self._modes = modes
         self._saved_tensor_hooks: List[ContextManager[object]] = []
-        # the root forward's saved-tensor hooks: streamed weights as handles, and (activations="offload") the
-        # rest to the swap directory (activations/spill.py)
-        self._saved_tensors = saved_tensors or streamer.saved_tensors_hooks
+        # the root forward's saved-tensor hooks: streamed weights as handles, (activations="offload") the rest to
+        # the swap directory (activations/spill.py), and what is saved measured for the plan (activations/meter.py)
+        self.saved_tensors = saved_tensors
         self._root_grad_enabled = False  # whether the root forward in progress records a graph
 
     @eager
-    def begin_root_forward(self) -> None:
+    def begin_root_forward(self, tokens: Optional[int] = None) -> None:
         """Time the forward; when streaming, autograd saves streamed weights as handles (fetched again in
-        backward)."""
+        backward); `tokens`: the size of the batch's token input, for the plan's activations per token."""
         self._modes.reduction.refuse_unknown_ranks()  # a process group started after wrap()
         refuse_outer_data_parallel(self._module)  # DDP / FSDP around the engine's module
         self._root_grad_enabled = torch.is_grad_enabled()
         self._clock.forward_begins()
-        context = self._saved_tensors()
+        context = self.saved_tensors.context(self._root_grad_enabled, tokens)
         context.__enter__()
         self._saved_tensor_hooks.append(context)
 
@@ -56,6 +56,7 @@ class ForwardPhase:
     def end_root_forward(self) -> None:
         if self._saved_tensor_hooks:
             self._saved_tensor_hooks.pop().__exit__(None, None, None)
+        self.saved_tensors.meter.end()
         self._clock.forward_ends()
 
     @eager
@@ -63,6 +64,10 @@ class ForwardPhase:
         """Get each block ready for its module's forward. Runs in forward, under no_grad, and for checkpoint
         recompute during backward (there a streamed block stays pinned until the backward ends)."""
         in_backward = is_backward()
+        if in_backward:
+            self.saved_tensors.meter.saw_recompute()
+        else:
+            self.saved_tensors.meter.enter_block()
         for block in blocks:
             runtime = block.record
             runtime.refuse_moved_parameters()
@@ -79,6 +84,8 @@ class ForwardPhase:
     @eager
     def post_forward(self, blocks: List[Block]) -> None:
         """The module no longer needs these blocks (also after an exception)."""
+        if not is_backward():
+            self.saved_tensors.meter.leave_block()
         for block in blocks:
             block.record.leave_forward()
 

@@ -19,13 +19,14 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from offload.scheduler.activations.meter import token_count
 from offload.scheduler.blocks.block import Block
 from offload.scheduler.records.model_copy import ModelCopies
 from offload.scheduler.torch_internals import flatten
 
 
 class ForwardHooks(Protocol):
-    def begin_root_forward(self) -> None: ...
+    def begin_root_forward(self, tokens: Optional[int] = None) -> None: ...
 
     def end_root_forward(self) -> None: ...
 
@@ -93,8 +94,8 @@ class RootHooks:
     def __deepcopy__(self, memo: Dict[int, Any]) -> "RootHooks":
         return self  # as OwnerHooks.__deepcopy__
 
-    def enter(self, module: nn.Module, args: Any) -> None:
-        self._forward.begin_root_forward()
+    def enter(self, module: nn.Module, args: Any, kwargs: Dict[str, Any]) -> None:
+        self._forward.begin_root_forward(token_count(args, kwargs))
 
     def exit(self, module: nn.Module, args: Any, output: Any) -> None:
         self._forward.end_root_forward()
@@ -162,7 +163,7 @@ class HookSet:
         self._handles.append(root.register_state_dict_post_hook(functools.partial(RootHooks.after_state_dict,
                                                                                   root_hooks)))
         # The root's context encloses everything above: entered before any pre-hook, left after every hook.
-        self._handles.append(root.register_forward_pre_hook(root_hooks.enter, prepend=True))
+        self._handles.append(root.register_forward_pre_hook(root_hooks.enter, prepend=True, with_kwargs=True))
         self._handles.append(root.register_forward_hook(root_hooks.exit, always_call=True))
         # copy.deepcopy(model) or of a sub-module: a plain copy, current weights, no engine hooks (model_copy.py)
         self._copies = ModelCopies(root, blocks, sync.synchronize, self._handles)

@@ -12,6 +12,7 @@ from typing import Callable, ContextManager, Dict, Iterator, List, Optional
 
 from torch import nn
 
+from offload.activation_use import ActivationUse
 from offload.scheduler.blocks.block import Block
 from offload.scheduler.grads.backward_tracker import BackwardTracker
 from offload.scheduler.phases.backward import BackwardPhase
@@ -57,6 +58,10 @@ class StepPipeline:
 
     def check_open(self) -> None:
         self._sync.check_open()
+
+    def activation_use(self) -> Optional[ActivationUse]:
+        """What the last metered training forward saved for its backward (None before one)."""
+        return self._forward.saved_tensors.meter.last
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> float:
         return self._step.clip_grad_norm(max_norm, norm_type, error_if_nonfinite)

@@ -7,7 +7,7 @@ the phases made over them. A failure stops the worker again (the caller closes t
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 from torch import nn
@@ -15,6 +15,7 @@ from torch import nn
 from offload.distributed.data_parallel import DataParallel
 from offload.planner import Plan
 from offload.policy import Activations, OffloadPolicy
+from offload.scheduler.activations.meter import RootSavedTensors
 from offload.scheduler.activations.spill import STAGING_SLOT_BYTES, STAGING_SLOTS, ActivationSpill, storage_keeper
 from offload.scheduler.blocks.block import Block
 from offload.scheduler.blocks.forward_order import ForwardOrder
@@ -79,7 +80,7 @@ def _phases(blocks: List[Block], module: nn.Module, policy: OffloadPolicy, plan:
     sync = Synchronizer(blocks, slots, services.worker, modes.disk, tiers.copies, tiers.streamer, services.guard)
     weights = ModuleWeights(blocks, sync)
     forward = ForwardPhase(blocks, module, tracker, clock, services.order, tiers.streamer, modes,
-                           None if tiers.activations is None else tiers.activations.hooks)
+                           _root_saved_tensors(blocks, tiers))
     backward = BackwardPhase(slots, tracker, clock, forward, modes.clipping, hypers)
     step = StepPhase(blocks, slots, services, tracker, hypers, modes.clipping, backward, weights, sync, policy)
     optimizer.drive_with(step)
@@ -87,15 +88,28 @@ def _phases(blocks: List[Block], module: nn.Module, policy: OffloadPolicy, plan:
     return StepPipeline(blocks, forward, backward, step, sync, weights, services, tiers, tracker, clock, optimizer)
 
 
+def _root_saved_tensors(blocks: List[Block], tiers: Tiers) -> RootSavedTensors:
+    """The root forward's saved-tensor hooks: the spill's (activations="offload") or the weight streamer's."""
+    spill, streamer = tiers.activations, tiers.streamer
+    if spill is not None:
+        return RootSavedTensors(spill.pack, spill.unpack, lambda: True, storage_keeper(_kept_buffers(blocks, tiers)))
+    return RootSavedTensors(streamer.pack, streamer.unpack, lambda: streamer.active,
+                            storage_keeper(_kept_buffers(blocks, tiers)))
+
+
+def _kept_buffers(blocks: List[Block], tiers: Tiers) -> Callable[[], List[torch.Tensor]]:
+    """The flat weight buffers that stay on the device (not a streamed block's: its buffer comes and goes, and the
+    streamer's pack sees its tensors first)."""
+    return lambda: [g.device_buffer for b in blocks if not tiers.streamer.streams(b.index)
+                    for g in b.groups if g.device_buffer is not None]
+
+
 def _activation_spill(blocks: List[Block], tiers: Tiers) -> ActivationSpill:
     """activations="offload": saved tensors to a file beside the swap file, through a staging area of its own
     (STAGING_SLOTS x STAGING_SLOT_BYTES, outside host_memory: docs/design.md [Note: activations off the
     device])."""
     assert tiers.swap is not None, "the policy allows activations='offload' on the nvme tier only"
-
-    def buffers() -> List[torch.Tensor]:
-        return [g.device_buffer for b in blocks for g in b.groups if g.device_buffer is not None]
-
     staging = StagingPool(STAGING_SLOTS * STAGING_SLOT_BYTES)
-    return ActivationSpill(tiers.swap.directory, staging, STAGING_SLOT_BYTES, STAGING_SLOTS, storage_keeper(buffers),
+    return ActivationSpill(tiers.swap.directory, staging, STAGING_SLOT_BYTES, STAGING_SLOTS,
+                           storage_keeper(_kept_buffers(blocks, tiers)),
                            tiers.streamer.pack, tiers.streamer.unpack)

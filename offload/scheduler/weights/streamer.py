@@ -20,11 +20,10 @@ the modules that own them ([Note: reading streamed weights outside their module]
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import ContextManager, Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -84,12 +83,9 @@ class WeightStreamer:
     def active(self) -> bool:
         return bool(self._blocks)
 
-    def saved_tensors_hooks(self) -> ContextManager[object]:
-        """For the root forward: while blocks stream, autograd saves a streamed weight as a handle (`pack`),
-        fetched again when the backward needs it (`unpack`)."""
-        if not self._blocks:
-            return contextlib.nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+    def streams(self, index: int) -> bool:
+        """Whether the block of this index streams (its device buffer comes and goes)."""
+        return index in self._blocks
 
     def adopt(self, block: Block) -> None:
         """Take a block whose weight homes hold its weights now, and release its device buffers."""
