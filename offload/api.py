@@ -15,7 +15,7 @@ from offload.engine.engine import Engine
 from offload.errors import OffloadConfigError
 from offload.optim.moments import MomentFormat
 from offload.param_groups import parse_param_groups
-from offload.policy import Activations, OffloadPolicy, Tier, parse_bytes, resolve_device
+from offload.policy import Activations, OffloadPolicy, ShardWeights, Tier, parse_bytes, resolve_device
 from offload.scheduler.setup.initial_weights import choose
 
 Bytes = Union[int, str, None]
@@ -40,6 +40,7 @@ def wrap(
     overlap_step: Optional[bool] = None,
     moments: Union[str, MomentFormat] = "fp32",
     activations: Optional[str] = None,
+    shard_weights: Optional[bool] = None,
     weights: Optional[Union[str, os.PathLike]] = None,
     init: Optional[Callable[[nn.Module], None]] = None,
     **unknown: object,
@@ -75,6 +76,11 @@ def wrap(
             "offload" (tier="nvme") writes each saved tensor of 1 MiB or more to a file in the swap directory
             as the forward goes and reads it back, bit for bit, when the backward needs it: long sequences
             then need host/device memory for the weights' working set, not for every layer's activations.
+        shard_weights: under torchrun (several processes): True makes each rank keep 1/N of every block's
+            weights (in host memory or its own swap file), gathered whole for each use and freed after it
+            (ZeRO-3), so a machine holds one copy of the model, not one per rank; False keeps all of them on
+            every rank; None (default) shards when the whole weights do not fit `host_memory`. Reading
+            weights outside a forward (state_dict, save) is then a collective: every rank must do it.
         weights: a pretrained checkpoint to fill the model from, block by block as it is placed (a
             `.safetensors` file, a directory of Hugging Face shards, or an offload checkpoint directory):
             the model may be built on the meta device (`accelerate.init_empty_weights()`), so it never
@@ -105,6 +111,7 @@ def wrap(
         overlap_step=overlap_step,
         moments=MomentFormat.parse(moments),
         activations=Activations.parse(activations),
+        shard_weights=ShardWeights.parse(shard_weights),
     )
     if policy.tier is Tier.NVME:
         _check_nvme_path(policy.nvme_path)

@@ -12,7 +12,6 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from offload.activation_use import ActivationUse
 from offload.errors import OffloadConfigError
 from offload.optim.moments import MomentFormat, moment_nbytes
 from offload.policy import Tier
@@ -30,6 +29,7 @@ from offload.ring_sizes import (  # re-exported (`__all__`): the ring's sizes we
     ring_depth_for,
     ring_size_for,
 )
+from offload.scheduler.activations.use import ActivationUse
 
 
 class Location(enum.Enum):
@@ -49,6 +49,7 @@ class BlockSpec:
     state_bytes: int
     grad_bytes: int = 0  # nvme tier: the gradient accumulator, which stays in host memory (not in state_bytes)
     largest_grad_bytes: int = 0  # the largest gradient autograd makes on the device for one of its parameters
+    part_weight_bytes: Optional[int] = None  # sharded weights: this rank's part, kept in host memory or on disk
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class Plan:
     grads_on_disk: bool = False  # gradients that must wait go to their records in the swap file (a window stays)
     grad_disk_bytes_per_step: int = 0  # bytes of gradients written and read back per step (an estimate)
     micro_batches_on_device: bool = True  # declared accumulation's earlier micro-batches sum on the device
+    shard_world: int = 1  # > 1: weights sharded across that many ranks (blocks' weight bytes are a rank's part)
     activations: Optional[ActivationUse] = None  # measured in a training forward (engine.plan adds it)
 
     @property
@@ -147,6 +149,9 @@ class Plan:
                                  (Location.DISK, None)):
             limit = "no budget" if budget is None else f"budget {_human(budget)}"
             lines.append(f"total on {location.value}: {_human(self.bytes_on(location))} ({limit})")
+        if self.shard_world > 1:
+            lines.append(f"  weights sharded across {self.shard_world} ranks: each keeps its part of every block (the "
+                         "weight bytes above), gathered whole on the device for each use; state bytes are this rank's")
         if self.ring_bytes:
             lines.append(f"  gradients: {self.grads_placement()}")
             lines.append(f"  host holds: gradients {_human(self.host_grad_bytes)}, staging ring "
@@ -173,7 +178,8 @@ class Plan:
 
 
 def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[int],
-              host_budget: Optional[int], ring: Optional[RingSize] = None, grads: GradFlow = GradFlow()) -> Plan:
+              host_budget: Optional[int], ring: Optional[RingSize] = None, grads: GradFlow = GradFlow(),
+              shard_world: int = 1) -> Plan:
     """Place each block; raises OffloadConfigError naming the block or budget that cannot work.
 
     nvme tier (`ring` given): host memory holds the gradients (all of them; or a window of GRAD_WINDOW_BLOCKS
@@ -181,7 +187,10 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
     fit: the others then wait on disk), then the staging ring (at least its minimum, up to its preferred size
     or a quarter of what is left), then streamed weights in forward order; weights that do not fit go to disk.
     See docs/design.md [Note: the nvme step pipeline], [Note: the gradient window], [Note: gradients on
-    disk]."""
+    disk].
+
+    Sharded weights (`shard_world` > 1, each spec's `part_weight_bytes`): no block stays on the device; a rank's
+    part of each goes to host memory, else to disk, and the device holds the blocks gathered for compute."""
     if not blocks:
         raise OffloadConfigError("the model has no parameters to offload")
     if tier is Tier.GPU:
@@ -198,8 +207,10 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
     total_weights = sum(b.weight_bytes for b in blocks)
     # Weights that stream: each parameter's gradient is made by autograd on the device before the engine moves
     # it to its accumulator, so the device budget keeps room for the largest ([Note: the nvme memory bound]).
+    sharded = shard_world > 1
+    streams = device_budget is not None and (sharded or total_weights > device_budget)
     workspace = 0
-    if device_budget is not None and total_weights > device_budget:
+    if streams:
         workspace = max(b.largest_grad_bytes for b in blocks)
     if device_budget is not None and largest.weight_bytes + workspace > device_budget:
         also = f" and {_human(workspace)} for the largest gradient autograd makes" if workspace else ""
@@ -227,33 +238,34 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
     device_left: Optional[int] = None
     if device_budget is not None:
         device_left = device_budget - workspace
-        if total_weights > device_budget:
+        if streams:
             # Streaming: keep room for the blocks in flight, two of the largest when the budget allows.
             # See docs/design.md [Note: weight streaming].
             in_flight = 2 * largest.weight_bytes if device_left >= 2 * largest.weight_bytes else largest.weight_bytes
             device_left -= in_flight
     placements = []
     for block in blocks:
-        if device_left is None or block.weight_bytes <= device_left:
+        kept = block.weight_bytes if block.part_weight_bytes is None else block.part_weight_bytes
+        if not sharded and (device_left is None or block.weight_bytes <= device_left):
             weights = Location.DEVICE
             device_left = None if device_left is None else device_left - block.weight_bytes
-        elif host_left is None or block.weight_bytes <= host_left:
+        elif host_left is None or kept <= host_left:
             weights = Location.HOST
-            host_left = None if host_left is None else host_left - block.weight_bytes
+            host_left = None if host_left is None else host_left - kept
         elif tier is Tier.NVME:
             weights = Location.DISK
         else:
             raise OffloadConfigError(
                 f"block {block.name!r} ({_human(block.weight_bytes)} of weights) fits neither the device nor "
                 "the host budget left after the optimizer state; use tier='nvme' or raise a budget")
-        placements.append(BlockPlacement(block.name, weights, state_home, block.weight_bytes, block.state_bytes,
+        placements.append(BlockPlacement(block.name, weights, state_home, kept, block.state_bytes,
                                          block.grad_bytes))
     if tier is Tier.NVME and ring is not None:
         ring_bytes += read_ahead_bytes(host_left, ring_bytes, sum(b.state_bytes for b in blocks),
                                        ring.preferred // MAX_DEPTH)
     disk_traffic = _grad_disk_bytes(sum(b.grad_bytes for b in blocks), grads, on_device) if on_disk else 0
     return Plan(tier, tuple(placements), device_budget, host_budget, ring_bytes, window, workspace, on_disk,
-                disk_traffic, on_device)
+                disk_traffic, on_device, shard_world)
 
 
 GRAD_WINDOW_BLOCKS = 3  # gradients in host memory at once: one filling, one updating (or going to disk), one slack
@@ -338,16 +350,20 @@ def group_bytes(trainable_numel: int, dtype: torch.dtype, tier: Tier,
 
 
 def spec_of(name: str, weight_bytes: int, groups: Sequence[Tuple[int, torch.dtype]], tier: Tier,
-            largest_grad_bytes: int = 0, moments: MomentFormat = MomentFormat.FP32) -> BlockSpec:
+            largest_grad_bytes: int = 0, moments: MomentFormat = MomentFormat.FP32, world: int = 1,
+            part_weight_bytes: Optional[int] = None) -> BlockSpec:
     """The BlockSpec of a block from its (trainable numel, dtype) groups; the nvme tier keeps gradients on
-    the host apart from the state on disk, the other tiers count them with the state."""
+    the host apart from the state on disk, the other tiers count them with the state. `world`: data-parallel
+    ranks, each keeping the state of its 1/world part (the largest part: the same plan on every rank) and the
+    whole gradient (reduce-scattered at the update); `part_weight_bytes`: sharded weights, a rank's part."""
     state = grads = 0
     for numel, dtype in groups:
-        s, g = group_bytes(numel, dtype, tier, moments)
+        s, _ = group_bytes(-(-numel // world), dtype, tier, moments)
+        _, g = group_bytes(numel, dtype, tier, moments)
         state, grads = state + s, grads + g
     if tier is Tier.NVME:
-        return BlockSpec(name, weight_bytes, state, grads, largest_grad_bytes)
-    return BlockSpec(name, weight_bytes, state + grads, 0, largest_grad_bytes)
+        return BlockSpec(name, weight_bytes, state, grads, largest_grad_bytes, part_weight_bytes)
+    return BlockSpec(name, weight_bytes, state + grads, 0, largest_grad_bytes, part_weight_bytes)
 
 
 def _human(nbytes: Optional[int]) -> str:

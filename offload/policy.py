@@ -38,6 +38,27 @@ class Activations(enum.Enum):
                                  "forward made them) or 'offload' (they go to the swap directory and come back)")
 
 
+class ShardWeights(enum.Enum):
+    """Data-parallel mode: whether each rank keeps the whole compute weights (OFF), a 1/N part of every block's,
+    gathered whole for each use (ON: ZeRO-3), or what the budgets need (AUTO: sharded when the whole weights do
+    not fit a rank's host memory). See docs/design.md [Note: sharded weights]."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+    @staticmethod
+    def parse(value: Union[None, bool, "ShardWeights"]) -> "ShardWeights":
+        if value is None:
+            return ShardWeights.AUTO
+        if isinstance(value, ShardWeights):
+            return value
+        if isinstance(value, bool):
+            return ShardWeights.ON if value else ShardWeights.OFF
+        raise OffloadConfigError(f"shard_weights={value!r} is not a setting: use None (decided from the budgets), "
+                                 "True (each rank keeps 1/N of the weights) or False (each rank keeps them all)")
+
+
 class Tier(enum.Enum):
     """Where the optimizer state (fp32 master weights, Adam moments) lives.
 
@@ -134,6 +155,8 @@ class OffloadPolicy:
             with a scale per block; the master weights stay fp32. See docs/design.md [Note: compressed moments].
         activations: whether the tensors autograd saves in the forward stay where they were made (KEEP) or go
             to the swap directory and come back for the backward, bit for bit (OFFLOAD).
+        shard_weights: data-parallel mode only: whether each rank keeps a 1/N part of the compute weights
+            (`ShardWeights`).
     """
 
     tier: Tier = Tier.CPU
@@ -152,6 +175,7 @@ class OffloadPolicy:
     overlap_step: Optional[bool] = None
     moments: MomentFormat = MomentFormat.FP32
     activations: Activations = Activations.KEEP
+    shard_weights: ShardWeights = ShardWeights.AUTO
 
     @property
     def step_returns_early(self) -> bool:
@@ -205,6 +229,14 @@ class OffloadPolicy:
             raise OffloadConfigError(
                 f"activations='offload' sends saved activations to the swap directory, which only tier='nvme' has "
                 f"(tier is {self.tier.value!r}): use tier='nvme' with nvme_path=..., or activations=None")
+        if not isinstance(self.shard_weights, ShardWeights):
+            raise OffloadConfigError(f"shard_weights must be a ShardWeights, got {self.shard_weights!r}; use "
+                                     "ShardWeights.parse()")
+        if self.shard_weights is ShardWeights.ON and self.tier is Tier.GPU:
+            raise OffloadConfigError(
+                "shard_weights=True keeps each rank's part of the weights in host memory or on disk, gathered for "
+                "each use; tier='gpu' keeps everything on the device: use tier='cpu' or tier='nvme', or "
+                "shard_weights=None")
         if not isinstance(self.moments, MomentFormat):
             raise OffloadConfigError(f"moments must be a MomentFormat, got {self.moments!r}; use MomentFormat.parse()")
         if self.overlap_step is not None and not isinstance(self.overlap_step, bool):

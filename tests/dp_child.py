@@ -45,10 +45,19 @@ def train(case: dict, out: str) -> None:
     if case["tier"] == "nvme":
         options["nvme_path"] = os.path.join(out, f"swap-{case['name']}")
         os.makedirs(options["nvme_path"], exist_ok=True)
-    for key in ("max_grad_norm", "grad_accumulation_steps", "weight_decay", "moments"):
+    for key in ("max_grad_norm", "grad_accumulation_steps", "weight_decay", "moments", "shard_weights", "host_memory",
+                "device_memory"):
         if key in case:
             options[key] = case[key]
     load = case.get("load")
+    if case.get("expect_error"):  # refused at wrap() on every rank: each notes the message
+        try:
+            offload.wrap(model, **options)
+        except offload.OffloadConfigError as exc:
+            with open(os.path.join(out, f"{case['name']}-rank{rank}.txt"), "w") as f:
+                f.write(str(exc))
+            return
+        raise AssertionError(f"{case['name']}: wrap() was not refused")
     engine = offload.wrap(model, **options)
     if load:
         engine.load(os.path.join(out, load))
@@ -83,11 +92,28 @@ def train(case: dict, out: str) -> None:
         torch_state_round_trip(engine, options, case, out)
     state = engine.state_dict()
     stats = engine.stats()
+    plan = dict(shard_world=engine.plan.shard_world, disk=list(engine.plan.disk_weight_blocks),
+                swap_bytes=dist_all(swap_bytes(options.get("nvme_path"), rank)))
     engine.close()
     ddp, ddp_optimizer = train_ddp(case) if case.get("ddp") else (None, None)
     if rank == 0:
         torch.save({"losses": losses, "agree": agree, "weights": state, "stats": stats, "ddp_weights": ddp,
-                    "ddp_optimizer": ddp_optimizer}, os.path.join(out, f"{case['name']}.pt"))
+                    "ddp_optimizer": ddp_optimizer, "plan": plan}, os.path.join(out, f"{case['name']}.pt"))
+
+
+def swap_bytes(nvme_path, rank: int) -> int:
+    """Bytes of this rank's swap directory (its files' allocated size), 0 without one."""
+    if not nvme_path:
+        return 0
+    directory = os.path.join(nvme_path, f"rank-{rank}")
+    return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
+
+
+def dist_all(value):
+    """Every rank's value, in rank order."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def torch_state_round_trip(engine, options: dict, case: dict, out: str) -> None:

@@ -9,7 +9,8 @@ range [a, b) of each parameter it holds, so `PartsReader` can serve any element 
 an engine of any world size (a single-process checkpoint loads into N ranks through the plain reader:
 each rank reads its range of the whole tensors).
 
-Commit: rank 0 makes the temporary directory and tells the others its name; each rank writes and fsyncs
+Commit: rank 0 makes the temporary directory and tells the others its name (the directory must be on a file system
+every node sees, at the same path: a rank that does not see it says so); each rank writes and fsyncs
 its files; the ranks exchange their results; only when every rank's files are durable does rank 0 write
 the manifest and switch the directory (atomic.py), and every rank returns once it is switched. A rank that
 failed makes every rank raise, and the previous checkpoint stays.
@@ -65,7 +66,15 @@ def parts_of(groups: list) -> Parts:
 def save_parts(engine: "CheckpointTarget", dp: "DataParallel", path: str, stateful: Dict[str, Any], rng: bool,
                progress: Optional[bool]) -> str:
     """engine.save() on every rank of a data-parallel engine (see the module docstring)."""
-    from offload.checkpoint.writer import _explained, _layout, _progress, _write_pickle, _write_weights, write_stateful
+    from offload.checkpoint.writer import (
+        _explained,
+        _layout,
+        _progress,
+        _write_pickle,
+        _write_weights,
+        weights_in_file_order,
+        write_stateful,
+    )
 
     path = os.path.abspath(os.fspath(path))
     groups = list(engine.checkpoint_groups())  # waits for this rank's pending updates
@@ -92,6 +101,9 @@ def save_parts(engine: "CheckpointTarget", dp: "DataParallel", path: str, statef
                 files.update(write_stateful(tmp, stateful, algorithm))  # one scheduler, one data position
                 files[MODEL_FILE] = _write_weights(engine, groups, layout, os.path.join(tmp, MODEL_FILE), algorithm,
                                                    bar)
+            elif engine.weights_gathered:  # rank 0's reads of the weights are gathers: take part in each
+                for _ in weights_in_file_order(engine, groups, layout):
+                    pass
             if rng:
                 name = rng_file(dp.rank, dp.world)
                 files[name] = _write_pickle(os.path.join(tmp, name), rng_state.capture(), algorithm)
@@ -99,6 +111,9 @@ def save_parts(engine: "CheckpointTarget", dp: "DataParallel", path: str, statef
             files[name] = _write_part_file(groups, mine, os.path.join(tmp, name), algorithm, bar)
     except (OSError, OffloadIOError) as exc:
         error = _described(exc, path)
+        if dp.rank != 0 and not os.path.isdir(tmp):
+            error += (f" (rank 0 made {tmp!r}, which this rank does not see: the checkpoint directory must be on a "
+                      "file system every node sees, at the same path on each)")
     results = cast(List[Tuple[Optional[str], Dict[str, Any], Parts]], dp.all_gather_object((error, files, mine)))
     failed = [(rank, err) for rank, (err, _f, _m) in enumerate(results) if err is not None]
     committed: Optional[str] = None

@@ -67,6 +67,11 @@ class CheckpointTarget(Protocol):
         """The group's current compute weights on the host, in its flat layout."""
         ...
 
+    @property
+    def weights_gathered(self) -> bool:
+        """Whether `group_weights` is a collective (sharded weights): every rank reads the groups in one order."""
+        ...
+
     def set_group_weights(self, group: FlatGroup, flat: torch.Tensor) -> None:
         """Replace the group's compute weights (all its parameters, in its flat layout)."""
         ...

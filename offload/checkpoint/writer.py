@@ -16,7 +16,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from tqdm import tqdm
@@ -174,23 +174,32 @@ def _write_weights(engine: "CheckpointTarget", groups: list, layout: _Layout, pa
                    bar: tqdm) -> Dict[str, Any]:
     """model.safetensors: each group's current weights, then tied aliases and buffers."""
     writer = TensorFileWriter(path, layout.model_entries, algorithm, {"format": "pt"})
-    where = {slot.name: (group, slot) for _b, group, _s in groups for slot in group.slots}
     try:
-        for _block, group, _state in groups:
-            flat = engine.group_weights(group)
-            for slot in group.slots:
-                writer.write(slot.name, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
-            bar.update(group.nbytes)
-        for name, value in layout.extra:
-            if name in layout.tied:  # the stored parameter's current weights
-                group, slot = where[layout.tied[name]]
-                value = engine.group_weights(group)[slot.offset:slot.offset + slot.numel].view(slot.shape)
-            writer.write(name, value.detach())
+        for name, value, nbytes in weights_in_file_order(engine, groups, layout):
+            writer.write(name, value)
+            bar.update(nbytes)
         writer.close()
     except BaseException:
         writer.abort()
         raise
     return {"size": os.path.getsize(path), "checksums": writer.checksums}
+
+
+def weights_in_file_order(engine: "CheckpointTarget", groups: list,
+                          layout: _Layout) -> Iterator[Tuple[str, torch.Tensor, int]]:
+    """model.safetensors' tensors in file order, with the bytes of progress each completes: each group's current
+    weights, then tied aliases and buffers. Sharded weights: the other ranks walk it too (each read is a gather)."""
+    where = {slot.name: (group, slot) for _b, group, _s in groups for slot in group.slots}
+    for _block, group, _state in groups:
+        flat = engine.group_weights(group)
+        for index, slot in enumerate(group.slots):
+            last = index == len(group.slots) - 1
+            yield slot.name, flat[slot.offset:slot.offset + slot.numel].view(slot.shape), group.nbytes if last else 0
+    for name, value in layout.extra:
+        if name in layout.tied:  # the stored parameter's current weights
+            group, slot = where[layout.tied[name]]
+            value = engine.group_weights(group)[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        yield name, value.detach(), 0
 
 
 def _write_optimizer(groups: list, layout: _Layout, path: str, algorithm: str,

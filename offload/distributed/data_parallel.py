@@ -1,7 +1,9 @@
 """Data-parallel training over torch.distributed: which rank owns which part of each flat group, and the
 collectives a block's update runs (torch's own: gloo on the CPU, NCCL on a GPU; no transport of ours).
 
-Every rank keeps the whole compute weights. A group's trainable range `[0, n)` is cut into `world` equal
+Every rank keeps the whole compute weights, unless they are sharded (`shard_weights`: each rank keeps a part of
+every group, `weight_part`, gathered whole for each use by `gather_weights`; its state part is the trainable
+elements of that part, so the update writes the rank's own weights and nothing is gathered after it). A group's trainable range `[0, n)` is cut into `world` equal
 shards (the last padded); rank r owns `[r * shard, (r + 1) * shard) ∩ [0, n)`: its fp32 master weights and
 Adam moments, and the averaged gradient of that range. A block's update, on the step worker:
 `agree` (the ranks compare which block and step they are at: a mismatch raises instead of pairing the
@@ -67,6 +69,8 @@ class DataParallel:
         self.local_world = local_world
         # the worker's collectives get a group of their own: the training thread may use the default one
         self.group = dist.new_group(list(range(world)))
+        # sharded weights: the training thread's gathers, in forward order, beside the worker's (their own group)
+        self.gather_group = dist.new_group(list(range(world)))
         self.backend = dist.get_backend(self.group)
 
     @staticmethod
@@ -79,6 +83,18 @@ class DataParallel:
 
     def shard_of(self, n: int) -> Shard:
         return Shard(n, -(-n // self.world) if n else 0, self.rank, self.world)
+
+    def weight_part(self, numel: int) -> Shard:
+        """Sharded weights: this rank's part of a flat group's `numel` elements (trainable and frozen alike)."""
+        return self.shard_of(numel)
+
+    def state_shard(self, trainable_numel: int, numel: int, partitioned: bool) -> Shard:
+        """This rank's part of a group's trainable range. With sharded weights it is the trainable elements of
+        its weight part (cut at `numel`'s shard size), so the update writes the rank's own weights and nothing
+        is gathered after it; else the trainable range cut in equal parts."""
+        if not partitioned:
+            return self.shard_of(trainable_numel)
+        return Shard(trainable_numel, self.weight_part(numel).size, self.rank, self.world)
 
     # ----- collectives of the step worker (self.group) -----------------------------------------------
     def agree(self, what: str, block_index: int, step: int) -> None:
@@ -114,6 +130,29 @@ class DataParallel:
     def all_gather(self, full: Tensor, mine: Tensor) -> None:
         """`full` (world * mine.numel() elements) = every rank's `mine`, in rank order (bytes: any dtype)."""
         dist.all_gather_into_tensor(_bytes(full), _bytes(mine), group=self.group)
+
+    # ----- collectives of the training thread ---------------------------------------------------------
+    def gather_weights(self, full: Tensor, mine: Tensor, part: Shard) -> None:
+        """`full` (the group's `part.n` elements) = every rank's part, `mine` this rank's (`part.numel` elements):
+        sharded weights made whole for compute. On the training thread, in forward order (`gather_group`); the
+        ranks' whole parts land in `full` directly, a short or empty last part through a padded buffer."""
+        size = part.size
+        if size == 0:
+            return
+        if mine.numel() == size:
+            sent = mine
+        else:
+            sent = mine.new_zeros(size)
+            sent[:mine.numel()].copy_(mine)
+        outputs = []
+        for rank in range(self.world):
+            lo, hi = min(rank * size, part.n), min((rank + 1) * size, part.n)
+            outputs.append(full[lo:hi] if hi - lo == size else full.new_empty(size))
+        dist.all_gather([_bytes(out) for out in outputs], _bytes(sent), group=self.gather_group)
+        for rank, out in enumerate(outputs):
+            lo, hi = min(rank * size, part.n), min((rank + 1) * size, part.n)
+            if hi - lo != size and hi > lo:
+                full[lo:hi].copy_(out[:hi - lo])
 
     # ----- collectives of the training thread (the worker is idle) -----------------------------------
     def sum_all(self, value: float) -> float:

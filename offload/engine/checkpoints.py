@@ -38,6 +38,10 @@ class EngineCheckpoints:
         assert group.runtime is not None
         return group.runtime.home.host_weights()
 
+    @property
+    def weights_gathered(self) -> bool:
+        return any(runtime.home.partitioned for block in self._blocks for runtime in block.record.groups)
+
     def set_group_weights(self, group: FlatGroup, flat: torch.Tensor) -> None:
         assert group.runtime is not None
         with torch.no_grad():

@@ -109,9 +109,11 @@ def plan_grad_layout(blocks: List["Block"], start: int,
     return records, offset
 
 
-def plan_weight_layout(blocks: List["Block"], names: Tuple[str, ...], start: int) -> Tuple[Dict[str, WeightRecord], int]:
+def plan_weight_layout(blocks: List["Block"], names: Tuple[str, ...], start: int,
+                       numel_of: Optional[Callable[[Any], int]] = None) -> Tuple[Dict[str, WeightRecord], int]:
     """Weight records (keyed by the group's layout key, `FlatGroup.key`) for the blocks named, placed from byte
-    `start`; the new end."""
+    `start`; the new end. `numel_of`: a record's elements when it holds a rank's part of the group (sharded
+    weights)."""
     records: Dict[str, WeightRecord] = {}
     offset = round_up(start, ALIGNMENT)
     for block in blocks:
@@ -120,8 +122,8 @@ def plan_weight_layout(blocks: List["Block"], names: Tuple[str, ...], start: int
         for group in block.groups:
             params = tuple((s.name, tuple(s.shape), s.offset) for s in group.slots)
             itemsize = group.dtype.itemsize
-            record = WeightRecord(block.name, str(group.dtype).replace("torch.", ""), offset, group.numel, itemsize,
-                                  params)
+            numel = group.numel if numel_of is None else numel_of(group)
+            record = WeightRecord(block.name, str(group.dtype).replace("torch.", ""), offset, numel, itemsize, params)
             records[group.key] = record
             offset += round_up(record.nbytes, ALIGNMENT)
     return records, offset

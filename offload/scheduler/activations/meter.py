@@ -1,5 +1,5 @@
 """`SavedTensorMeter`: counts what a training forward saves for its backward, per block call, for the plan
-(`engine.plan`'s activation lines, offload/activation_use.py).
+(`engine.plan`'s activation lines, offload/scheduler/activations/use.py).
 
 It sits around the root forward's pack hook (the spill's or the weight streamer's), so it sees every saved tensor
 and what became of it: a streamed weight's handle and the model's own parameters are weights, not activations; a
@@ -16,8 +16,8 @@ from typing import Any, Callable, ContextManager, List, Optional, Set, Tuple
 import torch
 from torch import Tensor
 
-from offload.activation_use import ActivationUse
 from offload.scheduler.activations.spill import SpilledTensor, movable
+from offload.scheduler.activations.use import ActivationUse
 
 TOKEN_INPUT_NAMES = ("input_ids", "idx", "tokens")
 

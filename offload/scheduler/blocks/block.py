@@ -130,11 +130,14 @@ class Block:
         for group in self.groups:
             yield from group.slots
 
-    def spec(self, tier: Tier, moments: MomentFormat = MomentFormat.FP32) -> BlockSpec:
-        """Bytes of the block's weights and optimizer state (fp32 master unless aliased, m, v, gradient)."""
+    def spec(self, tier: Tier, moments: MomentFormat = MomentFormat.FP32, world: int = 1,
+             sharded: bool = False) -> BlockSpec:
+        """Bytes of the block's weights and optimizer state (fp32 master unless aliased, m, v, gradient); of one
+        rank's part of the state among `world` data-parallel ranks, and of its weights when `sharded`."""
         largest_grad = max((slot.numel * g.dtype.itemsize for g in self.groups for slot in g.trainable_slots), default=0)
+        part = sum(-(-g.numel // world) * g.dtype.itemsize for g in self.groups) if sharded else None
         return spec_of(self.name, self.weight_bytes, [(g.trainable_numel, g.dtype) for g in self.groups], tier,
-                       largest_grad, moments)
+                       largest_grad, moments, world, part)
 
     def move_to(self, new: Residency) -> None:
         """Change residency; a move the state machine does not allow is a bug, reported loudly."""

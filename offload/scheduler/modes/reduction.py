@@ -138,9 +138,10 @@ class DataParallelReduction:
             state = part.runtime.state
             assert state is not None
             if ready and not skip:
-                assert part.out is not None
                 jobs.step_group(job, part, ready)
-                self.sync.gather(state, part.out)
+                if not part.runtime.home.partitioned:  # sharded weights: the next fetch gathers the new ones
+                    assert part.out is not None
+                    self.sync.gather(state, part.out)
             else:
                 jobs.skip_group(part)
             state.grads.release()

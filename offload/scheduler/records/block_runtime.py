@@ -107,8 +107,8 @@ class BlockRuntime:
         """Queue the block's AdamW update on the worker (nothing when no parameter of it has a gradient).
         `check_finite`: skip groups whose gradients hold inf/NaN (no global norm decides)."""
         self.keep_writes()
-        parts = [GroupUpdate(g, g.state.grads.ready_indices(), g.state.hypers_of(hypers), g.home.update_target())
-                 for g in self.groups if g.state is not None]
+        parts = [GroupUpdate(g, g.state.grads.ready_indices(), g.state.hypers_of(hypers), g.home.update_target(),
+                             g.home.target_base) for g in self.groups if g.state is not None]
         services = self.services
         if not any(part.ready for part in parts) and not services.reduction.runs_every_update(bool(parts)):
             return

@@ -58,13 +58,14 @@ class GroupState:
         self.steps = [int(s) for s in steps]
 
     def update(self, ready: List[int], hypers: Sequence[AdamHyper], grad_scale: float, out: Optional[Tensor],
-               num_threads: Optional[int] = None) -> None:
+               num_threads: Optional[int] = None, out_base: int = 0) -> None:
         """One AdamW step of the parameters in `ready` (taken when the update was scheduled); new compute
-        weights go to `out` when the store does not keep them. `num_threads` caps the CPU kernel's threads."""
+        weights go to `out` (its element 0 is the group's element `out_base`) when the store does not keep them.
+        `num_threads` caps the CPU kernel's threads."""
         self.grads.finish_downloads()
         if ready:
             adamw(self.store, self.grads.buffer(wait=False), self.advance_steps(ready, hypers), grad_scale, out,
-                  num_threads)
+                  num_threads, out_base)
 
     def advance_steps(self, ready: List[int], hypers: Sequence[AdamHyper]) -> List[UpdateSpan]:
         """Count the step of every ready parameter; the spans to update: the whole group in one span when

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from offload._system import return_freed_memory, unmap_large_allocations
-from offload.distributed.data_parallel import DataParallel
+from offload.distributed.data_parallel import DataParallel, Shard
 from offload.errors import OffloadConfigError
-from offload.planner import GradFlow, Plan, make_plan, ring_depth_for, ring_size_for
-from offload.policy import OffloadPolicy, Tier
+from offload.planner import GradFlow, Plan, RingSize, make_plan, ring_depth_for, ring_size_for
+from offload.policy import OffloadPolicy, ShardWeights, Tier
 from offload.scheduler.blocks.block import Block, FlatGroup
 from offload.scheduler.grads.grad_home import GradAccumulator, WindowedGradAccumulator
 from offload.scheduler.grads.grad_window import GradPool
@@ -33,6 +33,7 @@ from offload.scheduler.state.disk_store import DiskStore
 from offload.scheduler.state.sharded_store import ShardedStore, ShardGroup
 from offload.scheduler.state.state_store import MemoryStore, StateStore
 from offload.scheduler.torch_internals import own_buffers
+from offload.scheduler.weights.partitioned_home import DiskPart, HostPart, PartitionedHome, PartKeeper, WeightPart
 from offload.scheduler.weights.streamer import WeightStreamer
 from offload.scheduler.weights.tiers import Tiers
 from offload.scheduler.weights.weight_home import DeviceHome, DiskHome, HostMirror, WeightHome
@@ -47,18 +48,18 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
                   dp: Optional[DataParallel] = None) -> "tuple[Plan, Tiers]":
     """The placement plan of `blocks` under the policy's budgets, and the tiers it needs, opened. In
     data-parallel mode the swap file holds this rank's parts only, in its own directory under nvme_path."""
-    numel_of = None if dp is None else (lambda group: dp.shard_of(group.trainable_numel).numel)
+    sharded = _shards_weights(blocks, policy, dp)
+    numel_of = None if dp is None else (
+        lambda group: dp.state_shard(group.trainable_numel, group.numel, sharded).numel)
     records, swap_size = plan_swap_layout(blocks, numel_of, policy.moments) if policy.tier is Tier.NVME else ({}, 0)
     largest_record = max((r.numel for r in records.values()), default=0)
     ring = ring_size_for(largest_record, policy.moments) if records else None
-    flow = GradFlow(policy.grad_accumulation_steps, policy.max_grad_norm is not None, policy.dtype.itemsize)
-    plan = make_plan([b.spec(policy.tier, policy.moments) for b in blocks], policy.tier, policy.device_memory,
-                     policy.host_memory, ring, flow)
-    if dp is not None and plan.disk_weight_blocks:
+    plan = _make_plan(blocks, policy, ring, dp, sharded)
+    if dp is not None and not sharded and plan.disk_weight_blocks:
         raise OffloadConfigError(
-            f"data-parallel training keeps every block's weights in host memory, but host_memory="
+            f"shard_weights=False keeps every block's weights in each rank's host memory, but host_memory="
             f"{policy.host_memory} leaves {len(plan.disk_weight_blocks)} blocks' weights on disk: raise host_memory "
-            "(per rank), or train in one process")
+            "(per rank), or let each rank keep a part of the weights (shard_weights=True, or None)")
     if policy.bounds_host_memory:
         unmap_large_allocations()  # before materializing: its temporaries too
     device, copies = DeviceTier(policy.device, plan.device_weight_budget), CopyContext(policy.device)
@@ -72,10 +73,11 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
                 "tier='nvme' keeps the optimizer state on disk, but no parameter of this model requires grad: there "
                 "is no state to keep; use tier='cpu' (weights still stream under device_memory), or unfreeze the "
                 "parameters to train before offload.wrap()")
-        weights, swap_size = plan_weight_layout(blocks, plan.disk_weight_blocks, swap_size)
+        part_of = None if not sharded else (lambda group: dp.weight_part(group.numel).numel)  # type: ignore[union-attr]
+        weights, swap_size = plan_weight_layout(blocks, plan.disk_weight_blocks, swap_size, part_of)
         grads: Dict[str, WeightRecord] = {}
         if plan.grads_on_disk:
-            padded = None if dp is None else _padded_part(dp)
+            padded = None if dp is None else _padded_part(dp, sharded)
             grads, swap_size = plan_grad_layout(blocks, swap_size, padded)
         directory = policy.nvme_path
         if dp is not None:
@@ -93,6 +95,32 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
     return plan, tiers
 
 
+def _make_plan(blocks: List[Block], policy: OffloadPolicy, ring: Optional[RingSize], dp: Optional[DataParallel],
+               sharded: bool) -> Plan:
+    """The plan of one rank: its part of the state (and of the weights, `sharded`) among the data-parallel ranks."""
+    world = 1 if dp is None else dp.world
+    flow = GradFlow(policy.grad_accumulation_steps, policy.max_grad_norm is not None, policy.dtype.itemsize)
+    return make_plan([b.spec(policy.tier, policy.moments, world, sharded) for b in blocks], policy.tier,
+                     policy.device_memory, policy.host_memory, ring, flow, world if sharded else 1)
+
+
+def _shards_weights(blocks: List[Block], policy: OffloadPolicy, dp: Optional[DataParallel]) -> bool:
+    """Whether each rank keeps a part of the weights: asked for, or (unset) when the whole weights would not fit a
+    rank's host memory (the plan with them whole puts some on disk, or fails). One process: never."""
+    if dp is None or policy.tier is Tier.GPU or policy.shard_weights is ShardWeights.OFF:
+        return False
+    if policy.shard_weights is ShardWeights.ON:
+        return True
+    records, _ = plan_swap_layout(blocks, lambda g: dp.shard_of(g.trainable_numel).numel, policy.moments) \
+        if policy.tier is Tier.NVME else ({}, 0)
+    largest = max((r.numel for r in records.values()), default=0)
+    try:
+        whole = _make_plan(blocks, policy, ring_size_for(largest, policy.moments) if records else None, dp, False)
+    except OffloadConfigError:
+        return True
+    return bool(whole.disk_weight_blocks)
+
+
 def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: OffloadPolicy, tiers: Tiers,
                 optimizer_group_of: Dict[nn.Parameter, int], initial: InitialWeights, services: BlockServices,
                 dp: Optional[DataParallel] = None) -> None:
@@ -102,6 +130,7 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
     trainable parameter's optimizer group. `dp`: every rank starts from rank 0's weights, and keeps the
     optimizer state of its own part of each group."""
     streamed, on_disk = set(plan.streamed_blocks), set(plan.disk_weight_blocks)
+    sharded = plan.shard_world > 1
     for block in blocks:
         for group in block.groups:
             buffer = tiers.device.allocate(group.numel, group.dtype, f"block {block.name!r}")
@@ -119,16 +148,17 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
             if dp is not None:
                 assert group.device_buffer is not None
                 dp.broadcast_from_first(group.device_buffer)
-            state = None
+            state, shard = None, None
             if group.trainable_numel:
-                shard = None if dp is None else dp.shard_of(group.trainable_numel)
+                shard = None if dp is None else dp.state_shard(group.trainable_numel, group.numel, sharded)
                 store = _state_store(group, policy, tiers) if shard is None else \
                     ShardedStore(_state_store(ShardGroup(group, shard), policy, tiers), shard)
                 grads = _grad_home(group, store.on_host, policy, tiers, plan, None if shard is None else shard.padded)
                 state = GroupState(group, store, grads, [optimizer_group_of[s.param] for s in group.trainable_slots],
                                    shard)
-            group.runtime = GroupRuntime(block, group, _weight_home(block, group, policy, tiers, streamed, on_disk,
-                                                                    state is not None), state)
+            home = _partitioned_home(block, group, tiers, on_disk, dp, shard) if sharded else \
+                _weight_home(block, group, policy, tiers, streamed, on_disk, state is not None)
+            group.runtime = GroupRuntime(block, group, home, state)
             groups.append(group.runtime)
         block.runtime = BlockRuntime(block, groups, block.name in streamed, services)
         if block.runtime.streamed:
@@ -181,8 +211,23 @@ def _weight_home(block: Block, group, policy: OffloadPolicy, tiers: Tiers, strea
     return DeviceHome(group)
 
 
-def _padded_part(dp: DataParallel) -> Callable[[FlatGroup], int]:
+def _partitioned_home(block: Block, group: FlatGroup, tiers: Tiers, on_disk: set, dp: Optional[DataParallel],
+                      state_shard: Optional[Shard]) -> PartitionedHome:
+    """Sharded weights: this rank's part of the group, on disk where the plan puts the block's, else in host
+    memory."""
+    assert dp is not None and group.device_buffer is not None
+    part = dp.weight_part(group.numel)
+    initial = group.device_buffer[part.lo:part.hi]
+    if block.name in on_disk:
+        assert tiers.ring is not None
+        keeper: PartKeeper = DiskPart(WeightPart(group, part), tiers.ring.weights, initial)
+    else:
+        keeper = HostPart(initial)
+    return PartitionedHome(group, part, state_shard, dp, keeper)
+
+
+def _padded_part(dp: DataParallel, sharded: bool) -> Callable[[FlatGroup], int]:
     """A data-parallel rank's gradient of a group: the whole trainable range, padded to whole shards."""
     def padded(group: FlatGroup) -> int:
-        return dp.shard_of(group.trainable_numel).padded
+        return dp.state_shard(group.trainable_numel, group.numel, sharded).padded
     return padded

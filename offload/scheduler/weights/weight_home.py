@@ -33,6 +33,8 @@ class WeightHome(Protocol):
 
     pushes: bool  # an update writes elsewhere than the device buffer: `push` must follow it
     reads_ahead_from_disk: bool  # a prefetch starts disk reads (`prefetch`) instead of a fetch
+    partitioned: bool  # it keeps this rank's part only (sharded weights): no gather follows an update
+    target_base: int  # the group element that `update_target()`'s element 0 is
 
     def update_target(self) -> Optional[Tensor]: ...
 
@@ -56,6 +58,8 @@ class DeviceHome:
 
     pushes = False
     reads_ahead_from_disk = False
+    partitioned = False
+    target_base = 0
 
     def __init__(self, group: FlatGroup) -> None:
         assert group.device_buffer is not None
@@ -94,6 +98,8 @@ class HostMirror:
 
     pushes = True
     reads_ahead_from_disk = False
+    partitioned = False
+    target_base = 0
 
     def __init__(self, group: FlatGroup, copies: CopyContext, whole: bool) -> None:
         assert group.device_buffer is not None
@@ -149,6 +155,8 @@ class DiskHome:
 
     pushes = True
     reads_ahead_from_disk = True
+    partitioned = False
+    target_base = 0
 
     def __init__(self, group: FlatGroup, weights: "DiskWeightIO", copies: CopyContext) -> None:
         assert group.device_buffer is not None

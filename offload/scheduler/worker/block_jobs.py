@@ -49,7 +49,7 @@ class BlockJobs:
         state = part.runtime.state
         assert state is not None
         part.runtime.home.release_source()  # the last upload of `out` has read it
-        state.update(ready, part.hypers, job.grad_scale, part.out, self.num_threads)
+        state.update(ready, part.hypers, job.grad_scale, part.out, self.num_threads, part.out_base)
         part.runtime.note_writes_during_update(job.block)
 
     def skip_group(self, part: GroupUpdate) -> None:

@@ -36,6 +36,7 @@ class GroupUpdate:
     ready: List[int]
     hypers: List[AdamHyper]
     out: Optional[Tensor]
+    out_base: int = 0  # the group element `out[0]` is (sharded weights: the rank's part starts there)
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ class FakePhases:
         self.calls: List[Call] = []
         self._names = {id(p): n for n, p in model.named_parameters()}
 
-    def begin_root_forward(self) -> None:
+    def begin_root_forward(self, tokens=None) -> None:
         self.calls.append(("begin_root_forward",))
 
     def end_root_forward(self) -> None:

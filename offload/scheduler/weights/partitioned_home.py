@@ -1,0 +1,172 @@
+"""Sharded weights (`shard_weights`, ZeRO-3): a flat group's weight home that keeps only this rank's part.
+
+Each rank keeps elements `[a, b)` of every group (`DataParallel.weight_part`) in host memory (`HostPart`) or in its
+own swap file (`DiskPart`); the device holds the whole group only while a module computes with it: a fetch reads
+the rank's part and all-gathers the others' into the device buffer (`DataParallel.gather_weights`, on the training
+thread's own process group, in the same order on every rank: the forward order, the backward's unpacks, a
+checkpoint's walk). The rank's state part is the trainable elements of `[a, b)`, so its update writes the new
+weights of its own part, where they live (the host part, or the swap file through the ring's chunks), and
+nothing is gathered after an update: the next fetch gathers the new weights. See docs/design.md
+[Note: sharded weights].
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, List, Optional, Protocol, cast
+
+import torch
+from torch import Tensor
+
+from offload.distributed.data_parallel import DataParallel, Shard
+from offload.scheduler.blocks.block import FlatGroup
+
+if TYPE_CHECKING:
+    from offload.scheduler.ring.weight_io import DiskWeightIO, WeightRead
+
+
+class WeightPart:
+    """A rank's part `[a, b)` of a flat group, as the swap file's weight record and the ring see a group: the group's
+    key and dtype, `numel` elements."""
+
+    def __init__(self, group: FlatGroup, part: Shard) -> None:
+        self.key = group.key
+        self.dtype = group.dtype
+        self.numel = part.numel
+        self.part = part
+
+
+class PartKeeper(Protocol):
+    """Where a rank's part lives between uses."""
+
+    reads_ahead_from_disk: bool
+
+    def update_target(self, trainable: int) -> Optional[Tensor]: ...
+
+    def read(self) -> Tensor: ...
+
+    def write(self, part: Tensor) -> None: ...
+
+    def prefetch(self) -> bool: ...
+
+    def cancel_prefetch(self) -> None: ...
+
+
+class HostPart:
+    """The part in host memory: the update writes it in place."""
+
+    reads_ahead_from_disk = False
+
+    def __init__(self, part: Tensor) -> None:
+        self.host = part.detach().to("cpu", copy=True)
+
+    def update_target(self, trainable: int) -> Optional[Tensor]:
+        return self.host[:trainable]
+
+    def read(self) -> Tensor:
+        return self.host
+
+    def write(self, part: Tensor) -> None:
+        self.host.copy_(part)
+
+    def prefetch(self) -> bool:
+        return False  # the streamer fetches (gathers) host parts ahead itself, within the device budget
+
+    def cancel_prefetch(self) -> None:
+        pass
+
+
+class DiskPart:
+    """The part in the rank's swap file (a weight record of the part's size): the update writes its new weights
+    there through the ring's chunks; a prefetch starts the disk reads, the fetch finishes them."""
+
+    reads_ahead_from_disk = True
+
+    def __init__(self, part: WeightPart, weights: "DiskWeightIO", initial: Tensor) -> None:
+        self._part = part
+        self._record = cast(FlatGroup, part)  # the ring and the swap file read its key, dtype and numel only
+        self._disk = weights
+        self._read_ahead: Optional[List["WeightRead"]] = None
+        weights.write_weights(self._record, initial.detach().to("cpu"))
+
+    def update_target(self, trainable: int) -> Optional[Tensor]:
+        return None  # the store's chunks carry the new weights to the record
+
+    def read(self) -> Tensor:
+        out = torch.empty(self._part.numel, dtype=self._part.dtype)
+        handle, self._read_ahead = self._read_ahead, None
+        if handle:
+            self._disk.finish_weights_read(handle, out, _copy)
+        else:
+            self._disk.read_weights(self._record, out, _copy)
+        return out
+
+    def write(self, part: Tensor) -> None:
+        self.cancel_prefetch()  # reads a prefetch started would return the old weights
+        self._disk.write_weights(self._record, part.to(self._part.dtype).contiguous())
+
+    def prefetch(self) -> bool:
+        if self._read_ahead is None:
+            self._read_ahead = self._disk.start_weights_read(self._record, self._part.dtype.itemsize)
+        return self._read_ahead is not None
+
+    def cancel_prefetch(self) -> None:
+        handle, self._read_ahead = self._read_ahead, None
+        if handle:
+            self._disk.cancel_weights_read(handle)
+
+
+class PartitionedHome:
+    """The `WeightHome` of a sharded group (see the module docstring)."""
+
+    pushes = True
+    partitioned = True
+
+    def __init__(self, group: FlatGroup, part: Shard, state_shard: Optional[Shard], dp: DataParallel,
+                 keeper: PartKeeper) -> None:
+        assert group.device_buffer is not None
+        self._group = group
+        self._part = part
+        self._dp = dp
+        self._keeper = keeper
+        self._trainable = 0 if state_shard is None else state_shard.numel
+        self.target_base = 0 if state_shard is None else state_shard.lo  # the update's element 0 is the part's
+        self.reads_ahead_from_disk = keeper.reads_ahead_from_disk
+
+    def update_target(self) -> Optional[Tensor]:
+        return self._keeper.update_target(self._trainable)
+
+    def release_source(self) -> None:
+        pass  # a gather reads the part synchronously
+
+    def push(self, resident: bool) -> None:
+        if resident:
+            self.fetch()  # the device copy is stale: gather the new weights (every rank pushes the same block)
+
+    def fetch(self) -> None:
+        buffer = self._group.device_buffer
+        assert buffer is not None
+        with torch.no_grad():
+            self._dp.gather_weights(buffer, self._keeper.read().to(buffer.device), self._part)
+
+    def host_weights(self) -> Tensor:
+        """The whole group's weights on the host: a gather, so every rank calls it for the same group."""
+        assert self._group.device_buffer is not None
+        whole = torch.empty(self._group.numel, dtype=self._group.dtype, device=self._group.device_buffer.device)
+        self._dp.gather_weights(whole, self._keeper.read().to(whole.device), self._part)
+        return whole.to("cpu")
+
+    def replace(self, flat: Tensor, resident: bool) -> None:
+        self._keeper.write(flat[self._part.lo:self._part.hi].to("cpu"))
+        if resident:
+            assert self._group.device_buffer is not None
+            self._group.device_buffer.copy_(flat)
+
+    def prefetch(self) -> bool:
+        return self._keeper.prefetch()
+
+    def cancel_prefetch(self) -> None:
+        self._keeper.cancel_prefetch()
+
+
+def _copy(dst: Tensor, src: Tensor) -> None:
+    dst.copy_(src)
