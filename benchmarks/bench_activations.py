@@ -8,8 +8,11 @@ Each row runs in a fresh process (peak RSS is VmHWM, reset after the model is bu
 steps of batch 4, 128 MiB + 128 MiB budgets, `grad_accumulation_steps=1`, fp32 on the CPU (the device here is
 this CPU's RAM, so "off the device" means into the swap file). Losses are compared with the row without
 offload at the same length; `growth` is peak RSS over the baseline after wrap(), and `vs plain` its ratio to
-the plain row's. `save_on_cpu` moves every saved tensor to host memory: on a CPU device that is the same RAM,
-so it is the copy's cost without the saving; on CUDA it is the rival that matters.
+the plain row's; `block_MB` is the most one transformer layer's forward sent to the swap file (rows that
+spill). The JSON row of `run_row` also has the engine's own measurement, `engine.plan.activations`
+(`saved_bytes`, `moved_bytes`, `largest_block_bytes`, `tokens`). `save_on_cpu` moves every saved tensor to host
+memory: on a CPU device that is the same RAM, so it is the copy's cost without the saving; on CUDA it is the
+rival that matters.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import append_csv, machine_header, print_table  # noqa: E402
 
 MODES = ("plain", "offload", "save_on_cpu", "checkpointing", "checkpointing+offload")
+HOST_MEMORY = 128 << 20  # the budgets of every row (tests/test_activation_memory.py bounds the growth with them)
+DEVICE_MEMORY = 128 << 20
 
 
 def _peak_rss() -> int:
@@ -58,8 +63,12 @@ def child(mode: str, seq: int, steps: int, out: str, layers: int = 8, dim: int =
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     swap = tempfile.mkdtemp(prefix="offload-act-")
     engine = offload.wrap(model, "nvme", nvme_path=swap, dtype=torch.float32, device="cpu",
-                          host_memory="128MiB", device_memory="128MiB", grad_accumulation_steps=1,
+                          host_memory=HOST_MEMORY, device_memory=DEVICE_MEMORY, grad_accumulation_steps=1,
                           activations="offload" if mode.endswith("offload") else None)
+    layer_bytes: List[int] = []  # what each transformer layer's forward call sent to the swap file
+    for layer in model.transformer.h:
+        layer.register_forward_pre_hook(lambda module, args: layer_bytes.append(-_spilled(engine)))
+        layer.register_forward_hook(lambda module, args, out: layer_bytes.append(layer_bytes.pop() + _spilled(engine)))
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 2048, (batch, seq), generator=gen) for _ in range(steps)]
     _reset_peak()
@@ -80,12 +89,21 @@ def child(mode: str, seq: int, steps: int, out: str, layers: int = 8, dim: int =
         losses.append(loss.item())
     peak = _peak_rss()
     stats = engine.stats()
+    use = engine.plan.activations  # the last training forward's saved tensors, measured (offload/scheduler/activations/use.py)
     engine.close()
     if os.path.isdir(swap) and not os.listdir(swap):
         os.rmdir(swap)
     with open(out, "w", encoding="utf-8") as f:
         json.dump({"losses": losses, "times": times, "growth": peak - base,
-                   "spilled": stats.get("activation_bytes_to_disk", 0)}, f)
+                   "spilled": stats.get("activation_bytes_to_disk", 0),
+                   "largest_block_bytes": use.largest_block_bytes if use else 0,
+                   "saved_bytes": use.saved_bytes if use else 0, "moved_bytes": use.moved_bytes if use else 0,
+                   "tokens": use.tokens if use else batch * seq, "vocab": config.vocab_size,
+                   "layer_bytes": max(layer_bytes, default=0)}, f)
+
+
+def _spilled(engine) -> int:
+    return int(engine.stats().get("activation_bytes_to_disk", 0))
 
 
 def run_row(mode: str, seq: int, steps: int, layers: int = 8, dim: int = 512, batch: int = 4) -> Dict[str, object]:
@@ -125,9 +143,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             rows.append(dict(seq=seq, mode=mode, step_s=f"{sorted(r['times'])[len(r['times']) // 2]:.2f}",
                              growth_GB=f"{r['growth'] / 1e9:.2f}",
                              vs_plain=f"{r['growth'] / plain['growth']:.2f}" if plain else "",
-                             spilled_GB=f"{r['spilled'] / 1e9:.2f}", loss=f"{r['losses'][-1]:.6f}",
+                             spilled_GB=f"{r['spilled'] / 1e9:.2f}",
+                             block_MB=f"{r['layer_bytes'] / 1e6:.0f}" if r["layer_bytes"] else "",
+                             loss=f"{r['losses'][-1]:.6f}",
                              max_loss_diff=f"{diff:.1e}"))
-    print_table(rows, ["seq", "mode", "step_s", "growth_GB", "vs_plain", "spilled_GB", "loss", "max_loss_diff"])
+    print_table(rows, ["seq", "mode", "step_s", "growth_GB", "vs_plain", "spilled_GB", "block_MB", "loss",
+                       "max_loss_diff"])
     append_csv("bench_activations", rows)
     return 0
 
