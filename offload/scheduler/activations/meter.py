@@ -11,7 +11,7 @@ without the hooks' cost on every step.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, List, Optional, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -23,8 +23,12 @@ TOKEN_INPUT_NAMES = ("input_ids", "idx", "tokens")
 
 
 class SavedTensorMeter:
-    """One engine's measurement of saved-tensor bytes: `begin` / `end` around a training forward, `enter_block` /
-    `leave_block` around each block owner's call, `pack` in the saved-tensor hooks; `last` is the newest result."""
+    """One engine's measurement of saved-tensor bytes: `begin` / `end` around a training forward, `enter_block` at
+    each block owner's call, `pack` in the saved-tensor hooks; `last` is the newest result.
+
+    A tensor counts for the block entered last: the owners hooked are the modules that hold parameters (a layer's
+    linears and norms), so what a layer saves between them (attention, activations, residual adds) is its own,
+    and the loss after the last layer counts for the block of the head that made the logits."""
 
     def __init__(self, inner_pack: Callable[[Tensor], object], is_weight: Callable[[Tensor], bool]) -> None:
         self._inner_pack = inner_pack
@@ -34,7 +38,8 @@ class SavedTensorMeter:
         self._tokens: Optional[int] = None
         self._saved = self._movable = self._moved = self._largest = 0
         self._kept: Set[Tuple[int, int]] = set()  # kept tensors already counted (they live until the backward)
-        self._calls: List[int] = [0]  # bytes of each block call in progress, innermost last; [0]: outside blocks
+        self._per_block: Dict[int, int] = {}  # bytes saved while each block was the one entered last (-1: none yet)
+        self._current = -1
         self._recomputed = False
 
     @property
@@ -45,24 +50,20 @@ class SavedTensorMeter:
         self._active, self._tokens = True, tokens
         self._saved = self._movable = self._moved = self._largest = 0
         self._kept.clear()
-        self._calls = [0]
+        self._per_block = {}
+        self._current = -1
         self._recomputed = False
 
     def end(self) -> None:
         if not self._active:
             return
         self._active = False
-        self._largest = max([self._largest, *self._calls])
+        self._largest = max(self._per_block.values(), default=0)
         self._kept.clear()
         self.last = ActivationUse(self._saved, self._movable, self._moved, self._largest, self._tokens)
 
-    def enter_block(self) -> None:
-        if self._active:
-            self._calls.append(0)
-
-    def leave_block(self) -> None:
-        if self._active and len(self._calls) > 1:
-            self._largest = max(self._largest, self._calls.pop())
+    def enter_block(self, index: int) -> None:
+        self._current = index
 
     def saw_recompute(self) -> None:
         """A block's forward ran again in a backward: activation checkpointing (the plan says so)."""
@@ -89,7 +90,7 @@ class SavedTensorMeter:
             return  # a streamed weight's handle
         nbytes = tensor.numel() * tensor.element_size()
         self._saved += nbytes
-        self._calls[-1] += nbytes
+        self._per_block[self._current] = self._per_block.get(self._current, 0) + nbytes
         if isinstance(packed, SpilledTensor):
             self._moved += nbytes
             self._movable += nbytes

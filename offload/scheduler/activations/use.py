@@ -20,7 +20,7 @@ class ActivationUse:
     saved_bytes: int  # everything saved for the backward
     movable_bytes: int  # of it, the tensors activations="offload" sends to the swap file (the rest is small)
     moved_bytes: int  # what went to the swap file (0 with activations=None)
-    largest_block_bytes: int  # the most one block's forward saved (a block's own module call)
+    largest_block_bytes: int  # the most one block saved in the forward (its layer's tensors: meter.py)
     tokens: Optional[int] = None  # elements of the forward's token input (input_ids), when it had one
     recomputed: bool = False  # activation checkpointing ran a block's forward again in the backward
 

@@ -66,8 +66,8 @@ class ForwardPhase:
         in_backward = is_backward()
         if in_backward:
             self.saved_tensors.meter.saw_recompute()
-        else:
-            self.saved_tensors.meter.enter_block()
+        elif blocks:
+            self.saved_tensors.meter.enter_block(blocks[-1].index)
         for block in blocks:
             runtime = block.record
             runtime.refuse_moved_parameters()
@@ -84,8 +84,6 @@ class ForwardPhase:
     @eager
     def post_forward(self, blocks: List[Block]) -> None:
         """The module no longer needs these blocks (also after an exception)."""
-        if not is_backward():
-            self.saved_tensors.meter.leave_block()
         for block in blocks:
             block.record.leave_forward()
 
