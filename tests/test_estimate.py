@@ -140,3 +140,24 @@ def test_offloading_activations_fits_more_tokens_than_keeping_them():
 def test_seq_len_needs_a_gpt_config(capsys):
     assert main(["estimate", "--params", "7e9", "--seq-len", "2048"]) == 2
     assert "--seq-len estimates a GPT config's activations" in capsys.readouterr().err
+
+
+def test_a_ranks_plan_holds_its_part_of_the_state_and_shards_weights_that_do_not_fit(capsys):
+    """--world-size N: the plan is one rank's (1/N of the optimizer state, the whole gradient); weights that do not
+    fit a rank's host memory are sharded (each rank keeps 1/N), as wrap(shard_weights=None) decides; refused when
+    sharding is turned off."""
+    shape = ModelShape.gpt(24, 2048, 32000, 2048)
+    one = estimate(shape, Tier.NVME, torch.bfloat16, 24 << 30, None)
+    two = estimate(shape, Tier.NVME, torch.bfloat16, 24 << 30, None, world=2)
+    state = [sum(b.state_bytes for b in plan.blocks) for plan in (one, two)]
+    assert abs(state[1] - state[0] / 2) <= 0.01 * state[0] and two.shard_world == 1
+    weights = shape.params * 2
+    small = estimate(shape, Tier.NVME, torch.bfloat16, 2 << 30, weights // 2, world=4)
+    assert small.shard_world == 4 and small.bytes_on(Location.HOST) <= weights // 2
+    assert sum(b.weight_bytes for b in small.blocks) <= weights / 4 + 64 * 4096
+    with pytest.raises(Exception, match="shard_weights=False"):
+        estimate(shape, Tier.NVME, torch.bfloat16, 2 << 30, weights // 2, world=4, shard_weights=False)
+    assert main(["estimate", "--layers", "24", "--dim", "2048", "--tier", "nvme", "--device-memory", "2GB",
+                 "--host-memory", str(weights // 2), "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "per rank of 4 data-parallel ranks" in out and "weights sharded: each rank keeps 1/4" in out

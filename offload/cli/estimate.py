@@ -64,16 +64,30 @@ class ModelShape:
 
 def estimate(shape: ModelShape, tier: Tier, dtype: torch.dtype, device_memory: Optional[int],
              host_memory: Optional[int], flow: Optional[GradFlow] = None,
-             moments: MomentFormat = MomentFormat.FP32) -> Plan:
+             moments: MomentFormat = MomentFormat.FP32, world: int = 1, shard_weights: Optional[bool] = None) -> Plan:
     """The plan `offload.wrap` would make for a model of this shape (all parameters trainable); `flow`: when the
     gradients are consumed (declared accumulation, clipping), which decides where the nvme tier keeps them;
-    `moments`: how the Adam moments are kept (wrap's `moments=`)."""
+    `moments`: how the Adam moments are kept (wrap's `moments=`); `world`: data-parallel ranks, the plan one rank's,
+    with `shard_weights` as wrap takes it (None: sharded when the whole weights do not fit host memory)."""
+    if world > 1 and tier is not Tier.GPU and shard_weights is None:
+        try:
+            whole = estimate(shape, tier, dtype, device_memory, host_memory, flow, moments, world, False)
+            shard_weights = bool(whole.disk_weight_blocks)
+        except OffloadConfigError:
+            shard_weights = True
+    sharded = world > 1 and tier is not Tier.GPU and bool(shard_weights)
     itemsize = dtype.itemsize
     specs: List[BlockSpec] = [spec_of(block[0], block[1] * itemsize, [(block[1], dtype)], tier, largest * itemsize,
-                                      moments)
+                                      moments, world, -(-block[1] // world) * itemsize if sharded else None)
                               for block, largest in zip(shape.blocks, shape.largest_tensors())]
-    ring = ring_size_for(max(block[1] for block in shape.blocks), moments) if tier is Tier.NVME else None
-    return make_plan(specs, tier, device_memory, host_memory, ring, flow or GradFlow(itemsize=itemsize))
+    largest_record = max(-(-block[1] // world) for block in shape.blocks)
+    ring = ring_size_for(largest_record, moments) if tier is Tier.NVME else None
+    plan = make_plan(specs, tier, device_memory, host_memory, ring, flow or GradFlow(itemsize=itemsize),
+                     world if sharded else 1)
+    if world > 1 and not sharded and plan.disk_weight_blocks:
+        raise OffloadConfigError("shard_weights=False keeps every block's weights in each rank's host memory, but "
+                                 f"host_memory leaves {len(plan.disk_weight_blocks)} blocks' weights on disk")
+    return plan
 
 
 def _summary(plan: Plan) -> str:
@@ -84,6 +98,9 @@ def _summary(plan: Plan) -> str:
             + (f" ({disk_weights} from disk)" if disk_weights else ""))
     if plan.tier is Tier.NVME:
         line += f"\n           gradients: {plan.grads_placement()}"
+    if plan.shard_world > 1:
+        line += (f"\n           weights sharded: each rank keeps 1/{plan.shard_world} of every block's, gathered whole "
+                 "on the device for each use")
     return line
 
 
@@ -138,6 +155,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--moments", choices=[m.value for m in MomentFormat], default=MomentFormat.FP32.value,
                         help="how the Adam moments are kept, as offload.wrap(moments=...): int8 and bf16 shrink the "
                              "state (on the nvme tier, the swap file and the bytes each step moves)")
+    parser.add_argument("--world-size", type=positive_int, default=1,
+                        help="data-parallel ranks (torchrun): the plan and budgets are one rank's, each keeping 1/N "
+                             "of the optimizer state")
+    parser.add_argument("--shard-weights", choices=["auto", "on", "off"], default="auto",
+                        help="with --world-size: each rank keeps 1/N of the weights (on), all of them (off), or "
+                             "what the budgets need (auto), as offload.wrap(shard_weights=True/False/None)")
     parser.add_argument("--seq-len", type=positive_int, default=None,
                         help="tokens per sequence: also estimate the activations (a GPT config: --layers, --dim)")
     parser.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per micro-batch (--seq-len)")
@@ -188,9 +211,13 @@ def run(args: argparse.Namespace) -> int:
     flow = GradFlow(getattr(args, "grad_accumulation_steps", None), bool(getattr(args, "max_grad_norm", False)),
                     dtype.itemsize)
     moments = MomentFormat.parse(getattr(args, "moments", MomentFormat.FP32.value))
+    world = getattr(args, "world_size", 1)
+    shard = {"auto": None, "on": True, "off": False}[getattr(args, "shard_weights", "auto")]
+    if world > 1:
+        print(f"per rank of {world} data-parallel ranks (each keeps 1/{world} of the optimizer state)")
     for tier in tiers:
         try:
-            plan = estimate(shape, tier, dtype, device_memory, host_memory, flow, moments)
+            plan = estimate(shape, tier, dtype, device_memory, host_memory, flow, moments, world, shard)
         except OffloadConfigError as exc:
             print(f"tier={tier.value:<5} does not fit: {exc}")
             continue
