@@ -1,8 +1,9 @@
-"""Data-parallel training on several ranks: offload's data-parallel mode against torch DDP + AdamW (and
-DeepSpeed ZeRO-2 with CPU offload where it imports).
+"""Data-parallel training on several ranks: offload's data-parallel modes (replicated and sharded weights) against
+torch DDP + AdamW (and DeepSpeed ZeRO-2 and ZeRO-3 with CPU offload where it imports).
 
     python benchmarks/bench_dp.py [--nproc 2 --layers 4 --dim 512 --vocab 4096 --context 128 --batch 8]
                                   [--rounds 4 --steps 5 --warmup 2] [--nvme-path DIR] [--quick]
+                                  [--host-memory BYTES --device-memory BYTES]   # the "weights on disk" row's budgets
     python benchmarks/bench_dp.py --backend nccl --dtype bfloat16     # a GPU machine: rank r on cuda:LOCAL_RANK
 
 Every rival trains the same model (the demo's GPT, tied embedding and output; built with seed 0 on every
@@ -15,21 +16,52 @@ each round, so slow phases of a shared machine hit every rival. A step's time is
 table gives the median over all timed steps of all rounds with the p20-p80 and min-max spreads.
 
 Rivals:
-  offload cpu    offload.wrap(tier="cpu", grad_accumulation_steps=1): gradients reduce-scattered per block on
-                 the step worker during backward, each rank steps its 1/N of the fp32 master weights and
-                 Adam moments, all-gathers the new weights.
-  offload nvme   the same with the optimizer state in a swap file per rank under --nvme-path.
+  offload cpu replicated   offload.wrap(tier="cpu", grad_accumulation_steps=1, shard_weights=False): every rank
+                 keeps the whole compute weights; gradients reduce-scattered per block on the step worker during
+                 backward, each rank steps its 1/N of the fp32 master weights and Adam moments, all-gathers the
+                 new weights.
+  offload nvme replicated  the same with the optimizer state in a swap file per rank under --nvme-path.
+  offload cpu sharded      tier="cpu", shard_weights=True (ZeRO-3): each rank keeps 1/N of every block's weights
+                 (its state part is the trainable elements of that part), all-gathered whole for each use (the
+                 forward, and again for the backward's recomputation of what it needs); gradients
+                 reduce-scattered as above; the update writes the rank's own part, nothing is gathered after it.
+  offload nvme sharded     the same with the optimizer state in the rank's swap file.
+  offload nvme sharded, weights on disk   tier="nvme", shard_weights=True, host_memory and device_memory small
+                 (`--host-memory`, default 1.25x the whole model's compute-dtype weight bytes; `--device-memory`,
+                 default 1.15x the largest block's weights plus the largest parameter's gradient, the least a
+                 block's compute needs) so each rank's weight parts of some blocks live in its swap file; the
+                 worker checks `engine.plan.disk_weight_blocks` is not empty and the row's note names them.
   torch DDP      DistributedDataParallel + torch.optim.AdamW(fused=True) (foreach where fused is refused on
                  this device: the row says so); every rank holds the whole optimizer state.
-  DeepSpeed      ZeRO stage 2, offload_optimizer {device: cpu} (DeepSpeed's CPU Adam), where `import
-                 deepspeed` works; else the table says why it was skipped.
+  DeepSpeed ZeRO-2  offload_optimizer {device: cpu} (DeepSpeed's CPU Adam), where `import deepspeed` works;
+                 else the table says why it was skipped.
+  DeepSpeed ZeRO-3  stage 3, offload_optimizer and offload_param {device: cpu}, where `import deepspeed` works.
+The offload rows pass shard_weights explicitly, so the default (None: shard when the weights do not fit
+host_memory) cannot change a row's mode; the worker checks `engine.plan.shard_world` matches the row.
 
 Memory per rank: peak RSS is VmHWM of /proc/self/status, reset (clear_refs 5) after the imports, the process
 group and the model are built, so `peak_rss` is the whole process's peak and `rss_growth` what the training
 setup and steps added on top of that baseline. Optimizer state per rank: `engine.stats()
 ["optimizer_state_bytes"]` for offload (fp32 master + m + v of this rank's part: 12 B/param / N); the
 tensors in `optimizer.state` for torch (m, v and step: 8 B/param, whole; the fp32 parameters are its
-master weights and are not counted); DeepSpeed: its fp32 partition plus its CPU Adam's state.
+master weights and are not counted); DeepSpeed: its fp32 partition plus its CPU Adam's state. `swap_MB`:
+the apparent size (st_size) of the files in the rank's swap directory (nvme_path/rank-<r>/) after the timed
+steps: optimizer state, and the rank's weight parts where the plan puts weights on disk.
+
+Collectives, measured: before wrap(), each rank's worker replaces torch.distributed's all_gather,
+all_gather_into_tensor, reduce_scatter_tensor, reduce_scatter, all_reduce, broadcast, all_to_all_single (and
+the object collectives, calls only) with wrappers that count calls and tensor bytes, then call the original;
+offload calls them as `dist.<name>` at call time, so it goes through the wrappers. Only calls during the
+timed steps count (the benchmark's own barrier has no payload). Each call's bytes are what one rank sends
+under the bandwidth-optimal (ring) algorithm, from the sizes of the tensors the call was given:
+all-gather (N-1)/N of the gathered whole, reduce-scatter (N-1)/N of the reduced whole, all-reduce 2(N-1)/N
+of the tensor, broadcast the tensor (gloo's own algorithms may move more; the payload sizes are exact).
+Columns, per step per rank: `gather_MB` (all_gather, all_gather_into_tensor), `reduce_MB` (reduce_scatter*,
+all_reduce), `other_MB` (broadcast, all_to_all), `calls` (collective calls, all kinds), `comm_vs_ddp`
+(the highest rank's total against DDP's). torch DDP reduces through its C++ reducer, which bypasses the
+Python functions: its row's reduce_MB is COMPUTED, not measured, as 2(N-1)/N x the gradient bytes
+(4 B per trainable fp32 parameter) per step, and says so; its calls are blank. DeepSpeed's rows count
+what deepspeed.comm routes through torch.distributed's functions (unchecked here where it is not installed).
 
 A failed launch is reported by the rank's exception (the whole output of torchrun is appended to the file
 named by the environment variable BENCH_DP_LOG, where set); the benchmark then exits 1. DeepSpeed is
@@ -58,11 +90,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_header, print_table, summarize  # noqa: E402
 
 RIVALS = {  # key: label
-    "offload-cpu": "offload cpu tier (DP)",
-    "offload-nvme": "offload nvme tier (DP)",
+    "offload-cpu": "offload cpu replicated (DP)",
+    "offload-nvme": "offload nvme replicated (DP)",
+    "offload-cpu-sharded": "offload cpu sharded (ZeRO-3)",
+    "offload-nvme-sharded": "offload nvme sharded (ZeRO-3)",
+    "offload-nvme-sharded-disk": "offload nvme sharded, weights on disk",
     "ddp": "torch DDP + AdamW",
     "deepspeed": "DeepSpeed ZeRO-2, CPU offload",
+    "deepspeed-zero3": "DeepSpeed ZeRO-3, CPU offload",
 }
+OFFLOAD = {  # rival: (tier, shard_weights, small host and device budgets)
+    "offload-cpu": ("cpu", False, False),
+    "offload-nvme": ("nvme", False, False),
+    "offload-cpu-sharded": ("cpu", True, False),
+    "offload-nvme-sharded": ("nvme", True, False),
+    "offload-nvme-sharded-disk": ("nvme", True, True),
+}
+DEEPSPEED = ("deepspeed", "deepspeed-zero3")
 REFERENCE = "ddp"
 
 
@@ -85,11 +129,17 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--rivals", default=",".join(RIVALS),
                         help=f"comma-separated subset of {', '.join(RIVALS)}")
     parser.add_argument("--nvme-path", default=None, help="directory for the nvme tier's swap files (default: tmp)")
-    parser.add_argument("--quick", action="store_true", help="a tiny model, 2 rounds of 2 steps (a smoke run)")
+    parser.add_argument("--host-memory", default=None,
+                        help="host_memory per rank of the 'weights on disk' row (bytes or '64MB'; default 1.25x the "
+                             "whole model's weight bytes)")
+    parser.add_argument("--device-memory", default=None,
+                        help="device_memory per rank of the 'weights on disk' row (default 1.15x the largest block's "
+                             "weights plus the largest parameter's gradient)")
+    parser.add_argument("--quick", action="store_true", help="a tiny model, 1 round of 2 steps (a smoke run)")
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.dim, args.vocab, args.context, args.batch = 2, 64, 512, 32, 4
-        args.rounds, args.steps, args.warmup = 2, 2, 1
+        args.rounds, args.steps, args.warmup = 1, 2, 1
     if args.batch % args.nproc:
         parser.error(f"--batch {args.batch} must split evenly across --nproc {args.nproc} ranks")
     unknown = [r for r in args.rivals.split(",") if r not in RIVALS]
@@ -140,10 +190,112 @@ def torch_adamw(params, lr: float, device: torch.device):
 
 def deepspeed_state_bytes(ds_engine) -> int:
     zero = ds_engine.optimizer
-    total = tensor_bytes(getattr(zero, "single_partition_of_fp32_groups", []))
+    total = tensor_bytes(getattr(zero, "single_partition_of_fp32_groups", []))  # ZeRO-1/2
+    total += tensor_bytes(getattr(zero, "fp32_partitioned_groups_flat", []))  # ZeRO-3
     inner = getattr(zero, "optimizer", None)
     if inner is not None and hasattr(inner, "state"):
         total += tensor_bytes(dict(inner.state))
+    return total
+
+
+class CollectiveMeter:
+    """Counts the collectives a rank calls through torch.distributed's module functions: calls, and the bytes one
+    rank sends under the ring algorithm (see the module docstring), by kind. Installed on the module before
+    wrap(); the engine's step worker and training thread both call through it (a lock keeps the counts)."""
+
+    KIND = {"all_gather": "gather", "all_gather_into_tensor": "gather", "reduce_scatter_tensor": "reduce",
+            "reduce_scatter": "reduce", "all_reduce": "reduce", "broadcast": "other", "all_to_all_single": "other",
+            "all_gather_object": "other", "broadcast_object_list": "other"}
+
+    def __init__(self, dist, world: int) -> None:
+        import threading
+
+        self.dist, self.world = dist, world
+        self.lock = threading.Lock()
+        self.counting = False
+        self.bytes = {"gather": 0.0, "reduce": 0.0, "other": 0.0}
+        self.calls = 0
+
+    def install(self) -> None:
+        for name in self.KIND:
+            original = getattr(self.dist, name, None)
+            if original is not None:
+                setattr(self.dist, name, self._counting(name, original))
+
+    def start(self) -> None:
+        with self.lock:
+            self.counting = True
+            self.bytes = dict.fromkeys(self.bytes, 0.0)
+            self.calls = 0
+
+    def stop(self) -> dict:
+        with self.lock:
+            self.counting = False
+            return dict(self.bytes, calls=self.calls)
+
+    def _counting(self, name: str, original):
+        kind = self.KIND[name]
+
+        def counted(*args, **kwargs):
+            if self.counting:
+                sent = self._sent(name, args, kwargs)
+                with self.lock:
+                    self.bytes[kind] += sent
+                    self.calls += 1
+            return original(*args, **kwargs)
+        counted.__wrapped__ = original  # type: ignore[attr-defined]
+        return counted
+
+    def _sent(self, name: str, args: tuple, kwargs: dict) -> float:
+        """Bytes one rank sends for this call under the ring algorithm, from the tensors it was given."""
+        n = self.world
+        share = (n - 1) / n
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        second = args[1] if len(args) > 1 else kwargs.get("tensor", kwargs.get("input"))
+        if name == "all_gather":  # (outputs: list, input): the gathered whole is the outputs
+            return share * tensor_bytes(list(first))
+        if name == "all_gather_into_tensor":  # (output, input)
+            return share * tensor_bytes(first)
+        if name == "reduce_scatter_tensor":  # (output, input): the reduced whole is the input
+            return share * tensor_bytes(second)
+        if name == "reduce_scatter":  # (output, inputs: list)
+            return share * tensor_bytes(list(second))
+        if name == "all_reduce":
+            return 2 * share * tensor_bytes(first)
+        if name in ("broadcast", "all_to_all_single"):
+            return float(tensor_bytes(first))
+        return 0.0  # object collectives: pickled sizes are not seen here; their calls are counted
+
+
+def disk_budgets(args: argparse.Namespace, model: torch.nn.Module, dtype: torch.dtype) -> tuple:
+    """host_memory and device_memory of the 'weights on disk' row: the options, else small enough that each rank
+    keeps some blocks' weight parts in its swap file (see the module docstring)."""
+    size = dtype.itemsize
+    params = list(model.parameters())
+    whole = sum(p.numel() for p in params) * size
+    largest_param = max(p.numel() for p in params) * size
+    blocks = [sum(p.numel() for p in layer.parameters()) for layer in model.h] + [model.wte.weight.numel()]
+    host = args.host_memory if args.host_memory else int(1.25 * whole)
+    device = args.device_memory if args.device_memory else int(1.15 * (max(blocks) * size + largest_param))
+    return host, device
+
+
+def _mb(value) -> str:
+    """A budget (bytes, or a string like '64MB') in MB."""
+    from offload.policy import parse_bytes
+
+    return f"{(parse_bytes(value, 'budget') or 0) / 1e6:.1f} MB"
+
+
+def swap_bytes(directory: str) -> int:
+    """The apparent size of the files under `directory` (0 where it does not exist)."""
+    total = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except FileNotFoundError:
+                pass
     return total
 
 
@@ -189,12 +341,32 @@ def worker(spec_path: str) -> None:
         torch.cuda.reset_peak_memory_stats(device)
     note = ""
     close = None
-    if args.worker.startswith("offload"):
-        options = dict(dtype=dtype, device=device, lr=args.lr, weight_decay=0.0, grad_accumulation_steps=1)
-        if args.worker == "offload-nvme":
-            engine = offload.wrap(model, tier="nvme", nvme_path=args.swap, **options)
-        else:
-            engine = offload.wrap(model, tier="cpu", **options)
+    swap_dir: Optional[str] = None
+    collectives: Optional[dict] = None  # computed, not measured (DDP)
+    meter = CollectiveMeter(dist, world)
+    meter.install()  # before wrap(): the engine calls dist.<name> at call time
+    if args.worker in OFFLOAD:
+        tier, sharded, small = OFFLOAD[args.worker]
+        options = dict(dtype=dtype, device=device, lr=args.lr, weight_decay=0.0, grad_accumulation_steps=1,
+                       shard_weights=sharded)  # explicit: the default (None) could shard the replicated rows
+        if small:
+            host, room = disk_budgets(args, model, dtype)
+            options.update(host_memory=host, device_memory=room)
+        if tier == "nvme":
+            options["nvme_path"] = args.swap
+            swap_dir = os.path.join(args.swap, f"rank-{rank}")  # data-parallel: each rank's own directory
+        engine = offload.wrap(model, tier=tier, **options)
+        plan = engine.plan
+        if plan.shard_world != (world if sharded else 1):
+            raise SystemExit(f"bench_dp worker: {args.worker} asked shard_weights={sharded} but the plan's "
+                             f"shard_world is {plan.shard_world}")
+        if small:
+            if not plan.disk_weight_blocks:
+                raise SystemExit(f"bench_dp worker: {args.worker}: host_memory={options['host_memory']} "
+                                 f"device_memory={options['device_memory']} keep every block's weights off disk "
+                                 "(engine.plan.disk_weight_blocks is empty); lower --host-memory")
+            note = (f"weights on disk: {','.join(plan.disk_weight_blocks)} (host_memory "
+                    f"{_mb(options['host_memory'])}, device_memory {_mb(options['device_memory'])} per rank)")
 
         def train_step(idx, tgt):
             loss = engine(idx, tgt)
@@ -211,6 +383,8 @@ def worker(spec_path: str) -> None:
         ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[local_rank] if device.type == "cuda" else None)
         opt, note = torch_adamw(ddp.parameters(), args.lr, device)
+        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        collectives = dict(gather=0.0, reduce=2 * (world - 1) / world * grad_bytes, other=0.0, calls=None)
 
         def train_step(idx, tgt):
             if dtype == torch.float32:
@@ -225,12 +399,15 @@ def worker(spec_path: str) -> None:
 
         def state_bytes() -> int:
             return tensor_bytes(dict(opt.state))
-    elif args.worker == "deepspeed":
+    elif args.worker in DEEPSPEED:
         import deepspeed  # type: ignore[import-not-found]
 
+        zero: dict = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+        if args.worker == "deepspeed-zero3":
+            zero = {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
         config = {"train_micro_batch_size_per_gpu": per, "gradient_accumulation_steps": 1,
                   "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}},
-                  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+                  "zero_optimization": zero}
         if dtype == torch.bfloat16:
             config["bf16"] = {"enabled": True}
         ds_engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
@@ -252,6 +429,8 @@ def worker(spec_path: str) -> None:
     losses: List[torch.Tensor] = []
     for i, (idx, tgt) in enumerate(batches):
         dist.barrier()
+        if i == args.warmup:
+            meter.start()  # the timed steps' collectives (the barrier above moves no payload)
         start = time.perf_counter()
         loss = train_step(idx, tgt)
         if device.type == "cuda":
@@ -260,8 +439,15 @@ def worker(spec_path: str) -> None:
         losses.append(loss.detach().float().reshape(()))
         if i >= args.warmup:
             times.append(elapsed)
+    counted = meter.stop()
     peak_rss = status("VmHWM")
     state = state_bytes()
+    swapped = swap_bytes(swap_dir) if swap_dir is not None else None
+    if collectives is None:  # measured over the timed steps: per step
+        per_step = {k: v / max(1, len(times)) for k, v in counted.items()}
+        per_step["computed"] = False
+    else:  # computed per step
+        per_step = dict(collectives, computed=True)
     device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     mean_losses = torch.stack(losses).to(device)
     dist.all_reduce(mean_losses)  # the global batch's loss per step (the mean of the ranks' halves)
@@ -271,7 +457,7 @@ def worker(spec_path: str) -> None:
     result = dict(rival=args.worker, round=args.round, rank=rank, world=world, step_seconds=times,
                   losses=mean_losses, baseline_rss=baseline_rss, peak_rss=peak_rss, peak_reset=CAN_RESET_PEAK,
                   state_bytes=state, params=n_params, note=note, device_peak=device_peak,
-                  threads=torch.get_num_threads())
+                  threads=torch.get_num_threads(), swap_bytes=swapped, collectives=per_step)
     with open(os.path.join(args.out, f"{args.worker}-round{args.round}-rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
@@ -327,8 +513,8 @@ def launch(args: argparse.Namespace, rival: str, round_: int, out: str, swap_roo
     return None
 
 
-def fmt_ranks(values: List[float], scale: float = 1e-6) -> str:
-    return " / ".join(f"{v * scale:.0f}" for v in values)
+def fmt_ranks(values: List[float], scale: float = 1e-6, fmt: str = "{:.0f}") -> str:
+    return " / ".join(fmt.format(v * scale) for v in values)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -339,11 +525,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse(argv)
     rivals = args.rivals.split(",")
     skipped: Dict[str, str] = {}
-    if "deepspeed" in rivals:
+    if any(r in DEEPSPEED for r in rivals):
         reason = deepspeed_skip_reason()
         if reason is not None:
-            skipped["deepspeed"] = f"skipped: {reason}"
-            rivals.remove("deepspeed")
+            for rival in [r for r in rivals if r in DEEPSPEED]:
+                skipped[rival] = f"skipped: {reason}"
+                rivals.remove(rival)
     out = tempfile.mkdtemp(prefix="offload-bench-dp-")
     swap_root = tempfile.mkdtemp(prefix="offload-bench-dp-swap-", dir=args.nvme_path)
     failed: Dict[str, str] = {}
@@ -359,7 +546,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"round {r + 1}/{args.rounds} {RIVALS[rival]}: "
                       f"{'ok' if error is None else 'FAILED: ' + error} ({time.perf_counter() - t0:.1f} s)",
                       flush=True)
-                if error is not None and rival == "deepspeed":  # an optional rival: its failure is a skip
+                if error is not None and rival in DEEPSPEED:  # an optional rival: its failure is a skip
                     skipped[rival] = f"skipped: it failed here ({error})"
                 elif error is not None:
                     failed[rival] = error
@@ -393,19 +580,33 @@ def main(argv: Optional[List[str]] = None) -> int:
         growth = [_median_of(runs, "peak_rss", k) - _median_of(runs, "baseline_rss", k) for k in ranks]
         state = [_median_of(runs, "state_bytes", k) for k in ranks]
         n_params = results[rival][0]["params"]
+        swapped = [d["swap_bytes"] for d in runs]
+        coll = {kind: [_median_of_collective(runs, kind, k) for k in ranks]
+                for kind in ("gather", "reduce", "other", "calls")}
+        computed = results[rival][0]["collectives"]["computed"]
         losses = {round(d["losses"][-1], 5) for d in results[rival]}
         median, p20, p80 = summarize(steps)
-        summary[rival] = dict(step=median, peak=max(peak), state=max(state))
+        comm = max(sum(coll[kind][i] for kind in ("gather", "reduce", "other")) for i in range(len(ranks)))
+        summary[rival] = dict(step=median, peak=max(peak), state=max(state), comm=comm)
+        mark = " (computed)" if computed else ""
         row = dict(rival=label, step_ms=f"{median * 1e3:.1f}", p20_p80_ms=f"{p20 * 1e3:.1f}-{p80 * 1e3:.1f}",
                    min_max_ms=f"{min(steps) * 1e3:.1f}-{max(steps) * 1e3:.1f}",
                    peak_rss_MB=fmt_ranks(peak), rss_growth_MB=fmt_ranks(growth),
                    state_MB=" / ".join(f"{s / 1e6:.1f}" for s in state),
                    state_B_param=f"{max(state) / n_params:.2f}",
+                   swap_MB="-" if any(v is None for v in swapped) else fmt_ranks(
+                       [_median_of(runs, "swap_bytes", k) for k in ranks], fmt="{:.1f}"),
+                   gather_MB=fmt_ranks(coll["gather"], fmt="{:.1f}") + mark,
+                   reduce_MB=fmt_ranks(coll["reduce"], fmt="{:.1f}") + mark,
+                   other_MB=fmt_ranks(coll["other"], fmt="{:.2f}") + mark,
+                   calls="" if computed else fmt_ranks(coll["calls"], scale=1.0),
                    last_loss=" ".join(f"{v:.4f}" for v in sorted(losses)))
+        if results[rival][0]["note"] and rival in OFFLOAD:
+            row["note"] = results[rival][0]["note"]
         if results[rival][0]["device_peak"] is not None:
             row["device_peak_MB"] = fmt_ranks([_median_of(runs, "device_peak", k) for k in ranks])
         rows.append(row)
-        if results[rival][0]["note"]:
+        if results[rival][0]["note"] and rival not in OFFLOAD:
             notes.append(f"{label}: {'torch.optim.AdamW ' if rival == 'ddp' else ''}{results[rival][0]['note']}")
     if REFERENCE in summary:
         ref = summary[REFERENCE]
@@ -415,6 +616,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 row["step_vs_ddp"] = f"{summary[key]['step'] / ref['step']:.2f}x"
                 row["rss_vs_ddp"] = f"{summary[key]['peak'] / ref['peak']:.2f}x"
                 row["state_vs_ddp"] = f"{summary[key]['state'] / ref['state']:.2f}x"
+                if ref["comm"]:
+                    row["comm_vs_ddp"] = f"{summary[key]['comm'] / ref['comm']:.2f}x"
 
     print(machine_header())
     threads = next((d[0]["threads"] for d in results.values() if d), "?")
@@ -425,13 +628,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"# {args.rounds} rounds (one torchrun launch per rival per round, order rotated) x {args.steps} timed "
           f"steps after {args.warmup} warm-up; step = the slowest rank; {time.perf_counter() - began:.0f} s in all")
     print("# per-rank columns read rank 0 / rank 1 ...; peak RSS = VmHWM reset after imports+model (baseline); "
-          "ratios are rival / DDP (step median, highest rank's peak RSS, highest rank's state)")
+          "ratios are rival / DDP (step median, highest rank's peak RSS, highest rank's state, highest rank's "
+          "collective bytes)")
+    print("# swap_MB: the files in the rank's swap directory after the timed steps; gather/reduce/other_MB: bytes a "
+          "rank sends per step (ring algorithm) in the collectives counted at torch.distributed's functions, calls: "
+          "collective calls per step; DDP's are computed, 2(N-1)/N x its gradient bytes (its C++ reducer bypasses "
+          "the functions)")
     for note in dict.fromkeys(notes):
         print(f"# {note}")
     for rival, why in skipped.items():
         print(f"# {RIVALS[rival]}: {why}")
     columns = ["rival", "step_ms", "p20_p80_ms", "min_max_ms", "step_vs_ddp", "peak_rss_MB", "rss_growth_MB",
-               "rss_vs_ddp", "state_MB", "state_B_param", "state_vs_ddp", "last_loss"]
+               "rss_vs_ddp", "state_MB", "state_B_param", "state_vs_ddp", "swap_MB", "gather_MB", "reduce_MB",
+               "other_MB", "calls", "comm_vs_ddp", "last_loss"]
     if any("device_peak_MB" in r for r in rows):
         columns.append("device_peak_MB")
     columns.append("note")
@@ -445,6 +654,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _median_of(runs: List[dict], key: str, rank: int) -> float:
     """The median of `key` over one rank's runs."""
     return summarize([d[key] for d in runs if d["rank"] == rank])[0]
+
+
+def _median_of_collective(runs: List[dict], kind: str, rank: int) -> float:
+    """The median over one rank's runs of a collective count per step (0 where not counted: DDP's calls)."""
+    return summarize([d["collectives"][kind] or 0.0 for d in runs if d["rank"] == rank])[0]
 
 
 if __name__ == "__main__":

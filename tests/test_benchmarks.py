@@ -75,14 +75,18 @@ def test_trace_step_quick(tmp_path):
 
 
 def test_bench_dp_quick(tmp_path):
-    """Two ranks over gloo (torchrun per rival and round): offload's data-parallel mode on the cpu and nvme tiers
-    and torch DDP + AdamW each train and report step time, peak RSS and optimizer state per rank; DeepSpeed
-    prints why it was skipped where it is not importable; the swap directory is removed."""
+    """Two ranks over gloo (torchrun per rival and round): offload's data-parallel mode on the cpu and nvme tiers,
+    replicated and sharded (and sharded with weight parts in the swap files), and torch DDP + AdamW each train and
+    report step time, peak RSS, optimizer state, swap bytes and collective bytes per rank; DeepSpeed prints why it
+    was skipped where it is not importable; the swap directory is removed."""
     out = _run(["benchmarks/bench_dp.py", "--quick", "--nvme-path", str(tmp_path)])
-    for rival in ("offload cpu tier (DP)", "offload nvme tier (DP)", "torch DDP + AdamW", "DeepSpeed ZeRO-2"):
+    for rival in ("offload cpu replicated", "offload nvme replicated", "offload cpu sharded", "offload nvme sharded",
+                  "offload nvme sharded, weights on disk", "torch DDP + AdamW", "DeepSpeed ZeRO-2", "DeepSpeed ZeRO-3"):
         assert rival in out, out
-    for column in ("step_ms", "peak_rss_MB", "state_MB", "step_vs_ddp"):
+    for column in ("step_ms", "peak_rss_MB", "state_MB", "step_vs_ddp", "swap_MB", "gather_MB", "reduce_MB",
+                   "other_MB", "comm_vs_ddp"):
         assert column in out, out
+    assert "weights on disk: " in out, out  # the row's plan put some blocks' weight parts in the swap files
     assert "FAILED" not in out, out
     assert list(tmp_path.iterdir()) == []  # every rank's swap file and directory removed
 
