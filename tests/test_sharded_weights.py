@@ -100,8 +100,9 @@ def test_a_gpt2_trains_sharded_with_its_weights_on_disk_exactly_and_in_half_the_
     the weights on disk, clipping 1.0: losses equal one process on the whole batch with torch AdamW within 1e-5,
     ranks bit-identical, each rank's peak RSS growth (from before its model exists: built on the meta device,
     filled from the saved start weights block by block) at most half the fp32 weights + the budgets + 256 MiB,
-    and each rank's swap directory half of the state and weights (fp32 master, m, v, weights: 16 B a parameter)
-    plus the gradients that wait for the clipping norm, which are still whole on every rank (4 B a parameter)."""
+    and each rank's swap directory half of the model's training state (fp32 master, m, v and weights, and the
+    gradient that waits for the clipping norm: 20 B a parameter): the parts of the state and weights, and the part
+    of the gradient averaged onto this rank (a gradient parks after its block's reduce-scatter)."""
     transformers = pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[hf]'")
     import json
     import subprocess
@@ -149,7 +150,7 @@ def test_a_gpt2_trains_sharded_with_its_weights_on_disk_exactly_and_in_half_the_
         assert err < 1e-4, (name, err)  # magnifies where a gradient is rounding noise (test_data_parallel.py)
     numel = sum(p.numel() for p in model.parameters())  # tied: once
     bound = 4 * numel // 2 + 2 * budget + (256 << 20)
-    part, grads = 16 * numel // 2, 4 * numel
+    state = 20 * numel
     for r in ranks:
         assert r["growth"] <= bound, (r["growth"], bound)
-        assert 0.95 * (part + grads) <= r["swap_bytes"] <= 1.05 * (part + grads), (r["swap_bytes"], part, grads)
+        assert 0.48 * state <= r["swap_bytes"] <= 0.52 * state, (r["swap_bytes"], state)

@@ -45,6 +45,10 @@ class GradOwner(Protocol):
     def grads_changed(self) -> None:
         """A torch op changed them (a clip): norms taken before are stale."""
 
+    @property
+    def reduced(self) -> bool:
+        """Data-parallel: this step's gradients were averaged across the ranks already."""
+
 
 class GradAccumulator:
     """The flat gradient of a group's trainable range and which of its parameters have one since `zero`.

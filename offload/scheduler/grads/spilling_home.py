@@ -34,8 +34,12 @@ class SpillingGradAccumulator(WindowedGradAccumulator):
     parks = True
 
     def __init__(self, group: FlatGroup, device: torch.device, copies: CopyContext, off_device: bool,
-                 pool: GradPool, disk: "DiskWeightIO", padded_numel: Optional[int] = None) -> None:
+                 pool: GradPool, disk: "DiskWeightIO", padded_numel: Optional[int] = None,
+                 parked_range: Optional[Tuple[int, int]] = None) -> None:
         self._disk = disk
+        # data-parallel with clipping: a gradient parks only after its block's reduce-scatter, when this rank's
+        # part [lo, hi) is all that is read again; its record holds that part
+        self._parked = parked_range
         self.on_disk = False  # the sum since `zero` is in the swap file, not in `grad`
         # torch's in-place ops on it while on disk (a clip's scale), replayed in order when it comes back
         self._pending_ops: List[Tuple[int, Any, Sequence[Any], dict]] = []
@@ -63,8 +67,9 @@ class SpillingGradAccumulator(WindowedGradAccumulator):
                 return
             self.finish_downloads()
             if any(self.has_grad):
-                self._disk.write_weights(self.group, self.grad)
-                self.disk_bytes.written += self.grad.nbytes
+                parked = self._parked_view(self.grad)
+                self._disk.write_weights(self.group, parked)
+                self.disk_bytes.written += parked.nbytes
                 self.on_disk = True
             self.pool.release(self.grad.nbytes)
             self.grad = None
@@ -107,11 +112,21 @@ class SpillingGradAccumulator(WindowedGradAccumulator):
 
     def _read_into(self, grad: Tensor) -> None:
         """The record into `grad`, then the in-place ops made while it was on disk, in order."""
-        self._disk.read_weights(self.group, grad, _copy_staged)
-        self.disk_bytes.read += grad.nbytes
+        parked = self._parked_view(grad)
+        self._disk.read_weights(self.group, parked, _copy_staged)
+        self.disk_bytes.read += parked.nbytes
         for index, func, args, kwargs in self._pending_ops:
             slot = self.group.trainable_slots[index]
             func(grad[slot.offset:slot.offset + slot.numel].view(slot.shape), *args, **kwargs)
+
+    def _parked_view(self, grad: Tensor) -> Tensor:
+        """What parks of `grad`: all of it, or this rank's averaged part (`parked_range`)."""
+        if self._parked is None:
+            return grad
+        if self.owner is not None and not self.owner.reduced:
+            raise AssertionError("a data-parallel gradient parks its part only after its block's reduce-scatter")
+        lo, hi = self._parked
+        return grad[lo:hi]
 
     def _forget_disk(self) -> None:
         self.on_disk = False

@@ -77,7 +77,7 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
         weights, swap_size = plan_weight_layout(blocks, plan.disk_weight_blocks, swap_size, part_of)
         grads: Dict[str, WeightRecord] = {}
         if plan.grads_on_disk:
-            padded = None if dp is None else _padded_part(dp, sharded)
+            padded = None if dp is None else _grad_record_numel(dp, sharded, policy.max_grad_norm is not None)
             grads, swap_size = plan_grad_layout(blocks, swap_size, padded)
         directory = policy.nvme_path
         if dp is not None:
@@ -153,7 +153,7 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
                 shard = None if dp is None else dp.state_shard(group.trainable_numel, group.numel, sharded)
                 store = _state_store(group, policy, tiers) if shard is None else \
                     ShardedStore(_state_store(ShardGroup(group, shard), policy, tiers), shard)
-                grads = _grad_home(group, store.on_host, policy, tiers, plan, None if shard is None else shard.padded)
+                grads = _grad_home(group, store.on_host, policy, tiers, plan, shard)
                 state = GroupState(group, store, grads, [optimizer_group_of[s.param] for s in group.trainable_slots],
                                    shard)
             home = _partitioned_home(block, group, tiers, on_disk, dp, shard) if sharded else \
@@ -184,14 +184,17 @@ def _state_store(group, policy: OffloadPolicy, tiers: Tiers) -> StateStore:
 
 
 def _grad_home(group, on_host: bool, policy: OffloadPolicy, tiers: Tiers, plan: Plan,
-               padded_numel: Optional[int]) -> GradAccumulator:
+               shard: Optional[Shard]) -> GradAccumulator:
     """Host memory for the host tiers (the nvme tier's gradient window when the plan has one, with the swap
-    file for the gradients that must wait when the plan puts them on disk), else the device."""
+    file for the gradients that must wait when the plan puts them on disk), else the device. Data-parallel
+    (`shard`): the whole gradient padded to whole shards; with clipping, only this rank's part parks on disk."""
     device = torch.device("cpu") if on_host else policy.device
+    padded_numel = None if shard is None else shard.padded
     if plan.grads_on_disk:
         assert tiers.grad_pool is not None and tiers.ring is not None
+        parked = None if shard is None or policy.max_grad_norm is None else (shard.lo, shard.hi)
         return SpillingGradAccumulator(group, device, tiers.copies, on_host, tiers.grad_pool, tiers.ring.grads,
-                                       padded_numel)
+                                       padded_numel, parked)
     if tiers.grad_pool is not None:
         return WindowedGradAccumulator(group, device, tiers.copies, on_host, tiers.grad_pool, padded_numel)
     return GradAccumulator(group, device, tiers.copies, on_host, padded_numel)
@@ -226,8 +229,11 @@ def _partitioned_home(block: Block, group: FlatGroup, tiers: Tiers, on_disk: set
     return PartitionedHome(group, part, state_shard, dp, keeper)
 
 
-def _padded_part(dp: DataParallel, sharded: bool) -> Callable[[FlatGroup], int]:
-    """A data-parallel rank's gradient of a group: the whole trainable range, padded to whole shards."""
-    def padded(group: FlatGroup) -> int:
-        return dp.state_shard(group.trainable_numel, group.numel, sharded).padded
-    return padded
+def _grad_record_numel(dp: DataParallel, sharded: bool, clipping: bool) -> Callable[[FlatGroup], int]:
+    """A data-parallel rank's gradient record of a group: its averaged part with clipping (a gradient parks only
+    after its block's reduce-scatter, for the global norm), else the whole trainable range padded to whole
+    shards (a micro-batch's sum parks before any average)."""
+    def numel(group: FlatGroup) -> int:
+        shard = dp.state_shard(group.trainable_numel, group.numel, sharded)
+        return shard.numel if clipping else shard.padded
+    return numel
