@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -132,27 +132,44 @@ class DataParallel:
         dist.all_gather_into_tensor(_bytes(full), _bytes(mine), group=self.group)
 
     # ----- collectives of the training thread ---------------------------------------------------------
-    def gather_weights(self, full: Tensor, mine: Tensor, part: Shard) -> None:
+    def gather_weights(self, full: Tensor, mine: Tensor, part: Shard,
+                       async_op: bool = False) -> Optional[Callable[[], None]]:
         """`full` (the group's `part.n` elements) = every rank's part, `mine` this rank's (`part.numel` elements):
         sharded weights made whole for compute. On the training thread, in forward order (`gather_group`); the
-        ranks' whole parts land in `full` directly, a short or empty last part through a padded buffer."""
+        ranks' whole parts land in `full` directly, a short or empty last part through a padded buffer.
+        `async_op`: started, not waited for; returns the function that completes it (before `full` is read)."""
         size = part.size
         if size == 0:
-            return
+            return None
         if mine.numel() == size:
             sent = mine
         else:
             sent = mine.new_zeros(size)
             sent[:mine.numel()].copy_(mine)
-        outputs = []
+        outputs, short = [], []
         for rank in range(self.world):
             lo, hi = min(rank * size, part.n), min((rank + 1) * size, part.n)
-            outputs.append(full[lo:hi] if hi - lo == size else full.new_empty(size))
-        dist.all_gather([_bytes(out) for out in outputs], _bytes(sent), group=self.gather_group)
-        for rank, out in enumerate(outputs):
-            lo, hi = min(rank * size, part.n), min((rank + 1) * size, part.n)
-            if hi - lo != size and hi > lo:
-                full[lo:hi].copy_(out[:hi - lo])
+            if hi - lo == size:
+                outputs.append(full[lo:hi])
+            else:
+                outputs.append(full.new_empty(size))
+                short.append((lo, hi, outputs[-1]))
+        work = dist.all_gather([_bytes(out) for out in outputs], _bytes(sent), group=self.gather_group,
+                               async_op=async_op)
+        buffers = (sent, outputs)  # alive until the gather that reads and writes them is done
+
+        def finish() -> None:
+            if work is not None:
+                work.wait()
+            for lo, hi, out in short:
+                if hi > lo:
+                    full[lo:hi].copy_(out[:hi - lo])
+            assert buffers
+
+        if async_op:
+            return finish
+        finish()
+        return None
 
     # ----- collectives of the training thread (the worker is idle) -----------------------------------
     def sum_all(self, value: float) -> float:

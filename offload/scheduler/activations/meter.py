@@ -36,11 +36,10 @@ class SavedTensorMeter:
         self.last: Optional[ActivationUse] = None
         self._active = False
         self._tokens: Optional[int] = None
-        self._saved = self._movable = self._moved = self._largest = 0
+        self._saved = self._movable = self._moved = 0
         self._kept: Set[Tuple[int, int]] = set()  # kept tensors already counted (they live until the backward)
         self._per_block: Dict[int, int] = {}  # bytes saved while each block was the one entered last (-1: none yet)
         self._current = -1
-        self._recomputed = False
 
     @property
     def active(self) -> bool:
@@ -48,19 +47,18 @@ class SavedTensorMeter:
 
     def begin(self, tokens: Optional[int]) -> None:
         self._active, self._tokens = True, tokens
-        self._saved = self._movable = self._moved = self._largest = 0
+        self._saved = self._movable = self._moved = 0
         self._kept.clear()
         self._per_block = {}
         self._current = -1
-        self._recomputed = False
 
     def end(self) -> None:
         if not self._active:
             return
         self._active = False
-        self._largest = max(self._per_block.values(), default=0)
         self._kept.clear()
-        self.last = ActivationUse(self._saved, self._movable, self._moved, self._largest, self._tokens)
+        largest = max(self._per_block.values(), default=0)
+        self.last = ActivationUse(self._saved, self._movable, self._moved, largest, self._tokens)
 
     def enter_block(self, index: int) -> None:
         self._current = index

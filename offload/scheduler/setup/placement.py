@@ -62,7 +62,7 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
             "(per rank), or let each rank keep a part of the weights (shard_weights=True, or None)")
     if policy.bounds_host_memory:
         unmap_large_allocations()  # before materializing: its temporaries too
-    device, copies = DeviceTier(policy.device, plan.device_weight_budget), CopyContext(policy.device)
+    device, copies = DeviceTier(policy.device, _device_weight_budget(plan, blocks)), CopyContext(policy.device)
     tiers = Tiers(device, copies, WeightStreamer(device, copies))
     if plan.grad_window_bytes is not None:
         tiers.grad_pool = GradPool(plan.grad_window_bytes)
@@ -93,6 +93,15 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
             tiers.close()  # nothing of a failed wrap() stays on disk
             raise
     return plan, tiers
+
+
+def _device_weight_budget(plan: Plan, blocks: List[Block]) -> Optional[int]:
+    """The device budget the streamer keeps gathered weights within: the plan's; sharded weights without a device
+    budget keep two of the largest blocks (the one computing and the next), so a gathered block is freed after
+    its use, not kept whole ([Note: sharded weights])."""
+    if plan.shard_world > 1 and plan.device_weight_budget is None:
+        return 2 * max(block.weight_bytes for block in blocks)
+    return plan.device_weight_budget
 
 
 def _make_plan(blocks: List[Block], policy: OffloadPolicy, ring: Optional[RingSize], dp: Optional[DataParallel],

@@ -12,7 +12,7 @@ nothing is gathered after an update: the next fetch gathers the new weights. See
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Protocol, cast
+from typing import TYPE_CHECKING, Callable, List, Optional, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -131,6 +131,7 @@ class PartitionedHome:
         self._trainable = 0 if state_shard is None else state_shard.numel
         self.target_base = 0 if state_shard is None else state_shard.lo  # the update's element 0 is the part's
         self.reads_ahead_from_disk = keeper.reads_ahead_from_disk
+        self._gathering: Optional[Callable[[], None]] = None  # a gather started ahead (`fetch(ahead=True)`)
 
     def update_target(self) -> Optional[Tensor]:
         return self._keeper.update_target(self._trainable)
@@ -142,20 +143,31 @@ class PartitionedHome:
         if resident:
             self.fetch()  # the device copy is stale: gather the new weights (every rank pushes the same block)
 
-    def fetch(self) -> None:
+    def fetch(self, ahead: bool = False) -> None:
+        """Gather the whole group into its device buffer; `ahead` (a prefetch): started, finished by `wait_fetched`
+        when the block is used (its forward computes meanwhile)."""
+        self.wait_fetched()
         buffer = self._group.device_buffer
         assert buffer is not None
         with torch.no_grad():
-            self._dp.gather_weights(buffer, self._keeper.read().to(buffer.device), self._part)
+            self._gathering = self._dp.gather_weights(buffer, self._keeper.read().to(buffer.device), self._part,
+                                                      async_op=ahead)
+
+    def wait_fetched(self) -> None:
+        gathering, self._gathering = self._gathering, None
+        if gathering is not None:
+            gathering()
 
     def host_weights(self) -> Tensor:
         """The whole group's weights on the host: a gather, so every rank calls it for the same group."""
+        self.wait_fetched()
         assert self._group.device_buffer is not None
         whole = torch.empty(self._group.numel, dtype=self._group.dtype, device=self._group.device_buffer.device)
         self._dp.gather_weights(whole, self._keeper.read().to(whole.device), self._part)
         return whole.to("cpu")
 
     def replace(self, flat: Tensor, resident: bool) -> None:
+        self.wait_fetched()
         self._keeper.write(flat[self._part.lo:self._part.hi].to("cpu"))
         if resident:
             assert self._group.device_buffer is not None

@@ -106,8 +106,9 @@ class WeightStreamer:
         if block.residency is Residency.RELEASED:
             self._make_room(block.weight_bytes, keep=block.index)
             self._fetch(block)
-        for group in block.groups:
+        for group, home in zip(block.groups, _homes(block)):
             self._copies.use_upload(group.key)  # the compute stream waits for this block's upload (a prefetch)
+            home.wait_fetched()  # or for its gather (sharded weights)
         self._lru.move_to_end(block.index)
         if pin:
             self.pin(block.index)
@@ -207,14 +208,15 @@ class WeightStreamer:
         weakref.finalize(view, self.unpin, block_index)
 
     # ----- moves -------------------------------------------------------------------------------------
-    def _fetch(self, block: Block) -> None:
+    def _fetch(self, block: Block, ahead: bool = False) -> None:
+        """Make the block resident; `ahead` (a prefetch): a gather may still be running at return (`ensure` waits)."""
         self._device.reserve(block.weight_bytes, f"block {block.name!r}", over_budget_ok=True)
         for group, home in zip(block.groups, _homes(block)):
             assert group.device_buffer is not None
             self._device.regrow(group.device_buffer, group.numel)
             storage = group.device_buffer.untyped_storage()
             with torch.no_grad():
-                home.fetch()
+                home.fetch(ahead)
             self._by_storage[storage.data_ptr()] = (block.index, group)
             group.point_params_at(group.device_buffer)
             placeholder = self._placeholder_of.pop(id(group), None)
@@ -227,6 +229,8 @@ class WeightStreamer:
     def _release(self, block: Block) -> None:
         if block.runtime is not None:
             block.runtime.keep_writes_before_release()  # written through a parameter since its last use
+        for home in _homes(block):
+            home.wait_fetched()  # a gather started ahead writes into the buffer until it is done
         for group in block.groups:
             assert group.device_buffer is not None
             storage = group.device_buffer.untyped_storage()
@@ -265,7 +269,7 @@ class WeightStreamer:
             return
         self._make_room(following.weight_bytes, keep=keep)
         if self._device.fits(following.weight_bytes):
-            self._fetch(following)
+            self._fetch(following, ahead=True)
             self.counts.prefetches += 1
 
     @staticmethod

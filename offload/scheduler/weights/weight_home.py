@@ -42,7 +42,9 @@ class WeightHome(Protocol):
 
     def push(self, resident: bool) -> None: ...
 
-    def fetch(self) -> None: ...
+    def fetch(self, ahead: bool = False) -> None: ...
+
+    def wait_fetched(self) -> None: ...
 
     def host_weights(self) -> Tensor: ...
 
@@ -75,8 +77,11 @@ class DeviceHome:
     def push(self, resident: bool) -> None:
         pass
 
-    def fetch(self) -> None:
+    def fetch(self, ahead: bool = False) -> None:
         raise AssertionError("a block whose weights stay on the device is never fetched")
+
+    def wait_fetched(self) -> None:
+        pass
 
     def host_weights(self) -> Tensor:
         return self._buffer.detach().to("cpu")
@@ -124,9 +129,12 @@ class HostMirror:
             self._copies.upload(self._group.key, self._group.device_buffer[:n], self.host[:n])
         self._copies.use_upload(self._group.key)  # the compute stream waits for it
 
-    def fetch(self) -> None:
+    def fetch(self, ahead: bool = False) -> None:
         assert self._whole and self._group.device_buffer is not None
         self._copies.upload(self._group.key, self._group.device_buffer, self.host)
+
+    def wait_fetched(self) -> None:
+        pass  # the compute stream waits for the upload (`CopyContext.use_upload`)
 
     def host_weights(self) -> Tensor:
         if self._whole:
@@ -177,7 +185,10 @@ class DiskHome:
             self.fetch()
         self._copies.use_upload(self._group.key)
 
-    def fetch(self) -> None:
+    def wait_fetched(self) -> None:
+        pass  # the compute stream waits for the upload (`CopyContext.use_upload`)
+
+    def fetch(self, ahead: bool = False) -> None:
         buffer = self._group.device_buffer
         assert buffer is not None
         handle, self._read_ahead = self._read_ahead, None
