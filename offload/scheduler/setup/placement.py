@@ -60,8 +60,10 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
             f"shard_weights=False keeps every block's weights in each rank's host memory, but host_memory="
             f"{policy.host_memory} leaves {len(plan.disk_weight_blocks)} blocks' weights on disk: raise host_memory "
             "(per rank), or let each rank keep a part of the weights (shard_weights=True, or None)")
-    if policy.bounds_host_memory:
-        unmap_large_allocations()  # before materializing: its temporaries too
+    if policy.bounds_host_memory or plan.shard_world > 1:
+        # before materializing: its temporaries too; sharded weights: the gathered blocks' buffers come and go every
+        # use, and carved from the heap their freed chunks would stay resident
+        unmap_large_allocations()
     device, copies = DeviceTier(policy.device, _device_weight_budget(plan, blocks)), CopyContext(policy.device)
     tiers = Tiers(device, copies, WeightStreamer(device, copies))
     if plan.grad_window_bytes is not None:
