@@ -31,8 +31,9 @@ class ActivationUse:
     @property
     def on_device_offloaded(self) -> int:
         """With activations="offload": the small tensors that stay, and about one block's set (the one computing,
-        or the one whose backward runs: its tensors come back just before)."""
-        return self.saved_bytes - self.movable_bytes + self.largest_block_bytes
+        or the one whose backward runs: its tensors come back just before); never more than keeping them all (the
+        block's small tensors are in both terms)."""
+        return min(self.saved_bytes, self.saved_bytes - self.movable_bytes + self.largest_block_bytes)
 
     def tokens_that_fit(self, room: int, offloaded: bool) -> Optional[int]:
         """About how many tokens per micro-batch `room` bytes of device memory hold the activations of, at the bytes
