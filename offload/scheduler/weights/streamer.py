@@ -167,9 +167,15 @@ class WeightStreamer:
         self._blocks.clear()
 
     def invalidate(self, block: Block) -> None:
-        """An update of the block was scheduled: disk reads a prefetch started are stale; drop them."""
-        for home in _homes(block):
+        """An update of the block was scheduled: disk reads a prefetch started are stale; drop them. A sharded block
+        gathered now and in no use is released: the update makes its gathered copy stale, and gathering it again at
+        the push would only repeat what its next use does ([Note: sharded weights])."""
+        homes = _homes(block)
+        for home in homes:
             home.cancel_prefetch()
+        if (block.index in self._blocks and block.residency is Residency.RESIDENT and all(h.partitioned for h in homes)
+                and not self._pins.get(block.index, 0) and not self._in_forward.get(block.index, 0)):
+            self._release(block)
 
     # ----- saved-tensor hooks ------------------------------------------------------------------------
     def pack(self, tensor: Tensor) -> object:
