@@ -90,6 +90,8 @@ def train(case: dict, out: str) -> None:
             return
     if case.get("torch_state"):
         torch_state_round_trip(engine, options, case, out)
+    if case.get("export"):  # every rank calls it, as engine.save (sharded weights: its reads are gathers)
+        engine.save_pretrained(os.path.join(out, case["export"]))
     state = engine.state_dict()
     stats = engine.stats()
     plan = dict(shard_world=engine.plan.shard_world, disk=list(engine.plan.disk_weight_blocks),

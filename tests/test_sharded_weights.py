@@ -19,7 +19,7 @@ CASES = [
     dict(name="nvme-sharded", tier="nvme", steps=3, micro=2, shard_weights=True, max_grad_norm=0.5,
          grad_accumulation_steps=2, lr=1e-3, ddp=True),
     dict(name="nvme-sharded-disk", tier="nvme", steps=3, micro=1, shard_weights=True, host_memory=HOST,
-         device_memory=DEVICE, max_grad_norm=1.0, lr=1e-3),
+         device_memory=DEVICE, max_grad_norm=1.0, lr=1e-3, export="exported"),
     dict(name="nvme-auto-disk", tier="nvme", steps=3, micro=2, host_memory=HOST, device_memory=DEVICE,
          grad_accumulation_steps=2, lr=1e-3),
 ]
@@ -34,6 +34,12 @@ def test_sharded_weights_train_exactly_as_one_process_on_the_whole_batch(tmp_pat
         assert plan["shard_world"] == 2, (case["name"], plan)  # asked for, or (auto) the weights did not fit
         if "host_memory" in case:
             assert plan["disk"], f"{case['name']}: the parts of the weights went to the swap files"
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp_path / "exported" / "model.safetensors"))  # rank 0 wrote it, every rank gathered
+    final = torch.load(tmp_path / "nvme-sharded-disk.pt", weights_only=False)["weights"]
+    assert exported.keys() <= final.keys() and "wte.weight" in exported
+    assert all(torch.equal(exported[name], final[name]) for name in exported)
     whole = _one_process_swap_bytes(tmp_path)
     disk = torch.load(tmp_path / "nvme-sharded-disk.pt", weights_only=False)["plan"]["swap_bytes"]
     assert all(0.4 * whole <= part <= 0.6 * whole for part in disk), (disk, whole)

@@ -104,6 +104,17 @@ def export_pretrained(engine: "CheckpointTarget", directory: Union[str, "os.Path
     return directory
 
 
+def take_part_in_export(engine: "CheckpointTarget", max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE) -> None:
+    """Sharded weights, a rank other than 0: rank 0's export reads each group's weights by a gather; take part in
+    every one, in its order (the same plan from the same module), writing nothing."""
+    limit = parse_bytes(max_shard_size, "max_shard_size")
+    assert limit is not None
+    plan = _plan(engine, list(engine.checkpoint_groups()), limit)
+    for group, pairs in plan.groups:
+        if pairs:
+            engine.group_weights(group)
+
+
 def _explained(exc: OffloadIOError, directory: str) -> OffloadIOError:
     return exc.if_disk_full(f"no space left while exporting to {directory!r}; files of an earlier export "
                             "there are intact and training state is unharmed: free space and export again")

@@ -96,6 +96,12 @@ class Engine:
         use = self._pipeline.activation_use()
         return self._plan if use is None else dataclasses.replace(self._plan, activations=use)
 
+    @property
+    def weights_sharded(self) -> bool:
+        """Whether each data-parallel rank keeps a part of the weights (`shard_weights`): reading them outside a
+        forward (state_dict, save, save_pretrained) is then a collective that every rank makes."""
+        return self._plan.shard_world > 1
+
     # ----- training ----------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         """The wrapped model's forward."""
@@ -193,13 +199,18 @@ class Engine:
         `model.safetensors.index.json`, plus `config.json` when the module is a Hugging Face model. Each
         tensor keeps the dtype it has in the engine; names are `module.state_dict()`'s, a tied weight is
         stored once. Streams one flat group at a time; each shard appears whole or not at all. No optimizer
-        state: that is `save`. Data-parallel: rank 0 writes (every rank holds the same weights). Returns the directory's absolute path (checkpoint/export.py)."""
-        from offload.checkpoint.export import export_pretrained
+        state: that is `save`. Data-parallel: rank 0 writes; with sharded weights its reads are gathers, so every
+        rank calls this (as `save`). Returns the directory's absolute path (checkpoint/export.py)."""
+        from offload.checkpoint.export import export_pretrained, take_part_in_export
 
         self._pipeline.check_open()
         if self.data_parallel is not None and self.data_parallel.rank != 0:
-            self.synchronize()
-            return os.path.abspath(os.fspath(path))  # every rank holds the same weights: rank 0 writes them
+            if self.weights_sharded:
+                with self._pipeline.engine_reads():
+                    take_part_in_export(self._checkpoints, max_shard_size)
+            else:
+                self.synchronize()
+            return os.path.abspath(os.fspath(path))  # rank 0 writes
         with self._pipeline.engine_reads():  # the exporter reads module.state_dict() for the names
             return export_pretrained(self._checkpoints, path, max_shard_size, progress)
 

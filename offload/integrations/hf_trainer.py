@@ -219,9 +219,14 @@ class OffloadTrainerMixin(_TrainerBase):
         if state_dict is not None:
             raise OffloadError(f"{type(self).__name__} saves the engine's weights; a state_dict cannot be passed")
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if not self.args.should_save:
-            return
         assert self.engine is not None
+        if not self.args.should_save:
+            if self.engine.weights_sharded:  # the saving rank's reads of the weights are gathers: take part
+                if is_peft_model(self.model):
+                    peft_state_dict(self.engine, self.model)
+                else:
+                    self.engine.save_pretrained(output_dir)
+            return
         if is_peft_model(self.model):
             os.makedirs(output_dir, exist_ok=True)
             state = peft_state_dict(self.engine, self.model)
