@@ -64,11 +64,12 @@ def _max_weight_diff(reference: Dict[str, torch.Tensor], engine: Any) -> float:
 
 
 def _offload(tier: str, tmp_path: Path) -> Dict[str, Any]:
+    """`tier`: "cpu", "nvme", or "nvme-sharded" (data-parallel ranks keep a part of the weights each)."""
     if tier == "cpu":
         return dict(tier="cpu")
     swap = tmp_path / "swap"
     swap.mkdir(exist_ok=True)
-    return dict(tier="nvme", nvme_path=swap)
+    return dict(tier="nvme", nvme_path=swap, **(dict(shard_weights=True) if tier == "nvme-sharded" else {}))
 
 
 @pytest.fixture(scope="module")
@@ -210,12 +211,13 @@ def test_resuming_from_a_plain_trainer_checkpoint_is_refused(tmp_path: Path) -> 
         ours.train(resume_from_checkpoint=str(checkpoint))
 
 
-@pytest.mark.parametrize("tier", ["nvme"])
+@pytest.mark.parametrize("tier", ["nvme", "nvme-sharded"])
 def test_under_torchrun_trains_data_parallel_as_the_plain_trainer_and_resumes(tier: str, tmp_path: Path,
                                                                              reference: Any) -> None:
     """2 ranks (gloo), one sample each per micro-batch: the same logged losses and norms and the same final
     weights as the plain Trainer taking both samples in one process; resumed from checkpoint-3 on 2 ranks,
-    it continues with the same logs."""
+    it continues with the same logs. Sharded weights: the checkpoint's model files are written by rank 0 from
+    gathers every rank takes part in."""
     import subprocess
     import sys
 

@@ -33,6 +33,7 @@ def main() -> None:
     args = _args(out / "run", per_device_train_batch_size=1, save_strategy="steps", save_steps=3)
     trainer = OffloadTrainer(model=_model(), args=args, train_dataset=_dataset(), offload=_offload(tier, swap.parent))
     assert trainer.engine is not None and trainer.engine.data_parallel is not None
+    assert trainer.engine.weights_sharded == (tier == "nvme-sharded")
     trainer.train(resume_from_checkpoint=resume)
     weights = trainer.engine.state_dict()
     trainer.engine.close()
