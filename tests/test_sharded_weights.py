@@ -12,6 +12,7 @@ import offload
 from tests.models import TinyGPT
 from tests.test_data_parallel import assert_matches, optimizer_tensors, reference, run_ranks, train_one_process
 
+WEIGHTS = 4 * sum(p.numel() for p in TinyGPT().parameters())  # fp32, the tied matrix once
 HOST, DEVICE = 300_000, 150_000  # TinyGPT: 158 KiB of weights; one process keeps 3 blocks on disk with these
 
 CASES = [
@@ -34,6 +35,9 @@ def test_sharded_weights_train_exactly_as_one_process_on_the_whole_batch(tmp_pat
         assert plan["shard_world"] == 2, (case["name"], plan)  # asked for, or (auto) the weights did not fit
         if "host_memory" in case:
             assert plan["disk"], f"{case['name']}: the parts of the weights went to the swap files"
+        if "device_memory" in case:  # every block gathered for each forward and again for its backward: the
+            stats = result["stats"]  # other rank's half of the weights, at least twice a step
+            assert stats["weight_gathers"] > 0 and stats["bytes_weights_gathered"] >= 2 * case["steps"] * WEIGHTS // 2
     from safetensors.torch import load_file
 
     exported = load_file(str(tmp_path / "exported" / "model.safetensors"))  # rank 0 wrote it, every rank gathered

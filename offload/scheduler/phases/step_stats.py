@@ -8,6 +8,7 @@ from typing import Dict, List
 from offload.scheduler.blocks.block import Block
 from offload.scheduler.grads.nonfinite import NonFiniteSkips
 from offload.scheduler.phases.phase_clock import PhaseClock
+from offload.scheduler.weights.partitioned_home import PartitionedHome
 from offload.scheduler.weights.tiers import Tiers
 
 
@@ -34,6 +35,10 @@ def engine_stats(counters: StepCounters, nonfinite: NonFiniteSkips, clock: Phase
     homes = [s.grads for b in blocks if b.runtime is not None for s in b.runtime.states]
     out.update(bytes_grads_to_disk=sum(h.disk_bytes.written for h in homes),
                bytes_grads_from_disk=sum(h.disk_bytes.read for h in homes))
+    parts = [g.home for b in blocks if b.runtime is not None for g in b.runtime.groups
+             if isinstance(g.home, PartitionedHome)]
+    out.update(weight_gathers=sum(h.gathers for h in parts),  # sharded weights: groups made whole, and the
+               bytes_weights_gathered=sum(h.bytes_gathered for h in parts))  # other ranks' bytes that brought
     out.update(host_state_bytes=sum(s.host_bytes for b in blocks if b.runtime is not None
                                     for s in b.runtime.states),  # 0 once closed: the state is freed
                # this rank's fp32 master weights and moments, on any tier (data-parallel: its parts only)

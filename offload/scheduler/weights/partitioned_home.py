@@ -132,6 +132,8 @@ class PartitionedHome:
         self.target_base = 0 if state_shard is None else state_shard.lo  # the update's element 0 is the part's
         self.reads_ahead_from_disk = keeper.reads_ahead_from_disk
         self._gathering: Optional[Callable[[], None]] = None  # a gather started ahead (`fetch(ahead=True)`)
+        self.gathers = 0  # for engine.stats(): gathers made, and the other ranks' bytes they brought
+        self.bytes_gathered = 0
 
     def update_target(self) -> Optional[Tensor]:
         return self._keeper.update_target(self._trainable)
@@ -152,6 +154,7 @@ class PartitionedHome:
         with torch.no_grad():
             self._gathering = self._dp.gather_weights(buffer, self._keeper.read().to(buffer.device), self._part,
                                                       async_op=ahead)
+        self._count_gather()
 
     def wait_fetched(self) -> None:
         gathering, self._gathering = self._gathering, None
@@ -164,7 +167,12 @@ class PartitionedHome:
         assert self._group.device_buffer is not None
         whole = torch.empty(self._group.numel, dtype=self._group.dtype, device=self._group.device_buffer.device)
         self._dp.gather_weights(whole, self._keeper.read().to(whole.device), self._part)
+        self._count_gather()
         return whole.to("cpu")
+
+    def _count_gather(self) -> None:
+        self.gathers += 1
+        self.bytes_gathered += (self._group.numel - self._part.numel) * self._group.dtype.itemsize
 
     def replace(self, flat: Tensor, resident: bool) -> None:
         self.wait_fetched()
