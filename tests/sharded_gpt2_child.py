@@ -38,9 +38,18 @@ def main() -> None:
         model = model_class(config)
     swap = os.path.join(out, "swap")
     os.makedirs(swap, exist_ok=True)
+    preadv, loaded = os.preadv, [0]
+
+    def counted(fd, buffers, offset):  # the bytes wrap() reads of the start weights (weight_source.py reads by preadv)
+        got = preadv(fd, buffers, offset)
+        loaded[0] += got
+        return got
+
+    os.preadv = counted
     engine = offload.wrap(model, "nvme", nvme_path=swap, dtype=torch.float32, device="cpu", lr=spec["lr"],
                           max_grad_norm=1.0, host_memory=spec["host"], device_memory=spec["device"],
                           shard_weights=True, weights=spec["weights"])
+    os.preadv = preadv
     marks = {"wrap": (status("VmHWM") - base, status("RssAnon"), status("RssFile"))}
     losses = []
     for ids in batches:
@@ -60,7 +69,7 @@ def main() -> None:
     flat = torch.cat([v.reshape(-1) for v in state.values()])
     first = flat.clone()
     dist.broadcast(first, src=0)
-    result = dict(marks=marks, losses=losses, growth=growth, swap_bytes=swap_bytes, shard_world=engine.plan.shard_world,
+    result = dict(loaded=loaded[0], marks=marks, losses=losses, growth=growth, swap_bytes=swap_bytes, shard_world=engine.plan.shard_world,
                   disk=list(engine.plan.disk_weight_blocks), agree=bool(torch.equal(flat, first)))
     engine.close()
     rows = [None] * world

@@ -110,7 +110,8 @@ def test_a_gpt2_trains_sharded_with_its_weights_on_disk_exactly_and_in_half_the_
     the weights on disk, clipping 1.0: losses equal one process on the whole batch with torch AdamW within 1e-5,
     ranks bit-identical, each rank's peak RSS growth (from before its model exists: built on the meta device,
     filled from the saved start weights block by block) at most half the fp32 weights + the budgets + 256 MiB,
-    and each rank's swap directory half of the model's training state (fp32 master, m, v and weights, and the
+    each rank reading only its part of the start weights' file (about half of it), and each rank's swap directory
+    half of the model's training state (fp32 master, m, v and weights, and the
     gradient that waits for the clipping norm: 20 B a parameter): the parts of the state and weights, and the part
     of the gradient averaged onto this rank (a gradient parks after its block's reduce-scatter)."""
     transformers = pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[hf]'")
@@ -161,6 +162,8 @@ def test_a_gpt2_trains_sharded_with_its_weights_on_disk_exactly_and_in_half_the_
     numel = sum(p.numel() for p in model.parameters())  # tied: once
     bound = 4 * numel // 2 + 2 * budget + (256 << 20)
     state = 20 * numel
+    file_bytes = sum(f.stat().st_size for f in (tmp_path / "start").glob("*.safetensors"))
     for r in ranks:
+        assert 0.45 * file_bytes <= r["loaded"] <= 0.55 * file_bytes, (r["loaded"], file_bytes)
         assert r["growth"] <= bound, (r["growth"], bound)
         assert 0.48 * state <= r["swap_bytes"] <= 0.52 * state, (r["swap_bytes"], state)

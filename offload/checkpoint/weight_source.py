@@ -73,26 +73,33 @@ class WeightSource:
         self.read_into(name, out)
         return out
 
+    @property
+    def verifies(self) -> bool:
+        """Whether reads are checked against checksums (an offload checkpoint's): only whole tensors can be."""
+        return self._checksums is not None
+
     def read_into(self, name: str, out: Tensor) -> None:
         """Tensor `name`'s bytes into the contiguous CPU tensor `out` of its dtype and size (checked against
         the manifest's checksum when the weights are an offload checkpoint's)."""
         file, first, stop = self._where[name]
-        assert out.is_contiguous() and out.device.type == "cpu"
-        # a view by address: Tensor.numpy() would mark the storage unresizable, and a streamed block's
-        # buffer must shrink to zero bytes when it is released
-        view = memoryview((ctypes.c_char * (out.numel() * out.element_size())).from_address(out.data_ptr())).cast("B")
+        view = _bytes_of(out)
         if len(view) != stop - first or out.dtype != self.dtypes[name]:
             raise OffloadConfigError(f"{file}: tensor {name!r} is {self.dtypes[name]} {list(self.shapes[name])}, "
                                      f"asked for {out.dtype} with {out.numel()} elements")
-        with open(file, "rb", buffering=0) as f:
-            done = 0
-            while done < len(view):
-                got = os.preadv(f.fileno(), [view[done:]], first + done)
-                if got <= 0:
-                    raise OffloadConfigError(f"{file}: short read of tensor {name!r} (truncated file?)")
-                done += got
+        _read_exactly(file, name, view, first)
         if self._checksums is not None:
             self._verify(name, file, view)
+
+    def read_range_into(self, name: str, start: int, out: Tensor) -> None:
+        """Elements [start, start + out.numel()) of tensor `name` (flattened) into the contiguous CPU tensor `out` of
+        its dtype: a data-parallel rank's part (sharded weights). Unverified: use `read_into` where `verifies`."""
+        file, first, stop = self._where[name]
+        view = _bytes_of(out)
+        offset = first + start * out.element_size()
+        if out.dtype != self.dtypes[name] or start < 0 or offset + len(view) > stop:
+            raise OffloadConfigError(f"{file}: tensor {name!r} is {self.dtypes[name]} {list(self.shapes[name])}, "
+                                     f"asked for {out.dtype} elements [{start}, {start + out.numel()})")
+        _read_exactly(file, name, view, offset)
 
     def _verify(self, name: str, file: str, view: memoryview) -> None:
         assert self._checksums is not None
@@ -106,6 +113,23 @@ class WeightSource:
 
     def __repr__(self) -> str:
         return f"WeightSource({self.path!r}, {len(self._where)} tensors)"
+
+
+def _bytes_of(out: Tensor) -> memoryview:
+    """`out`'s bytes, viewed by address: Tensor.numpy() would mark the storage unresizable, and a streamed block's
+    buffer must shrink to zero bytes when it is released."""
+    assert out.is_contiguous() and out.device.type == "cpu"
+    return memoryview((ctypes.c_char * (out.numel() * out.element_size())).from_address(out.data_ptr())).cast("B")
+
+
+def _read_exactly(file: str, name: str, view: memoryview, offset: int) -> None:
+    with open(file, "rb", buffering=0) as f:
+        done = 0
+        while done < len(view):
+            got = os.preadv(f.fileno(), [view[done:]], offset + done)
+            if got <= 0:
+                raise OffloadConfigError(f"{file}: short read of tensor {name!r} (truncated file?)")
+            done += got
 
 
 def _read_header(file: str) -> Tuple[int, dict]:

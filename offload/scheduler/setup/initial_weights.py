@@ -12,7 +12,7 @@ by name, as `load_state_dict(strict=True)` would. See docs/design.md [Note: lazy
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Protocol, Set, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +23,7 @@ from offload.scheduler.blocks.block import Block
 from offload.scheduler.torch_internals import own_buffers, own_parameters
 
 Init = Callable[[nn.Module], None]
+Span = Tuple[int, int]
 _LISTED = 8  # names shown per kind of mismatch
 
 
@@ -33,7 +34,14 @@ class InitialWeights(Protocol):
 
     def copies_parameters(self) -> bool: ...
 
-    def fill(self, block: Block) -> None: ...
+    def reads_parts(self) -> bool:
+        """Whether `fill` can fill only given element ranges, the same on every rank (a checkpoint file): sharded
+        weights then read each rank's part and nothing is broadcast."""
+        ...
+
+    def fill(self, block: Block, parts: Optional[Sequence[Span]] = None) -> None:
+        """Fill the block's buffers; `parts`: per group, the elements [a, b) to fill (the rest stays unset)."""
+        ...
 
     def finish(self, module: nn.Module, device: torch.device) -> None: ...
 
@@ -47,7 +55,10 @@ class FromModule:
     def copies_parameters(self) -> bool:
         return True
 
-    def fill(self, block: Block) -> None:
+    def reads_parts(self) -> bool:
+        return False
+
+    def fill(self, block: Block, parts: Optional[Sequence[Span]] = None) -> None:
         pass
 
     def finish(self, module: nn.Module, device: torch.device) -> None:
@@ -88,17 +99,35 @@ class FromSource:
     def copies_parameters(self) -> bool:
         return False
 
-    def fill(self, block: Block) -> None:
+    def reads_parts(self) -> bool:
+        return True
+
+    def fill(self, block: Block, parts: Optional[Sequence[Span]] = None) -> None:
         with torch.no_grad():
-            for group in block.groups:
+            for index, group in enumerate(block.groups):
                 assert group.device_buffer is not None
+                a, b = (0, group.numel) if parts is None else parts[index]
                 for slot in group.slots:
+                    lo, hi = max(a, slot.offset), min(b, slot.offset + slot.numel)
+                    if lo >= hi:
+                        continue  # outside this rank's part
                     name = next(n for n in self._names_of[id(slot.param)] if n in self.source)
-                    target = group.device_buffer[slot.offset:slot.offset + slot.numel]
-                    if target.device.type == "cpu" and self.source.dtypes[name] == target.dtype:
+                    target = group.device_buffer[lo:hi]
+                    if hi - lo < slot.numel and not self.source.verifies:
+                        self._read_part(name, lo - slot.offset, target)
+                    elif target.device.type == "cpu" and self.source.dtypes[name] == target.dtype and hi - lo == slot.numel:
                         self.source.read_into(name, target)  # straight into the block's buffer
-                    else:
-                        target.copy_(self.source.read(name).reshape(-1))  # converts dtype, moves to the device
+                    else:  # converts dtype, moves to the device; an offload checkpoint's tensor is verified whole
+                        target.copy_(self.source.read(name).reshape(-1)[lo - slot.offset:hi - slot.offset])
+
+    def _read_part(self, name: str, start: int, target: Tensor) -> None:
+        """Elements [start, start + target.numel()) of tensor `name` into `target` (converted, moved)."""
+        if target.device.type == "cpu" and self.source.dtypes[name] == target.dtype:
+            self.source.read_range_into(name, start, target)
+            return
+        piece = torch.empty(target.numel(), dtype=self.source.dtypes[name])
+        self.source.read_range_into(name, start, piece)
+        target.copy_(piece)
 
     def finish(self, module: nn.Module, device: torch.device) -> None:
         """The checkpoint's buffers (e.g. BatchNorm statistics) replace the module's."""
@@ -134,7 +163,10 @@ class ByInit:
     def copies_parameters(self) -> bool:
         return False
 
-    def fill(self, block: Block) -> None:
+    def reads_parts(self) -> bool:
+        return False
+
+    def fill(self, block: Block, parts: Optional[Sequence[Span]] = None) -> None:
         in_block = {id(slot.param) for slot in block.slots}
         with torch.no_grad():
             for group in block.groups:

@@ -153,10 +153,14 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
             group.point_params_at(buffer)
             for slot in group.slots:
                 slot.param.grad = None
-        initial.fill(block)
+        # sharded weights from a checkpoint file: each rank reads its own part, the same file on every rank
+        own_parts = sharded and initial.reads_parts()
+        assert dp is not None or not own_parts
+        initial.fill(block, [(p.lo, p.hi) for p in (dp.weight_part(g.numel) for g in block.groups)]  # type: ignore[union-attr]
+                     if own_parts else None)
         groups = []
         for group in block.groups:
-            if dp is not None:
+            if dp is not None and not own_parts:
                 assert group.device_buffer is not None
                 dp.broadcast_from_first(group.device_buffer)
             state, shard = None, None
