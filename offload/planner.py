@@ -351,15 +351,17 @@ def group_bytes(trainable_numel: int, dtype: torch.dtype, tier: Tier,
 
 def spec_of(name: str, weight_bytes: int, groups: Sequence[Tuple[int, torch.dtype]], tier: Tier,
             largest_grad_bytes: int = 0, moments: MomentFormat = MomentFormat.FP32, world: int = 1,
-            part_weight_bytes: Optional[int] = None) -> BlockSpec:
+            part_weight_bytes: Optional[int] = None, per_rank: Optional[Sequence[Tuple[int, int]]] = None) -> BlockSpec:
     """The BlockSpec of a block from its (trainable numel, dtype) groups; the nvme tier keeps gradients on
     the host apart from the state on disk, the other tiers count them with the state. `world`: data-parallel
     ranks, each keeping the state of its 1/world part (the largest part: the same plan on every rank) and the
-    whole gradient (reduce-scattered at the update); `part_weight_bytes`: sharded weights, a rank's part."""
+    whole gradient (reduce-scattered at the update); `per_rank`: instead, each group's (state, gradient)
+    elements of the largest rank; `part_weight_bytes`: sharded weights, a rank's part."""
     state = grads = 0
-    for numel, dtype in groups:
-        s, _ = group_bytes(-(-numel // world), dtype, tier, moments)
-        _, g = group_bytes(numel, dtype, tier, moments)
+    for index, (numel, dtype) in enumerate(groups):
+        state_numel, grad_numel = per_rank[index] if per_rank is not None else (-(-numel // world), numel)
+        s, _ = group_bytes(state_numel, dtype, tier, moments)
+        _, g = group_bytes(grad_numel, dtype, tier, moments)
         state, grads = state + s, grads + g
     if tier is Tier.NVME:
         return BlockSpec(name, weight_bytes, state, grads, largest_grad_bytes, part_weight_bytes)

@@ -136,8 +136,12 @@ class Block:
         rank's part of the state among `world` data-parallel ranks, and of its weights when `sharded`."""
         largest_grad = max((slot.numel * g.dtype.itemsize for g in self.groups for slot in g.trainable_slots), default=0)
         part = sum(-(-g.numel // world) * g.dtype.itemsize for g in self.groups) if sharded else None
+        per_rank = None
+        if sharded:  # the state part is cut at the weights' part size (rank 0's is the largest); the gradient
+            per_rank = [(min(-(-g.numel // world), g.trainable_numel),
+                         -(-g.numel // world) * world if g.trainable_numel else 0) for g in self.groups]  # padded
         return spec_of(self.name, self.weight_bytes, [(g.trainable_numel, g.dtype) for g in self.groups], tier,
-                       largest_grad, moments, world, part)
+                       largest_grad, moments, world, part, per_rank)
 
     def move_to(self, new: Residency) -> None:
         """Change residency; a move the state machine does not allow is a bug, reported loudly."""

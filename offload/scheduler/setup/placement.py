@@ -52,9 +52,11 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
     numel_of = None if dp is None else (
         lambda group: dp.state_shard(group.trainable_numel, group.numel, sharded).numel)
     records, swap_size = plan_swap_layout(blocks, numel_of, policy.moments) if policy.tier is Tier.NVME else ({}, 0)
-    largest_record = max((r.numel for r in records.values()), default=0)
+    largest_record = _largest_part(blocks, dp, sharded)
     ring = ring_size_for(largest_record, policy.moments) if records else None
     plan = _make_plan(blocks, policy, ring, dp, sharded)
+    if dp is not None:
+        _refuse_plans_that_differ(plan, dp)
     if dp is not None and not sharded and plan.disk_weight_blocks:
         raise OffloadConfigError(
             f"shard_weights=False keeps every block's weights in each rank's host memory, but host_memory="
@@ -122,14 +124,35 @@ def _shards_weights(blocks: List[Block], policy: OffloadPolicy, dp: Optional[Dat
         return False
     if policy.shard_weights is ShardWeights.ON:
         return True
-    records, _ = plan_swap_layout(blocks, lambda g: dp.shard_of(g.trainable_numel).numel, policy.moments) \
-        if policy.tier is Tier.NVME else ({}, 0)
-    largest = max((r.numel for r in records.values()), default=0)
+    ring = ring_size_for(_largest_part(blocks, dp, False), policy.moments) if policy.tier is Tier.NVME else None
     try:
-        whole = _make_plan(blocks, policy, ring_size_for(largest, policy.moments) if records else None, dp, False)
+        whole = _make_plan(blocks, policy, ring, dp, False)
     except OffloadConfigError:
         return True
     return bool(whole.disk_weight_blocks)
+
+
+def _largest_part(blocks: List[Block], dp: Optional[DataParallel], sharded: bool) -> int:
+    """The largest state record a rank may hold, which sizes the staging ring: rank 0's parts (the largest), so
+    that every rank makes the same plan (a rank's own records may be smaller; its placement, and so the order of
+    its gathers, must not differ)."""
+    def part(group: FlatGroup) -> int:
+        if dp is None:
+            return group.trainable_numel
+        shard = dp.state_shard(group.trainable_numel, group.numel, sharded)
+        return Shard(shard.n, shard.size, 0, shard.world).numel
+    return max((part(g) for b in blocks for g in b.groups if g.trainable_numel), default=0)
+
+
+def _refuse_plans_that_differ(plan: Plan, dp: DataParallel) -> None:
+    """Every rank must place the same blocks the same way: which blocks stream, which weights are on disk, and
+    whether weights are sharded decide the order of the training thread's collectives (the gathers)."""
+    mine = (plan.shard_world, plan.streamed_blocks, plan.disk_weight_blocks, plan.device_budget, plan.host_budget)
+    every = dp.all_gather_object(mine)
+    if any(theirs != every[0] for theirs in every):
+        raise OffloadConfigError(
+            "the data-parallel ranks planned different placements (shard_world, streamed blocks, blocks on disk, "
+            f"budgets) per rank: {every}; give every rank the same model, budgets and options")
 
 
 def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: OffloadPolicy, tiers: Tiers,
