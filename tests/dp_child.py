@@ -41,6 +41,7 @@ def train(case: dict, out: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0 if rank == 0 else 1000 + rank)
     model = TinyGPT()
+    freeze(model, case)
     options = dict(tier=case["tier"], dtype=torch.float32, device="cpu", lr=case.get("lr", 1e-2))
     if case["tier"] == "nvme":
         options["nvme_path"] = os.path.join(out, f"swap-{case['name']}")
@@ -101,6 +102,13 @@ def train(case: dict, out: str) -> None:
     if rank == 0:
         torch.save({"losses": losses, "agree": agree, "weights": state, "stats": stats, "ddp_weights": ddp,
                     "ddp_optimizer": ddp_optimizer, "plan": plan}, os.path.join(out, f"{case['name']}.pt"))
+
+
+def freeze(model, case: dict) -> None:
+    """The parameters named by the case's `freeze` prefixes stop training (partially frozen blocks)."""
+    for name, param in model.named_parameters():
+        if name.startswith(tuple(case.get("freeze", ()))):
+            param.requires_grad_(False)
 
 
 def swap_bytes(nvme_path, rank: int) -> int:

@@ -43,6 +43,9 @@ def reference(case: dict) -> Dict[str, object]:
     """One process, plain torch.optim.AdamW, the whole batch, rank 0's start weights."""
     torch.manual_seed(0)
     model = TinyGPT()
+    for name, param in model.named_parameters():  # dp_child.freeze
+        if name.startswith(tuple(case.get("freeze", ()))):
+            param.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=case.get("lr", 1e-2), weight_decay=case.get("weight_decay", 0.0),
                             foreach=False)

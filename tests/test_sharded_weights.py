@@ -21,6 +21,8 @@ CASES = [
          grad_accumulation_steps=2, lr=1e-3, ddp=True),
     dict(name="nvme-sharded-disk", tier="nvme", steps=3, micro=1, shard_weights=True, host_memory=HOST,
          device_memory=DEVICE, max_grad_norm=1.0, lr=1e-3, export="exported"),
+    dict(name="nvme-sharded-frozen", tier="nvme", steps=3, micro=1, shard_weights=True, host_memory=HOST,
+         device_memory=DEVICE, lr=1e-3, freeze=["h.0.fc", "h.0.out", "h.2.fc", "h.2.out"]),  # partially frozen
     dict(name="nvme-auto-disk", tier="nvme", steps=3, micro=2, host_memory=HOST, device_memory=DEVICE,
          grad_accumulation_steps=2, lr=1e-3),
 ]
