@@ -4,8 +4,8 @@
 It sits around the root forward's pack hook (the spill's or the weight streamer's), so it sees every saved tensor
 and what became of it: a streamed weight's handle and the model's own parameters are weights, not activations; a
 `SpilledTensor` went to the swap file; a tensor returned as it is stayed. With no hooks otherwise (activations
-kept, no streamed weights) the engine meters the first training forward only, so the plan has its figures
-without the hooks' cost on every step.
+kept, no streamed weights) nothing is metered: the model's forward runs without hooks, as it would without
+offload.
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ class SavedTensorMeter:
 class RootSavedTensors:
     """The root forward's saved-tensor hooks: the inner pair (the activation spill's, whose pack asks the weight
     streamer first, or the streamer's alone), in place while `needed()` (activations offloaded, weights streaming),
-    with the meter around pack in training forwards; with no hooks needed, only the first training forward is
-    metered."""
+    with the meter around pack in training forwards. With no hooks needed nothing is metered: hooks the model
+    did not have could refuse a forward that works without them (torch.func transforms inside it)."""
 
     def __init__(self, pack: Callable[[Tensor], object], unpack: Callable[[Any], Tensor], needed: Callable[[], bool],
                  is_weight: Callable[[Tensor], bool]) -> None:
@@ -109,13 +109,12 @@ class RootSavedTensors:
 
     def context(self, training: bool, tokens: Optional[int]) -> ContextManager[object]:
         """For one root forward (`training`: it records a graph)."""
-        needed = self._needed()
-        if training and (needed or self.meter.last is None):
+        if not self._needed():
+            return contextlib.nullcontext()
+        if training:
             self.meter.begin(tokens)
             return torch.autograd.graph.saved_tensors_hooks(self.meter.pack, self._unpack)
-        if needed:
-            return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
 
 def token_count(args: Tuple[Any, ...], kwargs: dict) -> Optional[int]:
