@@ -151,7 +151,19 @@ def save_failing(engine, case: dict, out: str) -> None:
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    if dist.get_rank() == case["fail_rank"]:
+    if dist.get_rank() == case["fail_rank"] and case.get("fail_in") == "weights":  # its 3rd tensor of the model file
+        from offload.checkpoint.tensor_file import TensorFileWriter
+
+        write, calls = TensorFileWriter.write, [0]
+
+        def third_fails(self, name, tensor):
+            calls[0] += 1
+            if calls[0] == 3:
+                disk_full()
+            return write(self, name, tensor)
+
+        TensorFileWriter.write = third_fails
+    elif dist.get_rank() == case["fail_rank"]:
         sharded._write_part_file = disk_full
     try:
         engine.save(os.path.join(out, case["save"]))

@@ -85,6 +85,25 @@ def test_sharded_checkpoints_load_in_one_process_and_into_replicated_ranks(tmp_p
     assert sharded.keys() == one.keys()
 
 
+def test_a_save_that_fails_on_rank_0_while_it_writes_the_gathered_weights_fails_on_every_rank(tmp_path):
+    """Rank 0's disk fills while it writes model.safetensors from gathers the other rank takes part in: rank 0 goes
+    on gathering to the walk's end (writing nothing), so no rank hangs; every rank raises naming rank 0, and the
+    checkpoint saved before stays."""
+    run_ranks(tmp_path, [
+        dict(name="first", tier="nvme", steps=1, micro=1, shard_weights=True, host_memory=HOST, device_memory=DEVICE,
+             save="ck"),
+        dict(name="second", tier="nvme", steps=2, micro=1, shard_weights=True, host_memory=HOST,
+             device_memory=DEVICE, save="ck", fail_rank=0, fail_in="weights"),
+    ])
+    for rank in (0, 1):
+        message = (tmp_path / f"second-rank{rank}.txt").read_text()
+        assert "rank 0 could not write its part" in message and "nothing was switched" in message, message
+    from offload.checkpoint.manifest import read_manifest
+
+    assert read_manifest(str(tmp_path / "ck"))["step"] == 1
+    optimizer_tensors(tmp_path / "ck")  # every part there, checksums verified
+
+
 def test_whole_weights_that_do_not_fit_are_refused_when_sharding_is_turned_off(tmp_path):
     run_ranks(tmp_path, [dict(name="off", tier="nvme", steps=1, micro=1, shard_weights=False, host_memory=HOST,
                               device_memory=DEVICE, expect_error="shard_weights=True")])

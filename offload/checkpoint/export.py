@@ -91,28 +91,34 @@ def export_pretrained(engine: "CheckpointTarget", directory: Union[str, "os.Path
     limit = parse_bytes(max_shard_size, "max_shard_size")
     assert limit is not None
     directory = os.path.abspath(os.fspath(directory))
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise OffloadConfigError(f"save_pretrained needs a directory, but {directory!r} is a file")
+    reads = [0]  # groups whose weights were read (sharded weights: gathers the other ranks take part in)
     try:
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise OffloadConfigError(f"save_pretrained needs a directory, but {directory!r} is a file")
         os.makedirs(directory, exist_ok=True)
-        _export(engine, directory, limit, progress)
-    except OffloadIOError as exc:
-        raise _explained(exc, directory) from None
-    except OSError as exc:
-        raise _explained(OffloadIOError.from_errno(exc.errno or errno.EIO, exc.filename or directory, 0, 0,
-                                                   "export"), directory) from None
+        _export(engine, directory, limit, progress, reads)
+    except BaseException as exc:
+        if engine.weights_gathered:  # the other ranks gather every group: take part in the rest, then fail
+            take_part_in_export(engine, max_shard_size, skip=reads[0])
+        if isinstance(exc, OffloadIOError):
+            raise _explained(exc, directory) from None
+        if isinstance(exc, OSError):
+            raise _explained(OffloadIOError.from_errno(exc.errno or errno.EIO, exc.filename or directory, 0, 0,
+                                                       "export"), directory) from None
+        raise
     return directory
 
 
-def take_part_in_export(engine: "CheckpointTarget", max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE) -> None:
-    """Sharded weights, a rank other than 0: rank 0's export reads each group's weights by a gather; take part in
-    every one, in its order (the same plan from the same module), writing nothing."""
+def take_part_in_export(engine: "CheckpointTarget", max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
+                        skip: int = 0) -> None:
+    """Sharded weights: rank 0's export reads each group's weights by a gather; take part in every one after the
+    first `skip`, in its order (the same plan from the same module), writing nothing (the other ranks; rank 0
+    itself after a failure, so that the others finish)."""
     limit = parse_bytes(max_shard_size, "max_shard_size")
     assert limit is not None
     plan = _plan(engine, list(engine.checkpoint_groups()), limit)
-    for group, pairs in plan.groups:
-        if pairs:
-            engine.group_weights(group)
+    for group in [group for group, pairs in plan.groups if pairs][skip:]:
+        engine.group_weights(group)
 
 
 def _explained(exc: OffloadIOError, directory: str) -> OffloadIOError:
@@ -242,7 +248,7 @@ def _remove_leftovers(directory: str) -> None:
                 pass
 
 
-def _export(engine: "CheckpointTarget", directory: str, limit: int, progress: Optional[bool]) -> None:
+def _export(engine: "CheckpointTarget", directory: str, limit: int, progress: Optional[bool], reads: List[int]) -> None:
     groups = list(engine.checkpoint_groups())  # waits for pending updates first
     plan = _plan(engine, groups, limit)
     _remove_leftovers(directory)
@@ -255,6 +261,7 @@ def _export(engine: "CheckpointTarget", directory: str, limit: int, progress: Op
                 if not pairs:
                     continue
                 flat = engine.group_weights(group)  # one group in host memory (a fresh copy when it was on disk)
+                reads[0] += 1
                 for name, slot in pairs:
                     shards.write(name, flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
                 bar.update(group.nbytes)

@@ -97,12 +97,19 @@ def save_parts(engine: "CheckpointTarget", dp: "DataParallel", path: str, statef
         if dp.rank == 0:
             total += sum(e.nbytes for e in layout.model_entries)
         with _progress(total, progress, f"offload: saving {os.path.basename(path)} (rank {dp.rank})") as bar:
+            walk = weights_in_file_order(engine, groups, layout)
             if dp.rank == 0:
-                files.update(write_stateful(tmp, stateful, algorithm))  # one scheduler, one data position
-                files[MODEL_FILE] = _write_weights(engine, groups, layout, os.path.join(tmp, MODEL_FILE), algorithm,
-                                                   bar)
+                try:
+                    files.update(write_stateful(tmp, stateful, algorithm))  # one scheduler, one data position
+                    files[MODEL_FILE] = _write_weights(engine, groups, layout, os.path.join(tmp, MODEL_FILE),
+                                                       algorithm, bar, walk)
+                except BaseException:
+                    if engine.weights_gathered:  # the other ranks gather to the walk's end: take part, then fail
+                        for _ in walk:
+                            pass
+                    raise
             elif engine.weights_gathered:  # rank 0's reads of the weights are gathers: take part in each
-                for _ in weights_in_file_order(engine, groups, layout):
+                for _ in walk:
                     pass
             if rng:
                 name = rng_file(dp.rank, dp.world)

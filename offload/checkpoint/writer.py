@@ -171,11 +171,12 @@ def manifest_fields(engine: "CheckpointTarget", layout: _Layout, algorithm: str,
 
 
 def _write_weights(engine: "CheckpointTarget", groups: list, layout: _Layout, path: str, algorithm: str,
-                   bar: tqdm) -> Dict[str, Any]:
-    """model.safetensors: each group's current weights, then tied aliases and buffers."""
+                   bar: tqdm, walk: Optional[Iterator[Tuple[str, torch.Tensor, int]]] = None) -> Dict[str, Any]:
+    """model.safetensors: each group's current weights, then tied aliases and buffers (`walk`: that sequence,
+    begun by the caller, which then can finish it after a failure)."""
     writer = TensorFileWriter(path, layout.model_entries, algorithm, {"format": "pt"})
     try:
-        for name, value, nbytes in weights_in_file_order(engine, groups, layout):
+        for name, value, nbytes in (walk if walk is not None else weights_in_file_order(engine, groups, layout)):
             writer.write(name, value)
             bar.update(nbytes)
         writer.close()
