@@ -211,6 +211,14 @@ class OffloadTrainerMixin(_TrainerBase):
         return engine.clip_grad_norm_(math.inf, norm_type)  # scale 1: only measures
 
     # ----- checkpoints ------------------------------------------------------------------------------------
+    def save_model(self, output_dir: Optional[str] = None, *args: Any, **kwargs: Any) -> None:
+        """The Trainer's `save_model`; with sharded weights every rank must take part in the saving rank's reads of
+        the weights (gathers), and transformers 4.x calls `_save` on the saving rank only: the others call it here."""
+        self._save_ran = False
+        super().save_model(output_dir, *args, **kwargs)
+        if self.engine is not None and self.engine.weights_sharded and not self._save_ran:
+            self._save(output_dir)
+
     def _save(self, output_dir: Optional[str] = None, state_dict: Optional[Dict[str, Any]] = None) -> None:
         """The weights as the Trainer's `_save` lays them out, read from the engine: a `peft.PeftModel` through
         its own `save_pretrained` (the adapter files) given the engine's values of the entries it keeps, any
@@ -218,6 +226,7 @@ class OffloadTrainerMixin(_TrainerBase):
         is refused while blocks stream); then the processing class and the args."""
         if state_dict is not None:
             raise OffloadError(f"{type(self).__name__} saves the engine's weights; a state_dict cannot be passed")
+        self._save_ran = True
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         assert self.engine is not None
         if not self.args.should_save:
