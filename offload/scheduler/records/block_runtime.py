@@ -58,6 +58,11 @@ class BlockRuntime:
         return any(g.home.pushes for g in self.groups if g.state is not None)
 
     @property
+    def partitioned(self) -> bool:
+        """Whether its weights are sharded across the data-parallel ranks (each keeps a part, gathered for use)."""
+        return any(g.home.partitioned for g in self.groups)
+
+    @property
     def reduced(self) -> bool:
         """Data-parallel: this step's gradients of the block were averaged across the ranks already."""
         return any(state.reduced_ready is not None for state in self.states)
@@ -238,6 +243,10 @@ class BlockRuntime:
         if not self.streamed:
             return
         streamer = self.services.streamer
+        if following is not None and following.runtime is not None and following.runtime.partitioned:
+            # sharded weights: its update in first, so the gather ahead brings the new weights and the push after
+            # the update has nothing left to gather (one gather a use; the same wait on every rank)
+            following.runtime.settle(counted=True)
         settled = following is None or following.runtime is None or following.runtime.is_settled()
         streamer.ensure(self.block, pin=True, prefetch=following, settled=settled)
         if in_backward:
