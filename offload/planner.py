@@ -109,8 +109,14 @@ class Plan:
 
     @property
     def device_room(self) -> Optional[int]:
-        """What the device budget leaves after the plan's weights and gradient room: for activations."""
-        return None if self.device_budget is None else max(self.device_budget - self.bytes_on(Location.DEVICE), 0)
+        """What the device budget leaves after the plan's weights, the blocks streaming through it (two of the
+        largest when it holds them, else one) and the gradient room: for activations."""
+        if self.device_budget is None:
+            return None
+        left = self.device_budget - self.bytes_on(Location.DEVICE)
+        largest = max((b.weight_bytes for b in self.blocks if b.weights is not Location.DEVICE), default=0)
+        largest *= self.shard_world  # a sharded block's part, gathered whole
+        return max(left - (2 * largest if left >= 2 * largest else largest), 0)
 
     @property
     def all_grad_bytes(self) -> int:
