@@ -104,6 +104,16 @@ def test_a_save_that_fails_on_rank_0_while_it_writes_the_gathered_weights_fails_
     optimizer_tensors(tmp_path / "ck")  # every part there, checksums verified
 
 
+def test_an_engine_dropped_without_close_is_released_without_gathers_and_says_so(tmp_path):
+    """The collector releases an engine on each rank at its own time: bringing sharded weights back would be
+    gathers the other rank never makes (a hang), so they stay out and a warning says what to do."""
+    run_ranks(tmp_path, [dict(name="drop", tier="nvme", steps=1, micro=1, shard_weights=True, host_memory=HOST,
+                              device_memory=DEVICE, drop=True)])
+    for rank in (0, 1):
+        message = (tmp_path / f"drop-rank{rank}.txt").read_text()
+        assert "dropped without close()" in message and "not gathered back" in message, message
+
+
 def test_whole_weights_that_do_not_fit_are_refused_when_sharding_is_turned_off(tmp_path):
     run_ranks(tmp_path, [dict(name="off", tier="nvme", steps=1, micro=1, shard_weights=False, host_memory=HOST,
                               device_memory=DEVICE, expect_error="shard_weights=True")])

@@ -55,10 +55,16 @@ class EngineRelease:
         if self.pipeline.on_worker_thread():  # collected on the worker itself: it cannot wait for itself
             threading.Thread(target=self.dropped, name="offload-release", daemon=True).start()
             return
-        try:
-            failure = self._release()
+        sharded = self.pipeline.weights_sharded  # bringing its weights back takes gathers every rank makes at once,
+        try:                                      # which a collector on one rank cannot: they stay out
+            failure = self._release(restore=not sharded)
         except BaseException as exc:  # noqa: BLE001 -- e.g. Ctrl-C while draining: nobody could catch it here
             failure = exc
+        if sharded:
+            warnings.warn("offload: an engine with sharded weights (shard_weights) was dropped without close(): its "
+                          "model's streamed parameters were not gathered back (that needs every rank at once) and "
+                          "are NaN placeholders now; call engine.close() on every rank, or load a checkpoint into "
+                          "the model", RuntimeWarning, stacklevel=2)
         if failure is not None:
             warnings.warn(f"offload: an engine dropped without close() could not be released cleanly "
                           f"({type(failure).__name__}: {failure}); its hooks and swap file are gone, but the "
@@ -67,12 +73,12 @@ class EngineRelease:
         else:
             self._warn_if_inconsistent("dropped without close()")
 
-    def _release(self) -> Optional[BaseException]:
-        """Release everything, whatever fails; return the first error."""
+    def _release(self, restore: bool = True) -> Optional[BaseException]:
+        """Release everything, whatever fails; return the first error (`restore`: see `Synchronizer.close`)."""
         pipeline = self.pipeline
         failure: Optional[BaseException] = None
         try:
-            failure = pipeline.close()
+            failure = pipeline.close(restore)
         except Exception as exc:  # e.g. weights on a failed disk could not be read back: release all the same
             failure = exc
         finally:  # whatever failed, the hooks, records, files and the model's mark go

@@ -122,10 +122,14 @@ class StepPipeline:
     def on_worker_thread(self) -> bool:
         return self._services.worker.on_own_thread()
 
-    def close(self) -> Optional[BaseException]:
-        """Finish the updates, push every new weight, bring streamed blocks back; returns an update's error
-        that was never reported (raised by the caller after its own cleanup)."""
-        return self._sync.close()
+    def close(self, restore: bool = True) -> Optional[BaseException]:
+        """Finish the updates, push every new weight, bring streamed blocks back (unless `restore` is False);
+        returns an update's error that was never reported (raised by the caller after its own cleanup)."""
+        return self._sync.close(restore)
+
+    @property
+    def weights_sharded(self) -> bool:
+        return any(block.record.partitioned for block in self._blocks if block.runtime is not None)
 
     def mark_closed(self) -> None:
         self._sync.closed = True

@@ -91,9 +91,10 @@ class Synchronizer:
                 self._worker.fail(prior)  # nothing was loaded: the state is still the inconsistent one
             raise
 
-    def close(self) -> Optional[BaseException]:
+    def close(self, restore: bool = True) -> Optional[BaseException]:
         """Finish the updates, push every new weight, bring streamed blocks back; returns an update's error
-        that was never reported (raised by the caller after its own cleanup)."""
+        that was never reported (raised by the caller after its own cleanup). `restore=False`: neither pushes
+        nor brings back (sharded weights dropped without close(): those are gathers every rank must make)."""
         failure: Optional[BaseException] = None
         try:
             self._worker.close()
@@ -101,11 +102,12 @@ class Synchronizer:
         except Exception as exc:  # still clean up; report it at the end
             failure = exc
         self.closed = True
-        for block in self._blocks:
+        for block in self._blocks if restore else ():
             if block.record.needs_push:
                 block.record.push()
         self._guard.release_all()
-        self._streamer.restore_all()
+        if restore:
+            self._streamer.restore_all()
         self._copies.synchronize()  # the module is plain PyTorch from here on
         for param in self._slots:
             if is_held(param.grad):
