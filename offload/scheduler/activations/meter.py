@@ -41,10 +41,6 @@ class SavedTensorMeter:
         self._per_block: Dict[int, int] = {}  # bytes saved while each block was the one entered last (-1: none yet)
         self._current = -1
 
-    @property
-    def active(self) -> bool:
-        return self._active
-
     def begin(self, tokens: Optional[int]) -> None:
         self._active, self._tokens = True, tokens
         self._saved = self._movable = self._moved = 0

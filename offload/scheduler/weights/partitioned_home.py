@@ -32,7 +32,6 @@ class WeightPart:
         self.key = group.key
         self.dtype = group.dtype
         self.numel = part.numel
-        self.part = part
 
 
 class PartKeeper(Protocol):
