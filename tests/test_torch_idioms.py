@@ -401,3 +401,42 @@ def test_step_returns_before_the_updates_and_a_read_right_after_it_sees_the_new_
         assert type(model.h[0].fc.weight) is nn.Parameter  # settled: plain again
     for name, value in reference.named_parameters():
         torch.testing.assert_close(got[name], value.detach(), atol=1e-6, rtol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("tier,options", [("gpu", {}), ("cpu", {}), ("cpu", dict(grad_accumulation_steps=2)),
+                                          ("nvme", {}), ("nvme", dict(max_grad_norm=1e9, host_memory=170_000))])
+def test_a_post_accumulate_grad_hook_registered_before_wrap_reads_the_running_sum(tmp_path, tier, options):
+    """A hook registered before the engine's runs first: at the second micro-batch it reads torch's running sum
+    of the gradients (it read only the earlier micro-batches' before: the engine had not yet added this one's),
+    and what it does in place (a scale) applies to that sum, as in torch. Last case: the gradients wait on disk."""
+    def run(wrapped: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)], nn.Linear(64, 2))
+        seen = []
+
+        def hook(param):
+            seen.append(param.grad.norm().item())
+            param.grad.mul_(0.5)
+
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(hook)
+        if wrapped:
+            engine = offload.wrap(model, tier=tier, nvme_path=tmp_path if tier == "nvme" else None, lr=LR,
+                                  betas=BETAS, eps=EPS, weight_decay=WD, dtype=torch.float32, device="cpu", **options)
+            forward, optimizer = engine, engine
+        else:
+            forward, optimizer = model, torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                                                          weight_decay=WD)
+        for step in range(2):
+            for micro in range(2):
+                x = torch.randn(3, 64, generator=torch.Generator().manual_seed(10 * step + micro))
+                forward(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return seen, [p.detach().clone() for p in model.parameters()]
+
+    seen, weights = run(True)
+    ref_seen, ref_weights = run(False)
+    assert seen == pytest.approx(ref_seen, rel=1e-6, abs=1e-7)
+    for got, ref in zip(weights, ref_weights):
+        assert (got - ref).abs().max().item() <= TOL

@@ -45,6 +45,10 @@ class GradOwner(Protocol):
     def grads_changed(self) -> None:
         """A torch op changed them (a clip): norms taken before are stale."""
 
+    def before_grad_arrives(self) -> None:
+        """A gradient is about to be added to the home: its last update must be done with it, the reduction
+        must allow it, and norms taken before are stale."""
+
     @property
     def reduced(self) -> bool:
         """Data-parallel: this step's gradients were averaged across the ranks already."""
@@ -138,12 +142,23 @@ class GradAccumulator:
             self.owner.check_grads_for_torch()
         if index in self.lost:
             raise released_gradient(self.group.trainable_slots[index].name)
+        self.absorb_pending(index)
         result = func(self._piece(index), *args, **kwargs)
         if in_place(func):
             if self.owner is not None:
                 self.owner.grads_changed()
             return self.held[index]
         return result
+
+    def absorb_pending(self, index: int) -> None:
+        """What autograd accumulated into the parameter's `.grad` since the engine took it, added here before a
+        read: a post-accumulate-grad hook registered before the engine's runs first and reads torch's running
+        sum, which then includes this micro-batch's gradient."""
+        pending = self.held[index].pop_pending()
+        if pending is not None:
+            if self.owner is not None:
+                self.owner.before_grad_arrives()
+            self.accumulate(index, pending)
 
     def _piece(self, index: int) -> Tensor:
         self.finish_downloads()

@@ -90,11 +90,12 @@ class SpillingGradAccumulator(WindowedGradAccumulator):
     def apply(self, index: int, func: Any, args: Sequence[Any], kwargs: dict) -> Any:
         """On disk, an in-place op waits in order for the sum to come back; a read runs for every slot of the
         group at once on one read back, each slot's result kept until the gradient changes."""
+        if self.owner is not None:
+            self.owner.check_grads_for_torch()
+        self.absorb_pending(index)
         if self.grad is not None or not self.on_disk:
             self._results.clear()
             return super().apply(index, func, args, kwargs)
-        if self.owner is not None:
-            self.owner.check_grads_for_torch()
         if in_place(func):
             self._pending_ops.append((index, func, args, kwargs))
             self._results.clear()

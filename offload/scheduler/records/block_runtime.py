@@ -164,9 +164,7 @@ class BlockRuntime:
         """Move `param.grad` into its group's gradient home and leave the stand-in there ([Note: where a
         gradient is after backward]): a plain tensor means `.grad` was None before autograd wrote it (cleared
         since the engine took the last one), a HeldGrad with `pending` that autograd accumulated into it."""
-        self.wait_for_update(counted=False)  # the last update (or parking) may still read the gradients
-        self.services.reduction.check_arrival(self)
-        self.norms = None  # of a sum this gradient changes
+        self.before_grad_arrives()
         grad, grads = param.grad, ref.state.grads
         if isinstance(grad, HeldGrad):
             pending = grad.pop_pending()
@@ -177,6 +175,12 @@ class BlockRuntime:
             assert grad is not None
             grads.accumulate(ref.index, grad, fresh=True)
         param.grad = grads.held_for(ref.index)
+
+    def before_grad_arrives(self) -> None:
+        """See `GradOwner.before_grad_arrives`."""
+        self.wait_for_update(counted=False)  # the last update (or parking) may still read the gradients
+        self.services.reduction.check_arrival(self)
+        self.norms = None  # of a sum this gradient changes
 
     def take_leftover_grad(self, ref: "SlotRef", param: nn.Parameter) -> None:
         """Before the step reads the gradients: take one still in `.grad` (fewer backward calls than
