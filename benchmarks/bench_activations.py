@@ -62,7 +62,7 @@ def child(mode: str, seq: int, steps: int, out: str, layers: int = 8, dim: int =
     if mode.startswith("checkpointing"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     swap = tempfile.mkdtemp(prefix="offload-act-")
-    engine = offload.wrap(model, "nvme", nvme_path=swap, dtype=torch.float32, device="cpu",
+    engine = offload.wrap(model, "nvme", nvme_path=swap, dtype=torch.float32, device="cpu", lr=1e-4, weight_decay=0.0,
                           host_memory=HOST_MEMORY, device_memory=DEVICE_MEMORY, grad_accumulation_steps=1,
                           activations="offload" if mode.endswith("offload") else None)
     layer_bytes: List[int] = []  # what each transformer layer's forward call sent to the swap file

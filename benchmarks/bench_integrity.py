@@ -57,7 +57,7 @@ def main() -> None:
         engines = {}
         for name, (checksums, finite) in VARIANTS.items():
             engines[name] = offload.wrap(GPT(vocab, dim, layers, context, 4), tier="nvme",
-                                         nvme_path=directory, dtype=torch.float32, device="cpu",
+                                         nvme_path=directory, dtype=torch.float32, device="cpu", lr=1e-4, weight_decay=0.0,
                                          grad_accumulation_steps=1)
             disable_checks(engines[name], checksums, finite)
         for r in range(rounds + 1):  # round 0 warms up

@@ -391,7 +391,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         hwm_reset = reset_peak_rss()
         init_fn, init_bar = counting_init(init, modules_to_init, "wrap: placing and initializing blocks")
         t0 = time.perf_counter()
-        engine = offload.wrap(model, tier="nvme", nvme_path=swap_dir, dtype=torch.bfloat16, device="cpu",
+        engine = offload.wrap(model, tier="nvme", nvme_path=swap_dir, dtype=torch.bfloat16, device="cpu", lr=1e-4,
+                              weight_decay=0.0,
                               host_memory=host_memory, device_memory=device_memory, grad_accumulation_steps=1,
                               max_grad_norm=args.max_grad_norm, init=init_fn, moments=moments)
         wrap_seconds = time.perf_counter() - t0

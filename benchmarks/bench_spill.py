@@ -68,7 +68,7 @@ else:
     base = status("VmRSS")
     reset_peak()
     engine = offload.wrap(model, tier="nvme", nvme_path=swap, weights=shards, dtype=torch.float32, device="cpu",
-                          lr=1e-4, host_memory=int(budget), device_memory=int(budget), max_grad_norm=max_norm,
+                          lr=1e-4, weight_decay=0.0, host_memory=int(budget), device_memory=int(budget), max_grad_norm=max_norm,
                           grad_accumulation_steps=declared)
     for step in batches:
         start = time.perf_counter()

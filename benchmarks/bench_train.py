@@ -68,27 +68,28 @@ def main(argv: List[str] = None) -> None:
 
     compute_model = twin()
     torch_model = twin()
-    torch_opt = torch.optim.AdamW(torch_model.parameters(), lr=1e-4)
+    hp = dict(lr=1e-4, weight_decay=0.01)  # torch AdamW's weight decay, offload given the same explicitly
+    torch_opt = torch.optim.AdamW(torch_model.parameters(), **hp)
     engines = {
-        "offload gpu tier": offload.wrap(twin(), tier="gpu", dtype=dtype, device="cpu"),
-        "offload cpu tier, GA declared": offload.wrap(twin(), tier="cpu", dtype=dtype, device="cpu",
+        "offload gpu tier": offload.wrap(twin(), tier="gpu", dtype=dtype, device="cpu", **hp),
+        "offload cpu tier, GA declared": offload.wrap(twin(), tier="cpu", dtype=dtype, device="cpu", **hp,
                                                       grad_accumulation_steps=1),
-        "offload cpu tier, GA unset": offload.wrap(twin(), tier="cpu", dtype=dtype, device="cpu"),
-        "offload cpu tier, GA unset, overlap_step": offload.wrap(twin(), tier="cpu", dtype=dtype, device="cpu",
+        "offload cpu tier, GA unset": offload.wrap(twin(), tier="cpu", dtype=dtype, device="cpu", **hp),
+        "offload cpu tier, GA unset, overlap_step": offload.wrap(twin(), tier="cpu", dtype=dtype, device="cpu", **hp,
                                                                 overlap_step=True),
     }
     swap_dir = tempfile.mkdtemp(prefix="offload-bench-", dir=args.nvme_path)
     engines["offload nvme tier, GA declared"] = offload.wrap(
-        twin(), tier="nvme", nvme_path=swap_dir, dtype=dtype, device="cpu", grad_accumulation_steps=1)
+        twin(), tier="nvme", nvme_path=swap_dir, dtype=dtype, device="cpu", **hp, grad_accumulation_steps=1)
     weight_bytes = sum(p.numel() for p in base.parameters()) * torch.empty((), dtype=dtype).element_size()
     # half the weights, and the room the device keeps for autograd's largest gradient (docs/design.md
     # [Note: the nvme memory bound])
     half = weight_bytes // 2 + max(p.numel() for p in base.parameters()) * torch.empty((), dtype=dtype).element_size()
     engines["offload cpu tier, weights streamed (budget 50%)"] = offload.wrap(
-        twin(), tier="cpu", dtype=dtype, device="cpu", grad_accumulation_steps=1, device_memory=half)
+        twin(), tier="cpu", dtype=dtype, device="cpu", **hp, grad_accumulation_steps=1, device_memory=half)
     # host_memory: the gradients, a ring and 9 MiB of the 11.6 MiB streamed weights: the rest live on disk
     engines["offload nvme tier, weights on disk (device 50%)"] = offload.wrap(
-        twin(), tier="nvme", nvme_path=swap_dir, dtype=dtype, device="cpu", grad_accumulation_steps=1,
+        twin(), tier="nvme", nvme_path=swap_dir, dtype=dtype, device="cpu", **hp, grad_accumulation_steps=1,
         device_memory=half, host_memory=weight_bytes + (12 << 20))
 
     def compute_only():

@@ -15,7 +15,7 @@ from offload.engine.engine import Engine
 from offload.errors import OffloadConfigError
 from offload.optim.moments import MomentFormat
 from offload.param_groups import parse_param_groups
-from offload.policy import Activations, OffloadPolicy, ShardWeights, Tier, parse_bytes, resolve_device
+from offload.policy import COMPUTE_DTYPES, Activations, OffloadPolicy, ShardWeights, Tier, parse_bytes, resolve_device
 from offload.scheduler.setup.initial_weights import choose
 
 Bytes = Union[int, str, None]
@@ -26,12 +26,12 @@ def wrap(
     tier: Union[str, Tier] = "cpu",
     *,
     nvme_path: Optional[Union[str, os.PathLike]] = None,
-    lr: float = 1e-4,
+    lr: float = 1e-3,
     betas: Tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
-    weight_decay: float = 0.0,
+    weight_decay: float = 1e-2,
     max_grad_norm: Optional[float] = None,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: Optional[torch.dtype] = None,
     device: Union[str, torch.device, None] = None,
     device_memory: Bytes = None,
     host_memory: Bytes = None,
@@ -52,10 +52,13 @@ def wrap(
             `nn.Parameter` objects stay the same (tied weights stay tied).
         tier: "gpu" (all on the device: the reference), "cpu" (fp32 master weights and Adam state in host
             memory, updated by the CPU) or "nvme" (optimizer state in swap files under `nvme_path`).
-        lr, betas, eps, weight_decay: AdamW hyperparameters (decoupled weight decay, like torch.optim.AdamW);
-            later changes to `engine.optimizer.param_groups` take effect (LR schedulers work).
+        lr, betas, eps, weight_decay: AdamW hyperparameters, with torch.optim.AdamW's defaults (1e-3, (0.9,
+            0.999), 1e-8, 1e-2; decoupled weight decay); later changes to `engine.optimizer.param_groups` take
+            effect (LR schedulers work).
         max_grad_norm: clip the global gradient norm, as torch.nn.utils.clip_grad_norm_ would.
-        dtype: compute dtype of the weights (torch.float32 gives exact parity with plain PyTorch).
+        dtype: compute dtype of the weights. None (default): the model's own, nothing is cast (an fp32 model
+            trains in fp32, exactly as plain PyTorch). `torch.bfloat16` asks for mixed precision: fp32
+            parameters compute in bf16 (norms stay fp32), the master weights and Adam state stay fp32.
         device: compute device; CUDA when available, else CPU.
         device_memory, host_memory: budgets, as bytes or strings like "24GB" or "512MiB".
         grad_accumulation_steps: backward calls per optimizer step, if you know it: then each block is
@@ -102,7 +105,8 @@ def wrap(
         tier=Tier.parse(tier),
         nvme_path=_absolute(nvme_path),
         lr=lr, betas=tuple(betas) if isinstance(betas, (list, tuple)) else betas,  # type: ignore[arg-type]
-        eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm, dtype=dtype,
+        eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+        dtype=model_dtype(model) if dtype is None and isinstance(model, nn.Module) else dtype,
         device=resolve_device(device),
         device_memory=parse_bytes(device_memory, "device_memory"),
         host_memory=parse_bytes(host_memory, "host_memory"),
@@ -121,6 +125,17 @@ def wrap(
         raise OffloadConfigError(f"offload.wrap needs a torch.nn.Module, got {type(model).__name__}")
     source = WeightSource(weights) if weights is not None else None
     return Engine(model, policy, choose(model, source, init))
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The compute dtype that casts nothing: the dtype every floating parameter already has, or float32 when
+    they differ (only fp32 parameters take the compute dtype, so float32 leaves each one as the user made it)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    if dtype not in COMPUTE_DTYPES:
+        raise OffloadConfigError(f"the model's parameters are {dtype}, which offload does not compute in: convert the "
+                                 "model (model.float()) or pass dtype=torch.float32 / torch.bfloat16")
+    return dtype
 
 
 def _refuse_unknown_options(names: List[str]) -> None:

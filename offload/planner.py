@@ -94,6 +94,7 @@ class Plan:
     micro_batches_on_device: bool = True  # declared accumulation's earlier micro-batches sum on the device
     shard_world: int = 1  # > 1: weights sharded across that many ranks (blocks' weight bytes are a rank's part)
     activations: Optional[ActivationUse] = None  # measured in a training forward (engine.plan adds it)
+    precision: str = ""  # the compute and master dtypes, in words (the engine's plan sets it; estimate leaves it)
 
     @property
     def host_grad_bytes(self) -> int:
@@ -146,7 +147,7 @@ class Plan:
         rows += [(b.name, b.weights.value, b.state.value, _human(b.weight_bytes), _human(b.state_bytes))
                  for b in self.blocks]
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
-        lines = [f"offload plan (tier={self.tier.value})"]
+        lines = [f"offload plan (tier={self.tier.value}" + (f"; {self.precision})" if self.precision else ")")]
         for i, row in enumerate(rows):
             lines.append("  ".join(cell.ljust(w) if j < 3 else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths))))
             if i == 0:

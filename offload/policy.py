@@ -137,7 +137,8 @@ class OffloadPolicy:
         max_grad_norm: clip the global gradient norm to this value (as torch.nn.utils.clip_grad_norm_),
             or None for no clipping. Clipping needs the global norm before any update.
         dtype: compute dtype of the weights; fp32 parameters of the model are cast to it, except those of
-            normalization layers, which stay fp32 (see docs/design.md [Note: compute dtypes]).
+            normalization layers, which stay fp32 (see docs/design.md [Note: compute dtypes]). `wrap()` sets
+            the model's own dtype unless told otherwise: a lower one is mixed precision, asked for by name.
         device: the compute device; None means CUDA when available, else CPU.
         device_memory, host_memory: budgets in bytes (None: no budget beyond what the machine has).
         grad_accumulation_steps: how many backward calls make one optimizer step, when the user knows it.
@@ -161,12 +162,12 @@ class OffloadPolicy:
 
     tier: Tier = Tier.CPU
     nvme_path: Optional[str] = None
-    lr: float = 1e-4
+    lr: float = 1e-3
     betas: Tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    weight_decay: float = 0.0
+    weight_decay: float = 1e-2
     max_grad_norm: Optional[float] = None
-    dtype: torch.dtype = torch.bfloat16
+    dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     device_memory: Optional[int] = None
     host_memory: Optional[int] = None

@@ -201,8 +201,8 @@ def run(args: argparse.Namespace) -> int:
     made_dir = args.nvme_path is None
     swap_dir = tempfile.mkdtemp(prefix="offload-demo-", dir=args.nvme_path)
     try:
-        engine = offload.wrap(model, tier="nvme", nvme_path=swap_dir, lr=args.lr, dtype=dtype, device="cpu",
-                              grad_accumulation_steps=1, host_memory=args.host_memory,
+        engine = offload.wrap(model, tier="nvme", nvme_path=swap_dir, lr=args.lr, weight_decay=0.0, dtype=dtype,
+                              device="cpu", grad_accumulation_steps=1, host_memory=args.host_memory,
                               device_memory=args.device_memory, moments=getattr(args, "moments", "fp32"))
         with engine:
             print(f"DemoGPT: {trainable / 1e6:.1f}M parameters, {args.layers} layers, dim {args.dim}, vocab "

@@ -8,6 +8,7 @@ that train, its state store (memory or disk) and gradient home (records/).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Callable, Dict, List, Optional
 
@@ -54,7 +55,7 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
     records, swap_size = plan_swap_layout(blocks, numel_of, policy.moments) if policy.tier is Tier.NVME else ({}, 0)
     largest_record = _largest_part(blocks, dp, sharded)
     ring = ring_size_for(largest_record, policy.moments) if records else None
-    plan = _make_plan(blocks, policy, ring, dp, sharded)
+    plan = dataclasses.replace(_make_plan(blocks, policy, ring, dp, sharded), precision=_precision(policy))
     if dp is not None:
         _refuse_plans_that_differ(plan, dp)
     if dp is not None and not sharded and plan.disk_weight_blocks:
@@ -97,6 +98,13 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
             tiers.close()  # nothing of a failed wrap() stays on disk
             raise
     return plan, tiers
+
+
+def _precision(policy: OffloadPolicy) -> str:
+    """The plan's words for the dtypes ([Note: compute dtypes]): the compute dtype, and what the update keeps."""
+    compute = str(policy.dtype).replace("torch.", "")
+    mixed = "" if policy.dtype is torch.float32 else " (mixed precision: fp32 parameters cast, norms stay fp32)"
+    return f"compute {compute}{mixed}; master weights fp32, Adam moments {policy.moments.value}"
 
 
 def _device_weight_budget(plan: Plan, blocks: List[Block]) -> Optional[int]:
