@@ -206,3 +206,97 @@ def test_on_the_nvme_tier_the_state_is_file_backed_not_in_host_memory(tmp_path):
         assert not [p for p in (tmp_path / "swap").iterdir() if "optimizer-state" in p.name]  # unlinked
         torch.save(state, tmp_path / "optimizer.pt")
         assert torch.equal(torch.load(tmp_path / "optimizer.pt")["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_optimizer_state_of_a_parameter_reads_as_torchs(tmp_path, tier):
+    """`engine.optimizer.state[p]["exp_avg"]` after steps, as torch code reads it (it was empty: a bare KeyError);
+    a parameter not stepped has none, as in torch; the entries are copies, and writing one names the way."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    twin = copy.deepcopy(model)
+    twin.lm_head.weight = twin.wte.weight
+    engine, reference = _engine(model, tmp_path, tier), _torch_adamw(twin)
+    param, ref_param = model.wpe.weight, twin.wpe.weight
+    assert param not in engine.optimizer.state and len(engine.optimizer.state) == 0
+    assert dict(engine.optimizer.state[param]) == {}
+    batches = make_batches(2, 1)
+    _train(engine, model, batches)
+    _train(reference, twin, batches)
+    state, ref_state = engine.optimizer.state[param], reference.state[ref_param]
+    assert param in engine.optimizer.state and len(engine.optimizer.state) == len(reference.state)
+    assert state.keys() == ref_state.keys()
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert (state[key] - ref_state[key]).abs().max().item() <= 1e-6
+    assert float(state["step"]) == float(ref_state["step"]) == 2.0
+    with pytest.raises(OffloadError, match="load_state_dict"):
+        state["exp_avg"] = torch.zeros_like(state["exp_avg"])
+    with pytest.raises(OffloadError, match="load_state_dict"):
+        engine.optimizer.state[param] = {}
+    engine.close()
+
+
+def test_copying_or_pickling_the_optimizer_is_refused_naming_its_state_dict(tmp_path):
+    """A copy of `engine.optimizer` could not own the engine's state (its state_dict() failed with
+    `AttributeError: _state_io`): copying or pickling it raises at once, naming `state_dict()`."""
+    import pickle
+
+    engine = _engine(TinyGPT(), tmp_path, "cpu")
+    for copier in (copy.deepcopy, copy.copy, pickle.dumps):
+        with pytest.raises(OffloadError, match=r"state_dict\(\)"):
+            copier(engine.optimizer)
+    assert type(copy.deepcopy(engine.optimizer.state_dict())) is dict  # the way it names works
+    group = pickle.loads(pickle.dumps(engine.optimizer.param_groups[0]))
+    assert type(group) is dict and group["lr"] == LR
+    engine.close()
+
+
+@pytest.mark.parametrize("flag", ["amsgrad", "maximize"])
+def test_an_adamw_option_the_engine_does_not_run_is_refused_when_set(tmp_path, flag):
+    """`param_groups[0]["amsgrad"] = True` was ignored (its load_state_dict refused the same flag)."""
+    engine = _engine(TinyGPT(), tmp_path, "cpu")
+    with pytest.raises(OffloadError, match=f"without {flag}"):
+        engine.optimizer.param_groups[0][flag] = True
+    with pytest.raises(OffloadError, match=f"without {flag}"):
+        engine.optimizer.param_groups[0].update({flag: True})
+    engine.optimizer.param_groups[0][flag] = False  # torch's value: nothing changes
+    engine.close()
+
+
+@pytest.mark.parametrize("how", ["assignment", "step_pre_hook", "scheduler"])
+def test_a_hyperparameter_changed_after_blocks_updated_early_raises_at_the_change(tmp_path, how):
+    """With accumulation declared, blocks update during the last backward with the lr of that moment: an lr set
+    between that backward and step() (by hand, in a step pre-hook, by a scheduler) could not reach them, and
+    raised only a warning after step(). Now the assignment raises, before anything else changes; the same value,
+    or a change after step(), is fine."""
+    torch.manual_seed(0)
+    engine = _engine(TinyGPT(), tmp_path, "cpu", grad_accumulation_steps=1)
+    ((idx, tgt),) = make_batches(1, 1)[0]
+    engine(idx, tgt).backward()
+    engine.optimizer.param_groups[0]["lr"] = LR  # unchanged
+    change = {
+        "assignment": lambda: engine.optimizer.param_groups[0].__setitem__("lr", LR / 2),
+        "step_pre_hook": lambda: (engine.optimizer.register_step_pre_hook(
+            lambda opt, args, kwargs: opt.param_groups[0].__setitem__("lr", LR / 2)), engine.step()),
+        "scheduler": lambda: torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5).step(),
+    }[how]
+    with pytest.raises(OffloadError, match="between the last backward and step"):
+        change()
+    assert engine.optimizer.param_groups[0]["lr"] == LR
+    engine.close()
+
+
+def test_hyperparameters_changed_right_after_step_take_effect_without_a_warning(tmp_path):
+    import warnings
+
+    engine = _engine(TinyGPT(), tmp_path, "cpu", grad_accumulation_steps=1)
+    scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for ((idx, tgt),) in make_batches(3, 1):
+            engine(idx, tgt).backward()
+            engine.step()
+            engine.zero_grad()
+            scheduler.step()
+    assert engine.optimizer.param_groups[0]["lr"] == LR / 8
+    engine.close()

@@ -49,10 +49,12 @@ class TorchStyleState:
         self._data_parallel = data_parallel
 
     # ----- export -----------------------------------------------------------------------------------
-    def per_param_state(self) -> PerParam:
-        """Every stepped parameter's state, whole (data-parallel: the same on every rank)."""
+    def per_param_state(self, only: Optional[nn.Parameter] = None) -> PerParam:
+        """Every stepped parameter's state, whole (data-parallel: the same on every rank); `only`: that
+        parameter's alone (its group is read, no other)."""
         groups = list(self._target.checkpoint_groups())
-        stepped = [(group, state, [i for i, s in enumerate(state.steps) if s > 0])
+        stepped = [(group, state, [i for i, s in enumerate(state.steps)
+                                   if s > 0 and (only is None or group.trainable_slots[i].param is only)])
                    for _block, group, state in groups if state is not None]
         kinds = {id(group): _kinds(group) for group, _state, _which in stepped}
         total = sum(len(kinds[id(g)]) * g.trainable_slots[i].numel for g, _s, which in stepped for i in which)

@@ -77,6 +77,7 @@ def _phases(blocks: List[Block], module: nn.Module, policy: OffloadPolicy, plan:
     defaults = dict(lr=policy.lr, betas=policy.betas, eps=policy.eps, weight_decay=policy.weight_decay)
     optimizer = EngineOptimizer(optimizer_groups, defaults)
     hypers = StepHypers(optimizer.param_groups)
+    optimizer.watch_groups_with(hypers)
     sync = Synchronizer(blocks, slots, services.worker, modes.disk, tiers.copies, tiers.streamer, services.guard)
     weights = ModuleWeights(blocks, sync)
     forward = ForwardPhase(blocks, module, tracker, clock, services.order, tiers.streamer, modes,

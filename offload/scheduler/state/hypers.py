@@ -1,13 +1,15 @@
 """`StepHypers`: the optimizer groups' hyperparameters, read when updates are scheduled.
 
-A block updated during the last backward read them then; `step()` reads them again for the others and
-warns when they changed in between (an LR scheduler stepped before `step()`), since the blocks updated
-early used the earlier values."""
+A block updated during the last backward read them then; `step()` reads them again for the others. A change in
+between (an LR scheduler stepped, or warm-up set in a step pre-hook, before `step()`) could not reach the blocks
+updated early, so the assignment itself raises (`group_changes`, told by phases/optimizer_view.py's groups);
+`step()` still warns when they differ by a way it could not see."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Tuple
 
+from offload.errors import OffloadError
 from offload.scheduler.state.adamw import AdamHyper
 
 
@@ -24,6 +26,22 @@ class StepHypers:
         """Those of an update during the backward (read now, and kept to compare at `step()`)."""
         self._early = self.read()
         return self._early
+
+    def group_changes(self, index: int, group: Mapping[str, Any], key: str, value: Any) -> None:
+        """`group[key] = value` after blocks updated during the last backward with the old value: refused."""
+        if self._early is None or key not in ("lr", "betas", "eps", "weight_decay"):
+            return
+        try:
+            changed = AdamHyper.from_group({**group, key: value}) != self._early[index]
+        except (TypeError, ValueError, KeyError):
+            return  # not a hyperparameter the update could read; the update's own check names it
+        if changed:
+            raise OffloadError(
+                f"engine.optimizer.param_groups[{index}][{key!r}] = {value!r} between the last backward and step(): "
+                f"blocks already updated during that backward with {key}={group.get(key)!r} (grad_accumulation_steps "
+                "declared lets them update as their gradients complete). Set hyperparameters before the last "
+                "backward (an LR scheduler's step() right after engine.step(), warm-up before the forward), or "
+                "leave grad_accumulation_steps unset so every update waits for step()")
 
     def changed_since_early(self, now: Tuple[AdamHyper, ...]) -> bool:
         return self._early is not None and self._early != now
