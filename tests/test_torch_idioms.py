@@ -110,13 +110,39 @@ def test_model_state_dict_right_after_step_holds_the_updated_weights(tmp_path):
                 torch.testing.assert_close(got[key], value, atol=TOL, rtol=TOL, msg=key)
 
 
-def test_model_state_dict_with_streamed_blocks_is_refused_with_the_fix():
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_model_state_dict_with_streamed_blocks_equals_engine_state_dict(tmp_path, tier):
+    """nanoGPT saves `raw_model.state_dict()`: with blocks streamed (from disk too) it raised at the first
+    checkpoint, after the training before it. Now it returns the current weights, as `engine.state_dict()`, read
+    module by module (the device budget holds), a sub-module's too; after close, plain PyTorch."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    options = dict(nvme_path=tmp_path, host_memory=300_000) if tier == "nvme" else {}
+    with offload.wrap(model, tier=tier, dtype=torch.float32, device="cpu", device_memory=60_000 + GRAD_ROOM,
+                      **options) as engine:
+        assert engine.plan.streamed_blocks and (tier == "cpu" or engine.plan.disk_weight_blocks)
+        _train(engine, _stepper(engine), make_batches(2, 1))
+        got, want = model.state_dict(), engine.state_dict()
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert torch.equal(got[key], value), key
+        layer = model.get_submodule(engine.plan.streamed_blocks[-1])
+        for key, value in layer.state_dict().items():
+            assert torch.equal(value, want[f"{engine.plan.streamed_blocks[-1]}.{key}"]), key
+        assert engine.stats()["device_peak_bytes"] <= 60_000 + GRAD_ROOM
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())  # after close: plain PyTorch
+
+
+def test_model_state_dict_that_would_not_fit_host_memory_is_refused_before_reading(monkeypatch):
+    from offload.scheduler.records import module_weights
+
     model = TinyGPT()
     with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", device_memory=60_000 + GRAD_ROOM) as engine:
-        with pytest.raises(OffloadError, match="placeholders.*engine.state_dict()"):
+        monkeypatch.setattr(module_weights, "mem_available", lambda: module_weights.HOST_MEMORY_MARGIN + 1000)
+        fetches = engine.stats()["bytes_host_to_device"]
+        with pytest.raises(OffloadError, match=r"engine.save\(path\) or engine.save_pretrained"):
             model.state_dict()
-        assert all(torch.isfinite(v).all() for v in engine.state_dict().values())  # the engine's own works
-    assert all(torch.isfinite(v).all() for v in model.state_dict().values())  # after close: plain PyTorch
+        assert engine.stats()["bytes_host_to_device"] == fetches  # nothing was read
 
 
 def test_converting_the_model_after_wrap_raises_at_the_next_forward():
@@ -335,14 +361,13 @@ def test_a_sub_module_state_dict_after_an_overlapped_step_holds_the_updated_weig
         torch.testing.assert_close(got[key], value, atol=TOL, rtol=TOL, msg=key)
 
 
-def test_a_streamed_sub_module_state_dict_or_load_is_refused():
-    """Before: `model.h[0].state_dict()` of a streamed block returned its NaN placeholders, no error."""
+def test_a_streamed_sub_module_load_is_refused():
+    """Before: `model.h[0].state_dict()` of a streamed block returned its NaN placeholders, no error (now it
+    reads the weights: above); a load into a streamed block cannot write them and is refused."""
     model = TinyGPT()
     with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", device_memory=60_000 + GRAD_ROOM) as engine:
         streamed = [b.name for b in engine.blocks if b.runtime.streamed]
         layer = model.get_submodule(streamed[0])
-        with pytest.raises(OffloadError, match="placeholders.*engine.state_dict()"):
-            layer.state_dict()
         with pytest.raises(OffloadError, match="cannot write the weights"):
             layer.load_state_dict({k: torch.zeros_like(v) for k, v in TinyGPT().get_submodule(streamed[0])
                                    .state_dict().items()})

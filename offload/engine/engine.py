@@ -161,10 +161,10 @@ class Engine:
                 for k, v in entries.items()}
 
     def reading_module_state(self) -> ContextManager[None]:
-        """Within it, `module.state_dict()` is allowed while blocks stream (it is refused otherwise: holding
-        every streamed parameter would bring every block to the device). For code that reads the entries'
-        names, or their values one at a time (a streamed parameter read brings its block in for that read),
-        as PEFT's `save_pretrained` does."""
+        """Within it, `module.state_dict()` returns the parameters' views as they are, without the copies it
+        makes otherwise (streamed blocks' entries then read through, each bringing its block in for that read).
+        For code that reads the entries' names, or their values one at a time, as PEFT's `save_pretrained`
+        does."""
         return self._pipeline.engine_reads()
 
     def stats(self) -> Dict[str, float]:

@@ -46,6 +46,8 @@ class StateDictHooks(Protocol):
 
     def after_state_dict(self, state_dict: Dict[str, Any], prefix: str = "") -> None: ...
 
+    def after_owner_state_dict(self, module: nn.Module, state_dict: Dict[str, Any], prefix: str) -> None: ...
+
     def before_load_state_dict(self, blocks: Optional[List[Block]] = None) -> None: ...
 
     def after_load_state_dict(self) -> None: ...
@@ -58,7 +60,8 @@ class Synchronizing(Protocol):
 class OwnerHooks:
     """The hooks of one module that owns parameters of `blocks`: the blocks ready for its forward, and its
     (or any ancestor's) state_dict / load_state_dict reaching them through torch's recursion: their pending
-    updates land first, and streamed blocks are refused."""
+    updates land first; a state dict's entries of streamed blocks become host copies, a load into them is
+    refused."""
 
     def __init__(self, blocks: List[Block], forward: ForwardHooks, state_dicts: StateDictHooks) -> None:
         self._blocks = blocks
@@ -78,6 +81,9 @@ class OwnerHooks:
 
     def before_state_dict(self, *args: Any) -> None:
         self._state_dicts.before_state_dict(self._blocks)
+
+    def after_state_dict(self, module: nn.Module, state_dict: Dict[str, Any], prefix: str, metadata: Any) -> None:
+        self._state_dicts.after_owner_state_dict(module, state_dict, prefix)
 
     def before_load_state_dict(self, *args: Any) -> None:
         self._state_dicts.before_load_state_dict(self._blocks)
@@ -151,6 +157,9 @@ class HookSet:
             self._handles.append(module.register_forward_pre_hook(hooks.pre_forward))
             self._handles.append(module.register_forward_hook(hooks.post_forward, always_call=True))
             self._handles.append(module.register_state_dict_pre_hook(hooks.before_state_dict))
+            # a partial, not the bound method: torch marks the hook it is given with an attribute
+            self._handles.append(module.register_state_dict_post_hook(functools.partial(OwnerHooks.after_state_dict,
+                                                                                        hooks)))
             self._handles.append(module.register_load_state_dict_pre_hook(hooks.before_load_state_dict))
         root_hooks = RootHooks(forward, backward, state_dicts)
         self._handles.append(root.register_forward_hook(root_hooks.hook_outputs))

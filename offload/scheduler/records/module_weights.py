@@ -1,7 +1,10 @@
 """The module's own `state_dict()` / `load_state_dict()`, kept in step with the engine's copies.
 
 `model.state_dict()` and `load_state_dict()` (of the root or any module that owns parameters) wait for
-the blocks' pending updates and refuse streamed blocks; after a load the written weights become the master
+the blocks' pending updates. A streamed block's entries are read through its parameters (each read brings the
+block in) and become host copies module by module, so the device never holds more than it streams; the
+state dict as a whole must fit in host memory, else it is refused before anything is read. A load into
+streamed blocks is refused. After a load the written weights become the master
 weights (each block's record keeps writes made through its parameters: records/block_runtime.py); a
 parameter frozen at wrap() and unfrozen later is refused at step(). See docs/design.md [Note: the module's
 own state_dict] and [Note: weights written after wrap()].
@@ -15,8 +18,11 @@ from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
 import torch
 from torch import Tensor, nn
 
+from offload._system import mem_available
 from offload.errors import OffloadError
 from offload.scheduler.blocks.block import Block
+
+HOST_MEMORY_MARGIN = 1 << 30  # what a state dict of streamed blocks leaves free of the host's available memory
 
 
 class BlockSettler(Protocol):
@@ -38,16 +44,43 @@ class ModuleWeights:
         self.blocks = blocks
         self._settler = settler
         self._engine_reads = 0  # >0 while the engine itself reads module.state_dict() (engine_reads)
+        self._block_of = {id(slot.param): block for block in blocks for slot in block.slots}
 
     # ----- model.state_dict() and model.load_state_dict() --------------------------------------------
     def before_state_dict(self, blocks: Optional[List[Block]] = None) -> None:
         """Every pending update of these blocks (None: all) lands first (with overlap_step, step() returns
-        before the updates run); streamed blocks hold placeholders, so reading them through the module is
-        refused (engine.state_dict() reads their homes)."""
+        before the updates run); streamed blocks' entries will be host copies: refused, before anything is
+        read, when they would not fit in the host's available memory."""
         if self._settler.closed or self._engine_reads:
             return
-        self._settle(blocks, "model.state_dict() would return placeholders for",
-                     "use engine.state_dict() (full CPU copies) or engine.save(path)")
+        if blocks is None:
+            self._settler.synchronize()
+            blocks = self.blocks
+        else:
+            self._settler.settle_blocks(blocks)
+        streamed = [b for b in blocks if b.record.streamed]
+        needed = sum(b.weight_bytes for b in blocks)  # every entry becomes a copy of its own (after_state_dict)
+        available = mem_available()
+        if streamed and available is not None and needed > available - HOST_MEMORY_MARGIN:
+            raise OffloadError(
+                f"model.state_dict() would copy {needed / 2**30:.2f} GiB of weights into host memory, "
+                f"{available / 2**30:.2f} GiB are available, and the blocks streamed from host or disk (first: "
+                f"{streamed[0].name!r}) have no other place to be read into: save with engine.save(path) or "
+                "engine.save_pretrained(dir), which stream the weights to the file group by group")
+
+    def after_owner_state_dict(self, module: nn.Module, state_dict: Dict[str, Any], prefix: str) -> None:
+        """A module's own entries of streamed blocks, read through their parameters (each read brings its block
+        in, pinned while a view of it lives), become host copies now: the block can go again before the next
+        module's are read."""
+        if self._settler.closed or self._engine_reads:
+            return
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            key, block = prefix + name, self._block_of.get(id(param))
+            value = state_dict.get(key)
+            if block is None or not block.record.streamed or isinstance(value, nn.Parameter) \
+                    or not isinstance(value, Tensor):
+                continue
+            state_dict[key] = value.to("cpu", copy=True)
 
     @contextlib.contextmanager
     def engine_reads(self) -> Iterator[None]:
