@@ -55,7 +55,8 @@ def wrap(
         lr, betas, eps, weight_decay: AdamW hyperparameters, with torch.optim.AdamW's defaults (1e-3, (0.9,
             0.999), 1e-8, 1e-2; decoupled weight decay); later changes to `engine.optimizer.param_groups` take
             effect (LR schedulers work).
-        max_grad_norm: clip the global gradient norm, as torch.nn.utils.clip_grad_norm_ would.
+        max_grad_norm: clip the global gradient norm, as torch.nn.utils.clip_grad_norm_ would; `engine.step()`
+            returns the norm it clipped with (before clipping), and `engine.stats()["grad_norm"]` keeps it.
         dtype: compute dtype of the weights. None (default): the model's own, nothing is cast (an fp32 model
             trains in fp32, exactly as plain PyTorch). `torch.bfloat16` asks for mixed precision: fp32
             parameters compute in bf16 (norms stay fp32), the master weights and Adam state stay fp32.

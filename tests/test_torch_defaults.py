@@ -76,3 +76,32 @@ def test_a_model_of_mixed_dtypes_keeps_each_parameters_dtype():
 def test_a_model_in_a_dtype_offload_does_not_compute_in_names_the_fix():
     with pytest.raises(OffloadConfigError, match=r"float64.*model.float\(\)"):
         offload.wrap(nn.Linear(4, 4).double(), "cpu")
+
+
+@pytest.mark.parametrize("tier,options", [("cpu", {}), ("nvme", dict(grad_accumulation_steps=2))])
+def test_step_returns_the_norm_max_grad_norm_clipped_with(tmp_path, tier, options):
+    """nanoGPT-style loops log the step's gradient norm: `engine.step()` returns it (as clip_grad_norm_ would
+    return it before clipping), and `stats()` keeps it; without max_grad_norm there is none."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    twin = copy.deepcopy(model)
+    twin.lm_head.weight = twin.wte.weight
+    engine = offload.wrap(model, tier, **({"nvme_path": tmp_path} if tier == "nvme" else {}), max_grad_norm=0.5,
+                          **options)
+    reference = torch.optim.AdamW(twin.parameters())
+    for step in make_batches(2, options.get("grad_accumulation_steps", 1)):
+        for idx, tgt in step:
+            engine(idx, tgt).backward()
+            twin(idx, tgt).backward()
+        norm = engine.step()
+        ref_norm = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.5).item()
+        reference.step()
+        engine.zero_grad()
+        reference.zero_grad()
+        assert norm == pytest.approx(ref_norm, rel=1e-5) and engine.stats()["grad_norm"] == norm
+    engine.close()
+    plain = offload.wrap(TinyGPT(), "cpu")
+    ((idx, tgt),) = make_batches(1, 1)[0]
+    plain(idx, tgt).backward()
+    assert plain.step() is None
+    plain.close()

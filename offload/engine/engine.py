@@ -114,9 +114,12 @@ class Engine:
                 raise
             raise OffloadError(hint) from exc
 
-    def step(self) -> None:
-        """Apply AdamW to every block (through `engine.optimizer.step()`, so LR schedulers see it)."""
+    def step(self) -> Optional[float]:
+        """Apply AdamW to every block (through `engine.optimizer.step()`, so LR schedulers see it). Returns the
+        global gradient norm before clipping that `max_grad_norm` clipped with (as `clip_grad_norm_` returns
+        it, for logging; also `stats()["grad_norm"]`), None without `max_grad_norm`."""
         self.optimizer.step()
+        return self._pipeline.grad_norm() if self.policy.max_grad_norm is not None else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the accumulated gradients, as `torch.optim.Optimizer.zero_grad`."""

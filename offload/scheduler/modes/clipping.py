@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 class Clipping(Protocol):
     updates_during_backward: bool  # blocks update as their gradients complete in the declared last backward
     checks_each_block: bool  # each update skips a group with inf/NaN gradients (no global norm decides)
+    last_norm: float  # the last step's global gradient norm before clipping (nan: none was computed)
 
     def block_complete(self, block: "BlockRuntime", hypers: "StepHypers", last: bool) -> None:
         """A backward completed the block's gradients (`last`: the declared last one before step())."""
@@ -37,6 +38,7 @@ class Clipping(Protocol):
 class NoClipping:
     updates_during_backward = True
     checks_each_block = True
+    last_norm = math.nan
 
     def block_complete(self, block: "BlockRuntime", hypers: "StepHypers", last: bool) -> None:
         if last:
@@ -58,6 +60,7 @@ class NormClipping:
         self.max_norm = max_norm
         self._worker = worker
         self._reduction = reduction
+        self.last_norm = math.nan
 
     def block_complete(self, block: "BlockRuntime", hypers: "StepHypers", last: bool) -> None:
         """The norms while the gradient is in memory (the last backward's are the step's; an earlier one's
@@ -68,6 +71,7 @@ class NormClipping:
     def scale_for_step(self, blocks: List["BlockRuntime"], slots: "SlotTable", step: int) -> Optional[float]:
         self._worker.wait_all()  # the norms computed during the backward
         total_norm, scale = self._reduction.global_norm(blocks, slots, self.max_norm)
+        self.last_norm = total_norm
         if not math.isfinite(total_norm):
             warnings.warn(f"offload: optimizer step {step + 1} skipped: the gradient norm is {total_norm}",
                           RuntimeWarning, stacklevel=2)

@@ -74,6 +74,10 @@ class StepPipeline:
         return engine_stats(self._services.counters, self._services.jobs.nonfinite, self._clock, self._tiers,
                             self._blocks)
 
+    def grad_norm(self) -> float:
+        """The last step's global gradient norm before clipping (nan: no norm was taken)."""
+        return self._services.counters.grad_norm
+
     def add_observer(self, observer: PhaseObserver) -> Callable[[], None]:
         return self._services.tracer.add(observer)
 

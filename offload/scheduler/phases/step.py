@@ -84,6 +84,7 @@ class StepPhase:
         in_order = self._in_update_order()
         counters = self._services.counters
         scale = self._clipping.scale_for_step(in_order, self._slots, counters.steps)
+        counters.grad_norm = self._clipping.last_norm
         if scale is None:
             counters.skipped_steps += 1
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Dict, List
 
@@ -22,6 +23,7 @@ class StepCounters:
     early_block_updates: int = 0
     update_seconds: float = 0.0
     wait_seconds: float = 0.0
+    grad_norm: float = math.nan  # the last step's global gradient norm before clipping (max_grad_norm set)
 
 
 def engine_stats(counters: StepCounters, nonfinite: NonFiniteSkips, clock: PhaseClock, tiers: Tiers,
