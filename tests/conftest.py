@@ -21,3 +21,16 @@ def _private_io_backend_cache():
                 os.environ.pop("XDG_CACHE_HOME", None)
             else:
                 os.environ["XDG_CACHE_HOME"] = before
+
+
+@pytest.fixture
+def default_sigint_handler():
+    """Python's own SIGINT handler (KeyboardInterrupt) for a test that sends itself SIGINT: pytest started in the
+    background (`nohup ... &`, some CI runners) inherits SIGINT ignored, and the signal would then do nothing."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -249,6 +249,7 @@ def test_nonfinite_loss_without_clipping_skips_the_step(declared, tier, tmp_path
         assert engine.stats()["skipped_steps"] == 1 and not _same(engine.state_dict(), before)
 
 
+@pytest.mark.usefixtures("default_sigint_handler")  # it sends itself SIGINT
 def test_ctrl_c_during_step_applies_the_whole_step(tmp_path):
     plain, plain_scheduler = make_engine("cpu", str(tmp_path))
     with plain:

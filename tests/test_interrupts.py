@@ -8,11 +8,14 @@ import os
 import signal
 import threading
 
+import pytest
 import torch
 
 import offload
 from tests.faults import Faults, faulty_stores
 from tests.models import TinyGPT, make_batches
+
+pytestmark = pytest.mark.usefixtures("default_sigint_handler")  # the tests send themselves SIGINT
 
 
 def _sigint_after(seconds: float) -> threading.Timer:
