@@ -67,31 +67,46 @@ def _ref_map(decades: int) -> torch.Tensor:
 REF_MAPS = {1: _ref_map(6), 2: _ref_map(7)}
 
 
+INF_CODE = {1: 126, 2: 254}  # in a block holding an infinity, the map's second-highest value stands for it
+
+
 def _ref_quantize(x: torch.Tensor, which: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, scales) of fp32 x: m signed (bit 7 = sign), v as sqrt(v); nearest map value, ties down."""
+    """(codes, scales) of fp32 x: m signed (bit 7 = sign), v as sqrt(v); nearest map value, ties down. A block
+    holding an infinity (no NaN): scale = -(largest finite magnitude), the infinity takes INF_CODE, a finite value
+    rounds to the nearest map value other than INF_CODE's."""
     table = REF_MAPS[which]
     mids = ((table[:-1].double() + table[1:].double()) / 2).float()
+    skip = INF_CODE[which]
+    skip_mid = ((table[skip - 1].double() + table[skip + 1].double()) / 2).float()
     mag = x.sqrt() if which == 2 else x.abs()
     codes = torch.empty(x.numel(), dtype=torch.uint8)
     scales = torch.empty(-(-x.numel() // INT8_BLOCK))
     for b in range(scales.numel()):
         part = mag[b * INT8_BLOCK:(b + 1) * INT8_BLOCK]
-        s = part.max()
+        infinite = part == math.inf
+        s = torch.where(infinite, 0.0, part).max()
+        marked = bool(infinite.any()) and not bool(torch.isnan(s))
         y = part * (1.0 / s) if s > 0 else torch.zeros_like(part)
         c = torch.searchsorted(mids, y, side="left")
+        if marked:
+            c = torch.where(c == skip, torch.where(y > skip_mid, skip + 1, skip - 1), c)
+        if which == 2:
+            c = torch.where((y > 0) & (c == 0), 1, c)
+        if marked:
+            c = torch.where(infinite, skip, c)
         if which == 1:
             c = c + 128 * ((x[b * INT8_BLOCK:(b + 1) * INT8_BLOCK] < 0) & (c > 0))
-        else:
-            c = torch.where((y > 0) & (c == 0), 1, c)
         codes[b * INT8_BLOCK:(b + 1) * INT8_BLOCK] = c.to(torch.uint8)
-        scales[b] = s
+        scales[b] = -s if marked else s
     return codes, scales
 
 
 def _ref_dequantize(codes: torch.Tensor, scales: torch.Tensor, which: int) -> torch.Tensor:
     c = codes.long()
-    mag = REF_MAPS[which][c & 127 if which == 1 else c]
-    x = mag * scales.repeat_interleave(INT8_BLOCK)[:codes.numel()]
+    marked = (torch.signbit(scales) & ~torch.isnan(scales)).repeat_interleave(INT8_BLOCK)[:codes.numel()]
+    k = c & 127 if which == 1 else c
+    x = REF_MAPS[which][k] * scales.abs().repeat_interleave(INT8_BLOCK)[:codes.numel()]
+    x = torch.where(marked & (k == INF_CODE[which]), math.inf, x)
     if which == 1:
         return torch.where(c >= 128, -x, x)
     return x * x
@@ -570,3 +585,186 @@ def test_every_kernel_variant_encodes_and_decodes_like_the_reference(isa, which)
     assert torch.equal(bf, x.to(torch.bfloat16))
     _native._C.moments_decode(bf.data_ptr(), 0, 1, which, n, out.data_ptr(), 1, None, isa)
     assert torch.equal(out, bf.float())
+
+
+# --- infinities: a gradient whose square overflows fp32 -------------------------------------------------------
+
+
+PATHS = [*_supported_isas(), "torch"]  # every native kernel variant, then the pure-torch fallback
+
+
+def _encode_on(path, x, which, monkeypatch):
+    q = zeros_moment("int8", x.numel())
+    if path == "torch":
+        with monkeypatch.context() as patch:
+            patch.setattr(_native, "_C", None)
+            encode_moment(x, "int8", which, q)
+    else:
+        _native._C.moments_encode(x.data_ptr(), q.codes.data_ptr(), q.scales.data_ptr(), 2, which, x.numel(), 1,
+                                  None, path)
+    return q
+
+
+def _decode_on(path, q, which, monkeypatch):
+    out = torch.empty(q.codes.numel())
+    if path == "torch":
+        with monkeypatch.context() as patch:
+            patch.setattr(_native, "_C", None)
+            decode_moment(q, "int8", which, out)
+    else:
+        _native._C.moments_decode(q.codes.data_ptr(), q.scales.data_ptr(), 2, which, q.codes.numel(),
+                                  out.data_ptr(), 1, None, path)
+    return out
+
+
+def _blocks_with_infinities(which):
+    """Block 0: an infinity among finite values (m: both signs), one value in the bucket the infinity takes over,
+    zeros; block 1: infinities and zeros only; block 2: finite; a partial last block with an infinity."""
+    gen = torch.Generator().manual_seed(21)
+    n = 3 * INT8_BLOCK + 40
+    x = (torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen))).clamp(-3.0, 3.0)
+    x[0] = 4.0  # block 0's largest finite magnitude
+    x[1] = 4.0 * REF_MAPS[which][INF_CODE[which]]  # rounds to the code that now means infinity
+    x[2] = 4.0 * 0.5 * float(REF_MAPS[which][INF_CODE[which]] + REF_MAPS[which][INF_CODE[which] - 1])
+    x[5], x[9], x[10:14] = math.inf, -math.inf, 0.0
+    x[INT8_BLOCK:2 * INT8_BLOCK] = 0.0
+    x[INT8_BLOCK + 3] = math.inf
+    x[-7] = -math.inf
+    if which == 2:  # v >= 0: the squares of the magnitudes (the kernels store their square roots)
+        x = x * x
+    return x
+
+
+@pytest.mark.parametrize("which", [1, 2])
+def test_an_infinity_decodes_to_inf_and_leaves_its_block_finite(which, monkeypatch):
+    """What fp32 moments hold after g*g overflowed (v = inf; m is kept signed the same way): the infinity decodes to
+    inf, its block's scale is the largest finite magnitude with the sign bit set, its finite neighbours keep their
+    values (the largest exactly: no NaN from 0 * inf), and every path gives the reference's codes."""
+    x = _blocks_with_infinities(which)
+    want_codes, want_scales = _ref_quantize(x, which)
+    infinite = torch.isinf(x)
+    for path in PATHS:
+        q = _encode_on(path, x, which, monkeypatch)
+        assert torch.equal(q.scales, want_scales) and torch.equal(q.codes, want_codes), path
+        assert torch.signbit(q.scales).tolist() == [True, True, False, True]
+        assert q.scales[0] == -4.0 and q.scales[1] == 0.0  # -0.0: nothing finite but zeros
+        d = _decode_on(path, q, which, monkeypatch)
+        assert torch.equal(d, _ref_dequantize(want_codes, want_scales, which)), path
+        assert not torch.isnan(d).any(), path
+        assert torch.equal(d[infinite], x[infinite]), path  # signed infinities
+        assert d[0] == x[0] and torch.equal(d[INT8_BLOCK:2 * INT8_BLOCK][~infinite[INT8_BLOCK:2 * INT8_BLOCK]],
+                                            torch.zeros(INT8_BLOCK - 1))
+        finite = ~infinite
+        # a value in the bucket the infinity took goes to a neighbour: within a map step (1.4% of the scale)
+        scale = torch.where(finite, x.abs(), 0.0).view(-1)[:3 * INT8_BLOCK].view(3, -1).amax(1)
+        err = (d - x).abs()[:3 * INT8_BLOCK].view(3, -1)[finite[:3 * INT8_BLOCK].view(3, -1)]
+        assert float(err.max()) <= 0.03 * float(scale.max()) ** (2 if which == 2 else 1)
+        again = _encode_on(path, d, which, monkeypatch)  # a checkpoint of the decoded values reloads exactly
+        assert torch.equal(again.codes, q.codes) and torch.equal(again.scales, q.scales), path
+
+
+def test_nan_and_tiny_scale_blocks_get_the_same_codes_on_every_path(monkeypatch):
+    """Blocks whose scale is no normal number (NaN; subnormal, whose inverse overflows) take the same codes on
+    every path (the AVX-512 kernel used to give other codes to NaN elements and under a tiny scale)."""
+    x = torch.zeros(4 * INT8_BLOCK)
+    x[:INT8_BLOCK] = torch.linspace(-1, 1, INT8_BLOCK)
+    x[3], x[4] = math.nan, math.inf
+    x[INT8_BLOCK:INT8_BLOCK + 3] = torch.tensor([1e-40, 5e-41, -1e-44])
+    x[2 * INT8_BLOCK:2 * INT8_BLOCK + 3] = torch.tensor([3e-39, 1e-39, 0.0])
+    x[3 * INT8_BLOCK + 7] = math.nan
+    for which in (1, 2):
+        xs = x.abs() if which == 2 else x
+        results = [_encode_on(path, xs, which, monkeypatch) for path in PATHS]
+        for path, q in zip(PATHS, results):
+            assert torch.equal(q.codes, results[0].codes), (path, which)
+            assert torch.equal(q.scales.isnan(), results[0].scales.isnan()), (path, which)
+            assert torch.equal(q.scales.nan_to_num(), results[0].scales.nan_to_num()), (path, which)
+            d = _decode_on(path, q, which, monkeypatch)
+            assert torch.isnan(d[:INT8_BLOCK]).all() and torch.isnan(d[3 * INT8_BLOCK:]).all()
+
+
+def _overflowing_grads(n, steps, huge_value=1e21):
+    """Step 1's gradient holds +-1e21 (its square overflows fp32: v = inf) in blocks 0, 1 and the partial last one
+    (block 2 has none); the later steps are ordinary gradients."""
+    gen = torch.Generator().manual_seed(31)
+    grads = [torch.randn(n, generator=gen) * 1e-2 for _ in range(steps)]
+    huge = torch.tensor([3, 300, n - 5])
+    if huge_value:
+        grads[0][huge] = torch.tensor([huge_value, -huge_value, huge_value])
+    return grads, huge
+
+
+def _run_overflow(fmt, path, monkeypatch, n, steps=4, huge_value=1e21):
+    p = torch.randn(n, generator=torch.Generator().manual_seed(32))
+    m, v = zeros_moment(fmt, n), zeros_moment(fmt, n)
+    grads, _ = _overflowing_grads(n, steps, huge_value)
+    with monkeypatch.context() as patch:
+        if path == "torch":
+            patch.setattr(_native, "_C", None)
+            step_fn = adam_step_moments
+        else:
+            step_fn = _native_step(path)
+        for step, g in enumerate(grads, 1):
+            step_fn(p, g, m, v, fmt, step=step, weight_decay=0.01, **HP)
+    return p, m, v
+
+
+def _assert_blockwise_close(got, want, rel):
+    """Each block's finite values within `rel` of the block's largest finite magnitude (the format's rounding)."""
+    n = want.numel()
+    for start in range(0, n, INT8_BLOCK):
+        a, b = got[start:start + INT8_BLOCK], want[start:start + INT8_BLOCK]
+        finite = torch.isfinite(b)
+        assert torch.equal(torch.isinf(a), torch.isinf(b)), start
+        if finite.any():
+            scale = float(b[finite].abs().max())
+            assert float((a[finite] - b[finite]).abs().max()) <= rel * scale, start
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_a_gradient_whose_square_overflows_trains_on_as_torch_adamw(fmt, monkeypatch):
+    """|g| = 1e21 makes g*g overflow: torch's AdamW (and fp32 moments) keep v = inf there, so that element's update
+    is m / (sqrt(inf) + eps) = 0 at that step and after, and every other weight trains on. Compressed moments
+    follow it on every path, through later ordinary gradients: v = inf where torch has it, m and v elsewhere as
+    torch's within the format's rounding in every block, no NaN (int8 gave NaN weights at the next step: the
+    block's scale became inf and its neighbours decoded to 0 * inf)."""
+    n = 3 * INT8_BLOCK + 40
+    steps = 4
+    grads, huge = _overflowing_grads(n, steps)
+    ref = torch.randn(n, generator=torch.Generator().manual_seed(32)).requires_grad_(True)
+    opt = torch.optim.AdamW([ref], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"], weight_decay=0.01,
+                            foreach=False)
+    for g in grads:
+        ref.grad = g.clone()
+        opt.step()
+    ref_p, ref_m, ref_v = ref.detach(), opt.state[ref]["exp_avg"], opt.state[ref]["exp_avg_sq"]
+    assert torch.isinf(ref_v[huge]).all() and torch.isfinite(ref_p).all()  # what torch does
+    fp32_p, _, _ = _run_overflow("fp32", "torch", monkeypatch, n, steps)
+    torch.testing.assert_close(fp32_p, ref_p, rtol=RTOL, atol=ATOL)
+    results = {path: _run_overflow(fmt, path, monkeypatch, n, steps) for path in PATHS}
+    for path, (p, m, v) in results.items():
+        assert torch.isfinite(p).all(), path
+        assert torch.equal(p[huge], ref_p[huge]), path  # no update after the overflow: weight decay only
+        dm, dv = _decoded(m, fmt, 1), _decoded(v, fmt, 2)
+        assert not torch.isnan(dm).any() and not torch.isnan(dv).any(), path
+        _assert_blockwise_close(dm, ref_m, 0.02)
+        _assert_blockwise_close(dv.sqrt(), ref_v.sqrt(), 0.02)
+        # block 2 never saw an overflow: exactly as in a run without one
+        plain, _, _ = _run_overflow(fmt, path, monkeypatch, n, steps, huge_value=None)
+        assert torch.equal(p[2 * INT8_BLOCK:3 * INT8_BLOCK], plain[2 * INT8_BLOCK:3 * INT8_BLOCK]), path
+    native = [path for path in PATHS if path != "torch"]
+    for path in native[1:]:  # the native variants are bit-identical to each other
+        for a, b in zip((results[path][0], *M._parts(results[path][1]), *M._parts(results[path][2])),
+                        (results[native[0]][0], *M._parts(results[native[0]][1]), *M._parts(results[native[0]][2]))):
+            assert a is None or torch.equal(a, b), path
+    if native:  # and the fallback is as in test_native_matches_fallback: p to an ulp, codes to a step
+        p1, m1, v1 = results[native[0]]
+        p2, m2, v2 = results["torch"]
+        torch.testing.assert_close(p1, p2, rtol=RTOL, atol=ATOL)
+        if fmt == "int8":
+            for which, a, b in ((1, m1, m2), (2, v1, v2)):
+                assert torch.equal(torch.signbit(a.scales), torch.signbit(b.scales))
+                torch.testing.assert_close(a.scales, b.scales, rtol=1e-6, atol=0)
+                _assert_codes_close(a.codes, b.codes, which)
+        else:
+            assert torch.equal(m1, m2) and torch.equal(v1, v2)

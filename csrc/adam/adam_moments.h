@@ -8,6 +8,10 @@
 //     Encoding: y = |x| * (1/scale) (0 when scale is 0); code = #{midpoints between consecutive map values < y},
 //     i.e. round to nearest with ties to the lower code; a magnitude that rounds to 0 has no sign bit; a positive
 //     sqrt(v) never takes code 0. A NaN in a block makes its scale NaN.
+//     A block holding an infinity (and no NaN: a v whose g*g overflowed fp32) stores its scale negated, sign bit
+//     set (-0.0 included): |scale| is the largest finite magnitude, and the map's second-highest value (magnitude
+//     code kInfCode: 126 for m, 254 for v) stands for infinity (m: signed); finite values round to the nearest of
+//     the other map values (moment_codes.h). Its finite neighbours keep their values, as in fp32 moments.
 //
 // Contract (offload/optim/moments.py validates all of this before calling):
 //   * p: fp32; g: fp32/bf16/fp16; out: null or fp32/bf16/fp16; n elements each, as in adam_kernels.h.
@@ -39,6 +43,9 @@ struct MomentMaps {
   float m_mid[127];
   float v[256];      // sqrt(v) / scale: the unsigned dynamic map over 7 decades (0, 254 values, 1)
   float v_mid[255];
+  // In a block holding an infinity the second-highest value means infinity: the midpoint between its two
+  // neighbours (map[N-3] and 1) then splits the finite values between them.
+  float m_skip_mid, v_skip_mid;
 };
 const MomentMaps& moment_maps();
 

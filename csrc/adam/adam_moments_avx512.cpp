@@ -19,6 +19,7 @@
 #pragma GCC optimize("fp-contract=off")
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
 #include "adam/avx512_common.h"
+#include "adam/moment_codes.h"
 
 namespace offload {
 namespace {
@@ -201,10 +202,12 @@ struct Int8Codec {
   }
 
   // Codes of one block of `count` values (m, sign-bearing, for kExpAvg; sqrt(v) for kExpAvgSq) with the given
-  // scale, the block's largest magnitude (NaN if it holds a NaN).
+  // scale, the block's largest magnitude (NaN if it holds a NaN; negated largest finite one if it holds an inf).
   void encode_block(const float* vals, uint8_t* codes, int64_t count, float scale, int which) const {
+    if (moment_code::holds_inf(scale) || !(scale == 0.0f || (scale >= FLT_MIN && scale <= FLT_MAX))) {
+      return encode_special(vals, codes, count, scale, which);
+    }
     const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-    if (!(scale == 0.0f || (scale >= FLT_MIN && scale <= FLT_MAX))) return encode_special(vals, codes, count, inv, which);
     const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff)), inv16 = _mm512_set1_ps(inv);
     for (int64_t i = 0; i < count; i += 64) {
       __m512 x[4], y[4];
@@ -226,21 +229,26 @@ struct Int8Codec {
     }
   }
 
-  // A block whose scale is NaN, infinite or subnormal: y = |x| * inv is 0, NaN or inf (or finite where inv is).
-  // Codes as the vector path of earlier versions gave them: NaN -> 1, inf -> the first code of the top decade.
-  void encode_special(const float* vals, uint8_t* codes, int64_t count, float inv, int which) const {
-    const bool is_m = which == kExpAvg;
-    const float* mids = is_m ? maps.m_mid : maps.v_mid;
-    const int num_mids = is_m ? 127 : 255;
-    for (int64_t i = 0; i < count; ++i) {
-      const float x = vals[i], y = std::fabs(x) * inv;
-      int c = y != y ? 1 : y == INFINITY ? (num_mids + 1) / 2 : static_cast<int>(std::lower_bound(mids, mids + num_mids, y) - mids);
-      if (is_m && x < 0.0f && c > 0) c |= 0x80;
-      if (!is_m && y > 0.0f && c == 0) c = 1;
-      codes[i] = static_cast<uint8_t>(c);
-    }
+  // A block holding an infinity, or whose scale is NaN or subnormal (y = |x| * inv may be NaN or inf there): the
+  // scalar kernel's rule, element by element (moment_codes.h), so every variant gives the same codes.
+  void encode_special(const float* vals, uint8_t* codes, int64_t count, float scale, int which) const {
+    const bool inf_block = moment_code::holds_inf(scale);
+    const float inv = moment_code::inverse(moment_code::magnitude_scale(scale));
+    for (int64_t i = 0; i < count; ++i) codes[i] = moment_code::encode(vals[i], inv, which, inf_block, maps);
   }
 };
+
+// After a block was decoded against |scale|: the codes that stand for infinity in a block holding one (rare).
+inline void decode_infinities(const uint8_t* codes, float scale, int which, float* out, int64_t count) {
+  if (!moment_code::holds_inf(scale)) return;
+  for (int64_t i = 0; i < count; ++i) {
+    if (which == kExpAvg && (codes[i] & 0x7f) == moment_code::inf_code(which)) {
+      out[i] = (codes[i] & 0x80) ? -INFINITY : INFINITY;
+    } else if (which == kExpAvgSq && codes[i] == moment_code::inf_code(which)) {
+      out[i] = INFINITY;
+    }
+  }
+}
 
 // Built once (its tables take a few hundred pow() calls); each kernel call copies it to its stack.
 const Int8Codec& int8_codec() {
@@ -248,10 +256,19 @@ const Int8Codec& int8_codec() {
   return codec;
 }
 
-// The block scale from the integer max of |x|'s bits: NaN bits exceed +inf's, so a NaN anywhere shows.
-inline float scale_from_bits(__m512i max_bits) {
+// The block scale from the integer max of |x|'s bits: NaN bits exceed +inf's, so a NaN anywhere shows; an
+// infinity (+inf's bits) makes it the largest finite magnitude of `vals` (count values), negated (rare: a scan).
+inline float scale_from_bits(__m512i max_bits, const float* vals, int64_t count) {
   const uint32_t bits = _mm512_reduce_max_epu32(max_bits);
   if (bits > 0x7f800000u) return NAN;
+  if (bits == 0x7f800000u) {
+    float finite_max = 0.0f;
+    for (int64_t i = 0; i < count; ++i) {
+      const float a = std::fabs(vals[i]);
+      finite_max = a > finite_max && a != INFINITY ? a : finite_max;
+    }
+    return moment_code::block_scale(finite_max, false, true);
+  }
   float scale;
   std::memcpy(&scale, &bits, 4);
   return scale;
@@ -284,7 +301,9 @@ void step_int8(const MomentBuffers& b, const AdamConstants& constants, int64_t b
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
   for (int64_t start = begin; start < end; start += kInt8Block) {
     const int64_t stop = std::min(end, start + kInt8Block), blk = start / kInt8Block;
-    const __m512 m_scale = _mm512_set1_ps(b.m_scales[blk]), v_scale = _mm512_set1_ps(b.v_scales[blk]);
+    const float m_stored = b.m_scales[blk], v_stored = b.v_scales[blk];
+    const __m512 m_scale = _mm512_set1_ps(moment_code::magnitude_scale(m_stored));
+    const __m512 v_scale = _mm512_set1_ps(moment_code::magnitude_scale(v_stored));
     // Decode first (the map tables fill most registers), then the Adam maths on the decoded block.
     for (int64_t i = start; i < stop; i += 2 * kLanes) {
       const __mmask32 k = lanes32(stop - i);
@@ -296,6 +315,8 @@ void step_int8(const MomentBuffers& b, const AdamConstants& constants, int64_t b
         _mm512_store_ps(new_s + (i - start) + 16 * h, s[h]);
       }
     }
+    decode_infinities(mc + start, m_stored, kExpAvg, new_m, stop - start);
+    decode_infinities(vc + start, v_stored, kExpAvgSq, new_s, stop - start);
     __m512i m_max = _mm512_setzero_si512(), s_max = _mm512_setzero_si512();
     for (int64_t i = start; i < stop; i += kLanes) {
       const __mmask16 k = lanes(stop - i);
@@ -309,7 +330,8 @@ void step_int8(const MomentBuffers& b, const AdamConstants& constants, int64_t b
       m_max = _mm512_mask_max_epu32(m_max, k, m_max, _mm512_and_si512(_mm512_castps_si512(m), abs_mask));
       s_max = _mm512_mask_max_epu32(s_max, k, s_max, _mm512_and_si512(_mm512_castps_si512(s), abs_mask));
     }
-    const float m_block_scale = scale_from_bits(m_max), s_block_scale = scale_from_bits(s_max);
+    const float m_block_scale = scale_from_bits(m_max, new_m, stop - start);
+    const float s_block_scale = scale_from_bits(s_max, new_s, stop - start);
     codec.encode_block(new_m, mc + start, stop - start, m_block_scale, kExpAvg);
     codec.encode_block(new_s, vc + start, stop - start, s_block_scale, kExpAvgSq);
     b.m_scales[blk] = m_block_scale;
@@ -365,7 +387,7 @@ void moment_encode_avx512(const float* src, void* codes, float* scales, MomentFo
       _mm512_store_ps(mags + (i - start), x);
       max_bits = _mm512_max_epu32(max_bits, _mm512_and_si512(_mm512_castps_si512(x), abs_mask));
     }
-    const float scale = scale_from_bits(max_bits);
+    const float scale = scale_from_bits(max_bits, mags, stop - start);
     codec.encode_block(mags, static_cast<uint8_t*>(codes) + start, stop - start, scale, which);
     scales[start / kInt8Block] = scale;
   }
@@ -384,7 +406,8 @@ void moment_decode_avx512(const void* codes, const float* scales, MomentFormat f
   const uint8_t* c8 = static_cast<const uint8_t*>(codes);
   for (int64_t start = begin; start < end; start += kInt8Block) {
     const int64_t stop = std::min(end, start + kInt8Block);
-    const __m512 scale = _mm512_set1_ps(scales[start / kInt8Block]);
+    const float stored = scales[start / kInt8Block];
+    const __m512 scale = _mm512_set1_ps(moment_code::magnitude_scale(stored));
     for (int64_t i = start; i < stop; i += 2 * kLanes) {
       const __mmask32 k = lanes32(stop - i);
       __m512 x[2];
@@ -397,6 +420,7 @@ void moment_decode_avx512(const void* codes, const float* scales, MomentFormat f
       _mm512_mask_storeu_ps(out + i, static_cast<__mmask16>(k), x[0]);
       _mm512_mask_storeu_ps(out + i + kLanes, static_cast<__mmask16>(k >> 16), x[1]);
     }
+    decode_infinities(c8 + start, stored, which, out + start, stop - start);
   }
 }
 

@@ -21,7 +21,7 @@ constexpr MomentKernels kScalar{moment_step_scalar, moment_encode_scalar, moment
 // bitsandbytes' create_dynamic_map(signed=False) over `decades` decades: 0, then decade d holds 2^(d+1) bucket
 // centres of [0.1, 1] * 10^(d - decades + 1), then 1. The same expression, in the same order, as moments.py.
 template <int N>
-void build_map(int decades, float (&values)[N], float (&mids)[N - 1]) {
+void build_map(int decades, float (&values)[N], float (&mids)[N - 1], float& skip_mid) {
   int at = 0;
   values[at++] = 0.0f;
   for (int d = 0; d < decades; ++d) {
@@ -34,12 +34,13 @@ void build_map(int decades, float (&values)[N], float (&mids)[N - 1]) {
   for (int i = 0; i + 1 < N; ++i) {
     mids[i] = static_cast<float>((static_cast<double>(values[i]) + static_cast<double>(values[i + 1])) / 2);
   }
+  skip_mid = static_cast<float>((static_cast<double>(values[N - 3]) + static_cast<double>(values[N - 1])) / 2);
 }
 
 MomentMaps make_maps() {
   MomentMaps maps;
-  build_map(6, maps.m, maps.m_mid);
-  build_map(7, maps.v, maps.v_mid);
+  build_map(6, maps.m, maps.m_mid, maps.m_skip_mid);
+  build_map(7, maps.v, maps.v_mid, maps.v_skip_mid);
   return maps;
 }
 

@@ -8,51 +8,34 @@
 #include <cstdint>
 
 #include "adam/adam_moments.h"
+#include "adam/moment_codes.h"
 #include "adam/scalar_math.h"
 
 namespace offload {
 namespace {
 
-// Number of midpoints < y: round to the nearest map value, ties to the lower code (NaN gives 0).
-inline int nearest_code(float y, const float* mids, int count) {
-  return static_cast<int>(std::lower_bound(mids, mids + count, y) - mids);
-}
-
-inline float inverse_scale(float scale) { return scale > 0.0f ? 1.0f / scale : 0.0f; }
-
-// Codes of one block: `vals` are m (sign-bearing) for kExpAvg, sqrt(v) for kExpAvgSq. Returns the scale.
+// Codes of one block: `vals` are m (sign-bearing) for kExpAvg, sqrt(v) for kExpAvgSq. Returns the scale: the
+// largest magnitude; NaN if the block holds a NaN; the largest finite magnitude negated if it holds an infinity.
 inline float encode_block(const float* vals, uint8_t* codes, int64_t count, int which) {
   const MomentMaps& maps = moment_maps();
-  float scale = 0.0f;
-  bool nan = false;
+  float finite_max = 0.0f;
+  bool nan = false, inf = false;
   for (int64_t i = 0; i < count; ++i) {
     const float a = std::fabs(vals[i]);
     nan |= a != a;
-    scale = a > scale ? a : scale;
+    inf |= a == INFINITY;
+    finite_max = a > finite_max && a != INFINITY ? a : finite_max;
   }
-  if (nan) scale = NAN;
-  const float inv = inverse_scale(scale);
-  for (int64_t i = 0; i < count; ++i) {
-    const float y = std::fabs(vals[i]) * inv;
-    int c;
-    if (which == kExpAvg) {
-      c = nearest_code(y, maps.m_mid, 127);
-      if (vals[i] < 0.0f && c > 0) c |= 0x80;
-    } else {
-      c = nearest_code(y, maps.v_mid, 255);
-      if (y > 0.0f && c == 0) c = 1;
-    }
-    codes[i] = static_cast<uint8_t>(c);
-  }
+  const float scale = moment_code::block_scale(finite_max, nan, inf);
+  const bool inf_block = moment_code::holds_inf(scale);
+  const float inv = moment_code::inverse(moment_code::magnitude_scale(scale));
+  for (int64_t i = 0; i < count; ++i) codes[i] = moment_code::encode(vals[i], inv, which, inf_block, maps);
   return scale;
 }
 
-inline float decode_m(uint8_t c, float scale) {
-  const float x = moment_maps().m[c & 0x7f] * scale;
-  return (c & 0x80) ? -x : x;
-}
+inline float decode_m(uint8_t c, float scale) { return moment_code::decode(c, scale, kExpAvg, moment_maps()); }
 
-inline float decode_sqrt_v(uint8_t c, float scale) { return moment_maps().v[c] * scale; }
+inline float decode_sqrt_v(uint8_t c, float scale) { return moment_code::decode(c, scale, kExpAvgSq, moment_maps()); }
 
 // The maths of scalar::adam_element on decoded m, v: updates p (and out), returns the new m and v.
 inline void adam_math(const MomentBuffers& b, const AdamConstants& c, int64_t i, float& m, float& v) {

@@ -31,6 +31,18 @@ and decoding again gives back the same values and codes: a checkpoint of decoded
 same state. (For v this holds while sqrt(v)^2 stays a normal fp32 number, v > 1.2e-38.) A NaN in a block makes
 its scale NaN, so the whole block decodes to NaN (the new weights are NaN anyway: they come from fp32 m, v).
 
+Infinities are kept as torch keeps them. A gradient whose square overflows fp32 (|g| above about 1.8e19) makes
+v = inf in fp32 moments and in torch's AdamW: that element's update is m / (sqrt(inf) + eps) = 0 from then on
+(beta2 * inf stays inf), and its neighbours train on. A block holding an infinity (and no NaN) stores its scale
+negated (sign bit set, -0.0 when nothing else in it is non-zero): |scale| is the block's largest *finite*
+magnitude, and the map's second-highest value (`inf_code`: magnitude code 126 for m, 254 for v) stands for
+infinity (m: with its sign bit). A finite value that would round to that code takes the nearer of its two
+neighbours instead (`_skip_midpoint` splits them); everything else is encoded as in any block. So the infinity
+decodes to inf, the update is 0 as in fp32, the finite neighbours keep their values (the largest exactly), and
+the round trip above holds in these blocks too. (Before, the scale became inf and the neighbours decoded to
+0 * inf = NaN: NaN weights at the next step.) The native kernels and this file apply the same rule (csrc/adam/
+moment_codes.h), and the NaN elements of a NaN block get code 0 in every path.
+
 Measured choices (torch implementations of each variant, 200 AdamW steps, lr 1e-2, mean of 3 seeds; final loss
 ÷ fp32's, lower is better; "update error" = ||u_q - u|| / ||u|| for u = m / (sqrt(v) + eps) at an fp32 state after
 100 steps, with m and v quantized):
@@ -118,6 +130,20 @@ def _midpoints(which: int) -> tuple[float, ...]:
     return tuple(float(torch.tensor((a + b) / 2, dtype=torch.float32)) for a, b in zip(t[:-1], t[1:]))
 
 
+def inf_code(which: int) -> int:
+    """The magnitude code that stands for infinity in a block holding one: the map's second-highest value."""
+    _check_which(which)
+    return len(code_map(which)) - 2
+
+
+@lru_cache(maxsize=None)
+def _skip_midpoint(which: int) -> float:
+    """In a block holding an infinity: the midpoint between the two neighbours of `inf_code` (double, rounded once),
+    which splits the finite values that would round to it."""
+    t = code_map(which)
+    return float(torch.tensor((t[-3] + t[-1]) / 2, dtype=torch.float32))
+
+
 _device_tables: dict = {}
 
 
@@ -140,10 +166,21 @@ def _check_which(which: int) -> None:
 # --- torch implementations (the fallback, and the gpu tier's) ---------------------------------------------
 
 
+def _holds_inf(scales: Tensor) -> Tensor:
+    """Blocks whose scale says they hold an infinity: sign bit set (-0.0 too), not NaN."""
+    return torch.signbit(scales) & ~torch.isnan(scales)
+
+
 def _dequantize_torch(q: QuantizedMoment, which: int) -> Tensor:
     table, _ = _tables(which, q.codes.device)
     n = q.codes.numel()
-    x = table[q.codes.long()] * q.scales.repeat_interleave(INT8_BLOCK)[:n]
+    marked = _holds_inf(q.scales)
+    codes = q.codes.long()
+    x = table[codes] * torch.where(marked, -q.scales, q.scales).repeat_interleave(INT8_BLOCK)[:n]
+    magnitude = codes & 127 if which == EXP_AVG else codes
+    is_inf = marked.repeat_interleave(INT8_BLOCK)[:n] & (magnitude == inf_code(which))
+    inf = torch.full_like(x, float("inf"))
+    x = torch.where(is_inf, torch.where(codes >= 128, -inf, inf), x)
     return x * x if which == EXP_AVG_SQ else x
 
 
@@ -154,17 +191,25 @@ def _quantize_torch(x: Tensor, which: int, out: QuantizedMoment) -> None:
     mag = x.sqrt() if which == EXP_AVG_SQ else x.abs()
     nblocks = -(-n // INT8_BLOCK)
     padded = mag if n == nblocks * INT8_BLOCK else torch.cat([mag, mag.new_zeros(nblocks * INT8_BLOCK - n)])
-    absmax = padded.view(nblocks, INT8_BLOCK).amax(dim=1)  # NaN propagates: the block decodes to NaN
+    blocks = padded.view(nblocks, INT8_BLOCK)
+    infinite = blocks == float("inf")
+    absmax = torch.where(infinite, 0.0, blocks).amax(dim=1)  # the largest finite magnitude; NaN propagates
+    marked = infinite.any(dim=1) & ~torch.isnan(absmax)  # holds an infinity (and no NaN)
     inv = torch.where(absmax > 0, 1.0 / torch.where(absmax > 0, absmax, torch.ones_like(absmax)),
                       torch.zeros_like(absmax))
-    y = (padded.view(nblocks, INT8_BLOCK) * inv[:, None]).view(-1)[:n]
+    y = (blocks * inv[:, None]).view(-1)[:n]
     code = torch.bucketize(y, mids)  # number of midpoints < y: round to nearest, ties down
+    code = torch.where(torch.isnan(y), 0, code)  # as the native kernels: a NaN y (a NaN block) gives 0
+    in_marked = marked.repeat_interleave(INT8_BLOCK)[:n]
+    skip = inf_code(which)
+    code = torch.where(in_marked & (code == skip), torch.where(y > _skip_midpoint(which), skip + 1, skip - 1), code)
+    if which == EXP_AVG_SQ:
+        code = torch.where((y > 0) & (code == 0), torch.ones_like(code), code)  # no positive v decodes to 0
+    code = torch.where(in_marked & (mag == float("inf")), skip, code)
     if which == EXP_AVG:
         code = torch.where((x < 0) & (code > 0), code + 128, code)
-    else:
-        code = torch.where((y > 0) & (code == 0), torch.ones_like(code), code)  # no positive v decodes to 0
     out.codes.copy_(code)
-    out.scales.copy_(absmax)
+    out.scales.copy_(torch.where(marked, -absmax, absmax))
 
 
 def _decode_torch(m: Moment, fmt: MomentFormat, which: int) -> Tensor:
