@@ -73,3 +73,32 @@ def eager(function: Any) -> Any:
     as they are (a graph break) rather than trying to trace into them (`torch.compiler.disable`, torch>=2.1)."""
     disable = getattr(torch.compiler, "disable", None)
     return function if disable is None else disable(function)
+
+
+# --- the saved-tensor hooks' own version check (activations/meter.py: torch checks versions only without hooks) ---
+
+
+def version_probe(tensor: Tensor) -> Optional[Tensor]:
+    """An empty tensor that shares `tensor`'s version counter and none of its memory: a detached alias (it shares
+    the counter) pointed at an empty storage by `set_()`, whose bump of the shared counter is undone at once
+    (`torch.autograd._unsafe_preserve_version_counter`, torch>=2.1). None where that cannot be done."""
+    preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
+    if preserve is None:
+        return None
+    try:
+        probe = tensor.detach()
+        with preserve(probe):
+            probe.set_()  # type: ignore[call-overload]  # no arguments: an empty storage (torch's stubs omit it)
+    except (RuntimeError, TypeError, NotImplementedError):  # a subclass or a kind of tensor set_() refuses
+        return None
+    return probe
+
+
+def node_name(tensor: Tensor) -> Optional[str]:
+    """The name of the autograd node that made `tensor` (`ExpBackward0`), None for a leaf."""
+    grad_fn = tensor.grad_fn
+    return None if grad_fn is None else grad_fn.name()
+
+
+# torch.func transforms (vmap, grad, jacrev, ...) refuse to start while saved-tensor hooks are on; their error says
+FUNC_TRANSFORMS_REFUSE_HOOKS = "don't yet support saved tensor hooks"

@@ -92,10 +92,19 @@ def _phases(blocks: List[Block], module: nn.Module, policy: OffloadPolicy, plan:
 def _root_saved_tensors(blocks: List[Block], tiers: Tiers) -> RootSavedTensors:
     """The root forward's saved-tensor hooks: the spill's (activations="offload") or the weight streamer's."""
     spill, streamer = tiers.activations, tiers.streamer
+    names = {b.index: b.name for b in blocks}  # for its error messages: the blocks streaming, a block's name
+
+    def streamed() -> List[str]:
+        return [b.name for b in blocks if streamer.streams(b.index)]
+
+    def name(index: int) -> str:
+        return names.get(index, str(index))
+
     if spill is not None:
-        return RootSavedTensors(spill.pack, spill.unpack, lambda: True, storage_keeper(_kept_buffers(blocks, tiers)))
+        return RootSavedTensors(spill.pack, spill.unpack, lambda: True, storage_keeper(_kept_buffers(blocks, tiers)),
+                                activations_offloaded=True, streamed_blocks=streamed, block_name=name)
     return RootSavedTensors(streamer.pack, streamer.unpack, lambda: streamer.active,
-                            storage_keeper(_kept_buffers(blocks, tiers)))
+                            storage_keeper(_kept_buffers(blocks, tiers)), streamed_blocks=streamed, block_name=name)
 
 
 def _kept_buffers(blocks: List[Block], tiers: Tiers) -> Callable[[], List[torch.Tensor]]:
