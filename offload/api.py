@@ -107,7 +107,7 @@ def wrap(
         nvme_path=_absolute(nvme_path),
         lr=lr, betas=tuple(betas) if isinstance(betas, (list, tuple)) else betas,  # type: ignore[arg-type]
         eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-        dtype=model_dtype(model) if dtype is None and isinstance(model, nn.Module) else dtype,
+        dtype=(model_dtype(model) if isinstance(model, nn.Module) else torch.float32) if dtype is None else dtype,
         device=resolve_device(device),
         device_memory=parse_bytes(device_memory, "device_memory"),
         host_memory=parse_bytes(host_memory, "host_memory"),
@@ -130,13 +130,11 @@ def wrap(
 
 def model_dtype(model: nn.Module) -> torch.dtype:
     """The compute dtype that casts nothing: the dtype every floating parameter already has, or float32 when
-    they differ (only fp32 parameters take the compute dtype, so float32 leaves each one as the user made it)."""
+    they differ or offload does not compute in theirs (only fp32 parameters take the compute dtype, so float32
+    leaves each one as the user made it; a float64 one is then refused by name, with the fix)."""
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    if dtype not in COMPUTE_DTYPES:
-        raise OffloadConfigError(f"the model's parameters are {dtype}, which offload does not compute in: convert the "
-                                 "model (model.float()) or pass dtype=torch.float32 / torch.bfloat16")
-    return dtype
+    return dtype if dtype in COMPUTE_DTYPES else torch.float32
 
 
 def _refuse_unknown_options(names: List[str]) -> None:

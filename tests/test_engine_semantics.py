@@ -96,7 +96,8 @@ def test_fewer_backward_calls_than_declared_is_exact():
     twin.lm_head.weight = twin.wte.weight
     batches = make_batches(2, 3)
     opt = torch.optim.AdamW([p for p in twin.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
-    engine = offload.wrap(model, tier="cpu", lr=1e-2, dtype=torch.float32, device="cpu", grad_accumulation_steps=4)
+    engine = offload.wrap(model, tier="cpu", lr=1e-2, weight_decay=0.0, dtype=torch.float32, device="cpu",
+                          grad_accumulation_steps=4)
     for micro in batches:
         for idx, tgt in micro:
             twin(idx, tgt).backward()
@@ -207,17 +208,19 @@ def test_without_overlap_step_a_failed_update_raises_from_step():
         engine.close()
 
 
-def test_changing_lr_after_an_early_update_warns():
+def test_changing_lr_after_an_early_update_raises_at_the_assignment():
+    """It warned after step(); the blocks updated early could not take the new lr (tests/test_torch_optimizer_state.py
+    has the other ways to set it)."""
+    from offload.errors import OffloadError
+
     model = Net()
     with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", grad_accumulation_steps=1) as engine:
         for step in range(2):  # blocks update during backward (the first step by the forward's prediction)
             model(torch.ones(4, 8)).backward()
             if engine.stats()["early_block_updates"]:
-                engine.optimizer.param_groups[0]["lr"] = 0.5 + step
-                with pytest.warns(RuntimeWarning, match="hyperparameters changed"):
-                    engine.step()
-            else:
-                engine.step()
+                with pytest.raises(OffloadError, match="between the last backward and step"):
+                    engine.optimizer.param_groups[0]["lr"] = 0.5 + step
+            engine.step()
             engine.zero_grad()
         assert engine.stats()["early_block_updates"] > 0
 

@@ -74,7 +74,7 @@ def test_a_model_of_mixed_dtypes_keeps_each_parameters_dtype():
 
 
 def test_a_model_in_a_dtype_offload_does_not_compute_in_names_the_fix():
-    with pytest.raises(OffloadConfigError, match=r"float64.*model.float\(\)"):
+    with pytest.raises(OffloadConfigError, match=r"'weight' is torch.float64.*model.float\(\)"):
         offload.wrap(nn.Linear(4, 4).double(), "cpu")
 
 

@@ -78,9 +78,6 @@ class StepPhase:
         self._tracker.end_step()
         hyper = self._hypers.read()
         self._backward.collect_grads()
-        if self._hypers.changed_since_early(hyper) and any(b.record.updated_early for b in self._blocks):
-            warnings.warn("optimizer hyperparameters changed between the last backward and step(); blocks updated "
-                          "early used the earlier values (set them before the last backward)", RuntimeWarning, stacklevel=2)
         in_order = self._in_update_order()
         counters = self._services.counters
         scale = self._clipping.scale_for_step(in_order, self._slots, counters.steps)

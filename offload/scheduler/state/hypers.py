@@ -2,8 +2,8 @@
 
 A block updated during the last backward read them then; `step()` reads them again for the others. A change in
 between (an LR scheduler stepped, or warm-up set in a step pre-hook, before `step()`) could not reach the blocks
-updated early, so the assignment itself raises (`group_changes`, told by phases/optimizer_view.py's groups);
-`step()` still warns when they differ by a way it could not see."""
+updated early, so the assignment itself raises (`group_changes`, told by phases/optimizer_view.py's groups).
+"""
 
 from __future__ import annotations
 
@@ -42,9 +42,6 @@ class StepHypers:
                 "declared lets them update as their gradients complete). Set hyperparameters before the last "
                 "backward (an LR scheduler's step() right after engine.step(), warm-up before the forward), or "
                 "leave grad_accumulation_steps unset so every update waits for step()")
-
-    def changed_since_early(self, now: Tuple[AdamHyper, ...]) -> bool:
-        return self._early is not None and self._early != now
 
     def reset(self) -> None:
         self._early = None

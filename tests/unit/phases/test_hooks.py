@@ -88,6 +88,9 @@ class FakePhases:
     def after_state_dict(self, state_dict: dict, prefix: str = "") -> None:
         self.calls.append(("after_state_dict", prefix, len(state_dict)))
 
+    def after_owner_state_dict(self, module: nn.Module, state_dict: dict, prefix: str) -> None:
+        self.calls.append(("after_owner_state_dict", prefix))
+
     def before_load_state_dict(self, blocks: Optional[List[Block]] = None) -> None:
         self.calls.append(("load", None if blocks is None else tuple(b.name for b in blocks)))
 
@@ -165,12 +168,15 @@ def test_state_dict_and_load_state_dict_reach_the_root_and_every_owner():
     state = model.state_dict()
     assert phases.calls[0] == ("state_dict", None), "the root's first"
     assert phases.calls.pop() == ("after_state_dict", "", len(state)), "the root's post-hook last, on everything"
-    owners = [c[1] for c in phases.calls[1:]]
-    assert all(c[0] == "state_dict" for c in phases.calls)
+    after = [c[1] for c in phases.calls if c[0] == "after_owner_state_dict"]  # each owner's post-hook, its prefix
+    owners = [c[1] for c in phases.calls[1:] if c[0] == "state_dict"]
+    assert len(phases.calls) == 1 + len(owners) + len(after)
     assert owners == [("emb",), ("layers.0",), ("layers.0",), ("layers.1",), ("layers.1",), ("emb", "head")]
+    assert after == ["emb.", "layers.0.a.", "layers.0.b.", "layers.1.a.", "layers.1.b.", "head."]
     phases.calls.clear()
     model.layers[0].state_dict()  # a sub-module's own: its owners, not the root
-    assert phases.calls == [("state_dict", ("layers.0",))] * 2
+    assert phases.calls == [("state_dict", ("layers.0",)), ("after_owner_state_dict", "a."),
+                            ("state_dict", ("layers.0",)), ("after_owner_state_dict", "b.")]
     phases.calls.clear()
     model.load_state_dict(state)
     assert phases.calls[0] == ("load", None) and phases.calls[-1] == ("after_load",)
