@@ -5,8 +5,8 @@ schedule, logging and `checkpoint-N` directories, and trains the model through a
     python examples/finetune_trainer.py --model llama-dir/ --text corpus.txt --out runs/ft --resume
 
 Same flags, data and tiny model as finetune.py (examples/_common.py); the checkpoints are the Trainer's
-(OUT/checkpoints/checkpoint-N, the engine's state in its offload/ subdirectory) and so is the loss log
-(trainer_state.json), which a resumed run continues.
+(OUT/checkpoints/checkpoint-N: optimizer.pt and scheduler.pt too, which a plain transformers.Trainer resumes
+as well) and so is the loss log (trainer_state.json), which a resumed run continues.
 """
 
 from __future__ import annotations

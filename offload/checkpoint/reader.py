@@ -16,7 +16,7 @@ import contextlib
 import io
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -94,7 +94,7 @@ def load_checkpoint(engine: "CheckpointTarget", path: str, *, stateful: Optional
                 engine.mark_inconsistent(exc)
                 raise
             bar.update(max(0, bar.total - bar.n))
-        for group_now, saved in zip(engine.optimizer.param_groups, manifest["param_groups"]):
+        for group_now, saved in _paired_groups(engine, manifest):
             group_now.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items()
                               if k != "param_names"})
         engine.restore_counters({"steps": manifest["step"], "skipped_steps": manifest.get("skipped_steps", 0)})
@@ -236,10 +236,27 @@ def _warn_if_moments_convert(engine: "CheckpointTarget", manifest: Dict[str, Any
                       + f"; wrap with moments={saved!r} to resume in the saved format", RuntimeWarning, stacklevel=4)
 
 
+Group = Dict[str, Any]
+
+
+def _paired_groups(engine: "CheckpointTarget", manifest: Dict[str, Any]) -> List[Tuple[Group, Group]]:
+    """(engine's group, saved group) in order. Where their numbers differ, groups without parameters are left
+    out on both sides: OffloadTrainer left out the Trainer's empty weight-decay group before issue 33 (a LoRA
+    model's, all of whose parameters decay) and keeps it now, as the plain Trainer's optimizer.pt has it."""
+    saved, now = manifest["param_groups"], engine.optimizer.param_groups
+    if len(saved) != len(now):
+        saved = [g for g in saved if g.get("param_names", [None])]
+        now = [g for g in now if g["params"]]
+    return list(zip(now, saved)) if len(saved) == len(now) else []
+
+
 def _check_param_groups(engine: "CheckpointTarget", manifest: Dict[str, Any], directory: str) -> None:
     """Each saved optimizer group's options go to the group holding the same parameters, or nowhere: a
     checkpoint of another grouping is refused before anything changes (torch.optim refuses it too)."""
     saved, now = manifest["param_groups"], engine.optimizer.param_groups
+    paired = _paired_groups(engine, manifest)
+    if paired:
+        now, saved = [g for g, _s in paired], [s for _g, s in paired]
     if len(saved) != len(now):
         raise OffloadConfigError(
             f"checkpoint {directory!r} has {len(saved)} optimizer parameter groups but this engine has "

@@ -172,19 +172,22 @@ def _current_master(group: FlatGroup, view: GroupStateView) -> Tensor:
 
 class _Sink:
     """Zeroed fp32 tensors for the exported state: one snapshot file mapped into memory (nvme tier: the
-    state need not fit in host memory) or host memory."""
+    state need not fit in host memory) or host memory. Each tensor has a storage of its own over its part
+    (as torch's AdamW state has), so `torch.save` writes each tensor's bytes only: a file of some of them
+    (`optimizer.pt` without the master weights) holds just those."""
 
     def __init__(self, total: int, directory: Optional[str]) -> None:
-        self._flat = _mapped_zeros(total, directory) if directory is not None and total else torch.zeros(total)
+        self._flat = (_mapped_zeros(total, directory) if directory is not None and total
+                      else np.zeros(total, dtype=np.float32))
         self._used = 0
 
     def take(self, numel: int) -> Tensor:
-        tensor = self._flat[self._used:self._used + numel]
+        tensor = torch.from_numpy(self._flat[self._used:self._used + numel])  # keeps the whole mapping alive
         self._used += numel
         return tensor
 
 
-def _mapped_zeros(numel: int, directory: str) -> Tensor:
+def _mapped_zeros(numel: int, directory: str) -> np.ndarray:
     """`numel` fp32 zeros in a new file under `directory`, mapped shared and unlinked at once: its blocks
     are freed when the last tensor viewing it goes."""
     nbytes = 4 * numel
@@ -201,4 +204,4 @@ def _mapped_zeros(numel: int, directory: str) -> Tensor:
     finally:
         os.close(fd)
         os.unlink(path)
-    return torch.from_numpy(mapped)
+    return mapped

@@ -2,7 +2,8 @@
 TRL's `SFTTrainer`), training through an offload engine.
 
 The Trainer keeps its loop, data, loss, logging, callbacks and `checkpoint-N` directories; the engine replaces the
-optimizer, the gradient clipping, the optimizer/scheduler checkpoint and the weight export. The overrides live
+optimizer, the gradient clipping and the weight export, and writes and reads the optimizer state in the Trainer's
+own files (trainer_checkpoint.py), so either trainer resumes the other's checkpoints. The overrides live
 in the mixin, each calling `super()`, so it goes before any Trainer subclass:
 `class OffloadSFTTrainer(OffloadTrainerMixin, trl.SFTTrainer)`; `OffloadTrainer` is the mixin on
 `transformers.Trainer`. Which hooks are overridden, and why: docs/design.md [Note: the Hugging Face Trainer].
@@ -22,6 +23,14 @@ from offload.api import wrap
 from offload.engine.engine import Engine
 from offload.errors import OffloadConfigError, OffloadError
 from offload.integrations.hf_peft import engine_reads, is_peft_model, peft_state_dict
+from offload.integrations.trainer_checkpoint import (
+    is_engine_checkpoint,
+    load_checkpoint_weights,
+    load_optimizer_state,
+    save_optimizer_state,
+    stored_where,
+    without_optimizer_files,
+)
 from offload.integrations.transformers import _require
 
 transformers, _accelerate = _require()  # MissingDependencyError naming the install command when either is missing
@@ -29,8 +38,10 @@ transformers, _accelerate = _require()  # MissingDependencyError naming the inst
 # annotations (the tests run them against the installed transformers)
 Trainer: Any = transformers.Trainer
 TrainerCallback: Any = transformers.TrainerCallback
+# transformers' logging (TrainingArguments' log_level sets its level), under the name DeepSpeed's integration uses
+logger = transformers.utils.logging.get_logger("transformers.integrations.offload")
 
-CHECKPOINT_SUBDIR = "offload"  # engine.save's directory inside the Trainer's checkpoint-N
+CHECKPOINT_SUBDIR = "offload"  # inside the Trainer's checkpoint-N: what the engine adds (trainer_checkpoint.py)
 TRAINING_ARGS_FILE = "training_args.bin"  # as the Trainer names it
 # the mixin's overrides that do not call super(): the Trainer's would save, load or place what the engine holds
 REPLACED = ("_move_model_to_device", "create_optimizer", "_save", "_save_optimizer_and_scheduler",
@@ -96,8 +107,8 @@ class OffloadTrainerMixin(_TrainerBase):
         super().__init__(model, args, *more, **kwargs)
         self._refuse_unsupported()
         self.engine = self._wrap(self.model, options)
-        self._refuse_unloadable_best_model()
         self.add_callback(_ZeroEngineGrads(self.engine))
+        self.add_callback(_LogPlan(self.engine))
 
     # ----- construction ---------------------------------------------------------------------------------
     def _refuse_unsupported(self) -> None:
@@ -134,23 +145,10 @@ class OffloadTrainerMixin(_TrainerBase):
         if problems:
             raise OffloadConfigError(f"{type(self).__name__} does not support " + "; ".join(problems))
 
-    def _refuse_unloadable_best_model(self) -> None:
-        """`load_best_model_at_end` loads the best checkpoint's `offload/` through `engine.load`; without it
-        (`save_only_model`) only the Trainer's `model.load_state_dict` is left, which cannot write streamed
-        blocks (their parameters are placeholders): refused now rather than after the last step."""
-        assert self.engine is not None
-        streamed = self.engine.plan.streamed_blocks
-        if self.args.load_best_model_at_end and self.args.save_only_model and streamed:
-            self.engine.close()
-            raise OffloadConfigError(
-                f"load_best_model_at_end with save_only_model=True while blocks stream (first: {streamed[0]!r}): "
-                "the best weights would be loaded by model.load_state_dict, which cannot write streamed blocks; set "
-                "save_only_model=False (the best checkpoint's offload/ is then loaded with engine.load), or give "
-                "device_memory room for the whole model")
-
     def _wrap(self, model: nn.Module, options: Dict[str, Any]) -> Engine:
         """The engine with the AdamW the Trainer's `create_optimizer` would build: its hyperparameters, its
-        two weight-decay groups (biases and norms without decay), clipping and accumulation from `args`."""
+        two weight-decay groups (biases and norms without decay; both, an empty one too, so `optimizer.pt`
+        groups and numbers the parameters as the plain Trainer's does), clipping and accumulation from `args`."""
         args = self.args
         decay = set(self.get_decay_parameter_names(model))
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -165,7 +163,7 @@ class OffloadTrainerMixin(_TrainerBase):
         return wrap(model, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                     weight_decay=args.weight_decay, max_grad_norm=clip,
                     grad_accumulation_steps=args.gradient_accumulation_steps,
-                    param_groups=[g for g in groups if g["params"]], device=args.device, dtype=dtype, **options)
+                    param_groups=groups, device=args.device, dtype=dtype, **options)
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         """Nothing: `offload.wrap` places the weights on `args.device` (a model on the meta device, to be filled
@@ -243,6 +241,7 @@ class OffloadTrainerMixin(_TrainerBase):
                 self.model.save_pretrained(output_dir, state_dict=state)
         else:
             self.engine.save_pretrained(output_dir)
+            _save_generation_config(self.model, output_dir)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         elif getattr(self.data_collator, "tokenizer", None) is not None:  # as the Trainer falls back
@@ -250,44 +249,50 @@ class OffloadTrainerMixin(_TrainerBase):
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_FILE))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """The engine's checkpoint (master weights, Adam moments and steps, the LR scheduler) in `offload/`
-        inside `checkpoint-N`: engine.save replaces its whole directory atomically. Data-parallel: every rank
-        saves its part of the optimizer state (the Trainer calls this on every rank)."""
+        """`optimizer.pt` (torch's AdamW format) and `scheduler.pt`, as the plain Trainer writes them, and in
+        `offload/` only what the engine has beyond them (trainer_checkpoint.py: the fp32 master weights where the
+        compute weights are not fp32; the engine's own checkpoint where the torch-format state does not fit, with
+        an `optimizer.pt` stub that refuses to load). Data-parallel: every rank takes part (the Trainer calls this
+        on every rank), rank 0 writes."""
         assert self.engine is not None
         if self.args.should_save or self.engine.data_parallel is not None:
-            assert self.engine is not None
-            self.engine.save(os.path.join(output_dir, CHECKPOINT_SUBDIR), scheduler=self.lr_scheduler)
+            save_optimizer_state(self.engine, output_dir, self.lr_scheduler, writes=self.args.should_save)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
-        """Checks the checkpoint only: its weights come back with the optimizer state, in one verified
-        `engine.load`, once the scheduler exists (`_load_optimizer_and_scheduler`)."""
-        _engine_checkpoint(resume_from_checkpoint)
+        """The checkpoint's weights into the engine (its `model.safetensors` or shards, or the PEFT adapter: an
+        OffloadTrainer's or a plain Trainer's), keeping the Adam state for `_load_optimizer_and_scheduler`. A
+        checkpoint whose `offload/` is a whole engine checkpoint loads there instead, weights and state in one
+        verified `engine.load`."""
+        assert self.engine is not None
+        if not is_engine_checkpoint(resume_from_checkpoint):
+            load_checkpoint_weights(self.engine, self.model, resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
-        """`engine.load(checkpoint-N/offload)`, then `super()`: the Trainer's own load finds no `optimizer.pt` or
-        `scheduler.pt` there and loads nothing, and a subclass's override still runs (TRL's GRPOTrainer reads
-        its entropy controller's state after calling it)."""
-        if checkpoint is not None:
-            assert self.engine is not None
-            self.engine.load(_engine_checkpoint(checkpoint), scheduler=self.lr_scheduler)
-        super()._load_optimizer_and_scheduler(checkpoint)
+        """`optimizer.pt` through `engine.optimizer.load_state_dict` (mapped from the file, not read into memory)
+        with `offload/`'s master weights, and `scheduler.pt`; or `engine.load(checkpoint-N/offload)` for a whole
+        engine checkpoint. Then `super()`, so a subclass's override still runs (TRL's GRPOTrainer reads its
+        entropy controller's state after calling it), given the checkpoint without the files loaded here: the
+        Trainer's own load then finds nothing to load again."""
+        if checkpoint is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        assert self.engine is not None
+        if is_engine_checkpoint(checkpoint):
+            self.engine.load(os.path.join(checkpoint, CHECKPOINT_SUBDIR), scheduler=self.lr_scheduler)
+        elif not load_optimizer_state(self.engine, checkpoint, self.lr_scheduler):
+            logger.warning(f"{checkpoint} holds no optimizer.pt (saved with save_only_model=True?): the weights are "
+                           "resumed, AdamW's moments and the LR schedule start afresh, as in the plain Trainer")
+        with without_optimizer_files(checkpoint) as view:
+            super()._load_optimizer_and_scheduler(view)
 
     def _load_best_model(self) -> None:
-        """The best checkpoint's weights into the engine through `engine.load(checkpoint-N/offload)`, exact on
-        every tier and with streamed blocks (the Trainer's `model.load_state_dict` / `load_adapter` cannot write
-        those). It brings back that checkpoint's Adam state with its weights (the plain Trainer keeps the last
-        step's moments); the hyperparameters stay as the LR scheduler left them. A `save_only_model`
-        checkpoint has no `offload/`: the Trainer's own load then (refused at construction when blocks stream)."""
+        """The best checkpoint's weights into the engine, as the Trainer's `model.load_state_dict` /
+        `load_adapter` loads them (the Adam state stays the last step's), on every tier and with streamed
+        blocks, which those cannot write."""
         assert self.engine is not None and self.state.best_model_checkpoint is not None
-        path = os.path.join(self.state.best_model_checkpoint, CHECKPOINT_SUBDIR)
-        if not os.path.isdir(path):
-            super()._load_best_model()
-            return
-        groups = self.engine.optimizer.param_groups
-        hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in groups]
-        self.engine.load(path)
-        for group, kept in zip(groups, hyperparameters):
-            group.update(kept)
+        best = self.state.best_model_checkpoint
+        logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
+        load_checkpoint_weights(self.engine, self.model, best)
 
 
 def _check_mro(cls: type) -> None:
@@ -328,6 +333,17 @@ class _ZeroEngineGrads(TrainerCallback):
         self.engine.zero_grad()
 
 
+class _LogPlan(TrainerCallback):
+    """The engine's plan (where each block's weights and state live) and what the checkpoints will hold, at
+    info level when training starts, as DeepSpeed logs its config."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        logger.info(f"{self.engine.plan}\n{stored_where(self.engine)}")
+
+
 def _checked_options(offload: Optional[Mapping[str, Any]], trainer: str) -> Dict[str, Any]:
     options = dict(offload or {})
     clashes = [f"{key!r} (set TrainingArguments {FROM_ARGS[key]})" for key in options if key in FROM_ARGS]
@@ -337,21 +353,19 @@ def _checked_options(offload: Optional[Mapping[str, Any]], trainer: str) -> Dict
     return options
 
 
+def _save_generation_config(model: nn.Module, output_dir: str) -> None:
+    """`generation_config.json`, as `PreTrainedModel.save_pretrained` writes it beside `config.json` (the
+    export writes the config only)."""
+    can_generate = getattr(model, "can_generate", None)
+    config = getattr(model, "generation_config", None)
+    if callable(can_generate) and can_generate() and config is not None:
+        config.save_pretrained(output_dir)
+
+
 def _floating_dtype(model: nn.Module) -> torch.dtype:
     """The model's own dtype (its first floating parameter's), so a float32 model computes in float32."""
     dtypes: List[torch.dtype] = [p.dtype for p in model.parameters() if p.is_floating_point()]
     return dtypes[0] if dtypes else torch.float32
-
-
-def _engine_checkpoint(checkpoint: str) -> str:
-    path = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
-    if not os.path.isdir(path):
-        raise OffloadConfigError(
-            f"{checkpoint!r} holds no {CHECKPOINT_SUBDIR}/ engine checkpoint (written by OffloadTrainer or another "
-            "OffloadTrainerMixin class unless save_only_model=True, or by a plain Trainer): resume_from_checkpoint "
-            "needs one; to start "
-            "from its weights only, load them into the model (or offload=dict(weights=...)) and train without resuming")
-    return path
 
 
 __all__ = ["OffloadTrainer", "OffloadTrainerMixin"]
