@@ -3,18 +3,21 @@
     python benchmarks/trace_step.py                      # nvme tier, GPT 6 x 256 fp32, 3 recorded steps
     python benchmarks/trace_step.py --tier cpu --dtype bfloat16 --png docs/img/step_timeline_cpu.png
     python benchmarks/trace_step.py --quick              # a tiny model (smoke run)
+    python benchmarks/trace_step.py --device cuda --dtype bfloat16   # on a GPU (benchmarks/gpu_check.sh)
 
 Writes a Chrome/Perfetto trace (open it at ui.perfetto.dev or chrome://tracing) and, when matplotlib is
 installed (`pip install offload[bench]`), a PNG of the same spans. Spans come from the engine's tracing seam
 (`engine.add_observer`, offload/scheduler/trace.py): step() and each wait for a block's pending update on
 the training thread, each block update and, inside it, each wait for the disk on the update worker; this
-script times forward and backward itself. Prints a table of time per step in each span kind.
+script times forward and backward itself (on CUDA it synchronizes after each, so their spans hold the GPU's
+work too). Prints a table of time per step in each span kind.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import threading
@@ -65,6 +68,7 @@ def main(argv: List[str] = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--steps", type=int, default=3, help="steps recorded after 3 warm-up steps")
     parser.add_argument("--nvme-path", default=None)
+    parser.add_argument("--device", default="cpu", help="compute device: cpu (default) or cuda")
     parser.add_argument("--trace", default=None, help="Chrome trace path (default: benchmarks/results/)")
     parser.add_argument("--png", default=None, help="PNG path (default: next to the trace)")
     parser.add_argument("--quick", action="store_true")
@@ -79,19 +83,23 @@ def main(argv: List[str] = None) -> None:
 
     recorder = Recorder()
     torch.manual_seed(0)
-    idx = torch.randint(0, args.vocab, (args.batch, args.context))
-    tgt = torch.randint(0, args.vocab, (args.batch, args.context))
+    idx = torch.randint(0, args.vocab, (args.batch, args.context)).to(args.device)
+    tgt = torch.randint(0, args.vocab, (args.batch, args.context)).to(args.device)
+    sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
     with tempfile.TemporaryDirectory(dir=args.nvme_path) as directory:
         model = DemoGPT(args.vocab, args.dim, args.layers, args.context)
         with offload.wrap(model, tier=args.tier, nvme_path=directory if args.tier == "nvme" else None,
-                          dtype=dtype, device="cpu", grad_accumulation_steps=1) as engine:
+                          lr=1e-4, weight_decay=0.01, dtype=dtype, device=args.device,
+                          grad_accumulation_steps=1) as engine:
             engine.add_observer(recorder)
             for step in range(3 + args.steps):
                 recorder.on = step >= 3
                 start = time.perf_counter()
                 loss = engine(idx, tgt)
+                sync()
                 middle = time.perf_counter()
                 loss.backward()
+                sync()
                 end = time.perf_counter()
                 recorder.add("forward", start, middle, f"step {step - 2}")
                 recorder.add("backward", middle, end, f"step {step - 2}")
@@ -115,8 +123,14 @@ def main(argv: List[str] = None) -> None:
     _write_trace(spans, origin, trace_path)
     print(f"trace: {trace_path}")
     if _plot(spans, origin, png_path, f"offload tier={args.tier}, GPT {args.layers}x{args.dim} {args.dtype}, "
-             f"{args.steps} steps on the CPU (2 cores)"):
+             f"{args.steps} steps on {_where(args.device)}"):
         print(f"picture: {png_path}")
+
+
+def _where(device: str) -> str:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"the CPU ({len(os.sched_getaffinity(0))} cores)"
 
 
 def _lane(thread: str) -> str:

@@ -16,6 +16,7 @@ import time
 import torch
 
 import offload
+from tests.devices import DEVICE, on_device
 from tests.models import TinyGPT, make_batches
 from tests.proc_status import reset_peak, status
 
@@ -26,7 +27,7 @@ BATCHES = make_batches(6, ACCUM, seed=3)
 def make_engine(tier: str, directory: str, **options):
     torch.manual_seed(0)
     engine = offload.wrap(TinyGPT(), tier=tier, nvme_path=directory if tier == "nvme" else None, lr=LR,
-                          weight_decay=0.1, dtype=torch.float32, device="cpu", **options)
+                          weight_decay=0.1, dtype=torch.float32, device=DEVICE, **options)
     scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.8)
     return engine, scheduler
 
@@ -37,6 +38,7 @@ def train(engine, scheduler, steps):
     losses = []
     for step in steps:
         for idx, tgt in BATCHES[step]:
+            idx, tgt = on_device(idx, tgt)
             noise = torch.rand(()) * 1e-3  # consumes the global RNG like dropout would
             loss = (engine(idx, tgt) + noise) / ACCUM
             loss.backward()

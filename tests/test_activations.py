@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import offload
+from tests.devices import DEVICE, on_device
 from tests.models import TinyGPT
 
 
@@ -22,10 +23,11 @@ def _run(tmp_path, activations, checkpointing=None, steps: int = 3, **kw):
     model = TinyGPT(dim=128, context=256, heads=2, checkpointing=checkpointing)
     directory = tmp_path / f"swap-{activations}-{checkpointing}"
     directory.mkdir()
-    engine = offload.wrap(model, "nvme", nvme_path=str(directory), dtype=torch.float32, device="cpu", lr=1e-3,
+    engine = offload.wrap(model, "nvme", nvme_path=str(directory), dtype=torch.float32, device=DEVICE, lr=1e-3,
                           activations=activations, **kw)
     losses = []
     for idx, tgt in _batches(steps):
+        idx, tgt = on_device(idx, tgt)
         loss = engine(idx, tgt)
         loss.backward()
         engine.step()
