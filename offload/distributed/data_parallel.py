@@ -24,7 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from offload.distributed.gather_check import USE, GatherCheck
 from offload.errors import OffloadError
+from offload.scheduler.torch_internals import default_group_timeout
 
 
 @dataclass(frozen=True)
@@ -67,11 +69,18 @@ class DataParallel:
         self.world = world
         self.rank = rank
         self.local_world = local_world
+        # the engine's groups wait as long as the user's default group (init_process_group(timeout=)), not the
+        # backend's default (gloo: 30 minutes), before a rank left alone in a collective fails
+        timeout = default_group_timeout()
+        ranks = list(range(world))
         # the worker's collectives get a group of their own: the training thread may use the default one
-        self.group = dist.new_group(list(range(world)))
+        self.group = dist.new_group(ranks, timeout=timeout)
         # sharded weights: the training thread's gathers, in forward order, beside the worker's (their own group)
-        self.gather_group = dist.new_group(list(range(world)))
+        self.gather_group = dist.new_group(ranks, timeout=timeout)
         self.backend = dist.get_backend(self.group)
+        # each gather announced first on a gloo group (gather_check.py): the gathers' own group where it is gloo
+        self.gather_check = GatherCheck(world, rank, self.gather_group if self.backend == "gloo" else
+                                        dist.new_group(ranks, timeout=timeout, backend="gloo"))
 
     @staticmethod
     def from_environment() -> Optional["DataParallel"]:
@@ -132,15 +141,18 @@ class DataParallel:
         dist.all_gather_into_tensor(_bytes(full), _bytes(mine), group=self.group)
 
     # ----- collectives of the training thread ---------------------------------------------------------
-    def gather_weights(self, full: Tensor, mine: Tensor, part: Shard,
-                       async_op: bool = False) -> Optional[Callable[[], None]]:
+    def gather_weights(self, full: Tensor, mine: Tensor, part: Shard, async_op: bool = False, key: str = "",
+                       kind: int = USE) -> Optional[Callable[[], None]]:
         """`full` (the group's `part.n` elements) = every rank's part, `mine` this rank's (`part.numel` elements):
         sharded weights made whole for compute. On the training thread, in forward order (`gather_group`); the
         ranks' whole parts land in `full` directly, a short or empty last part through a padded buffer.
-        `async_op`: started, not waited for; returns the function that completes it (before `full` is read)."""
+        `async_op`: started, not waited for; returns the function that completes it (before `full` is read).
+        `key` (the flat group's layout key) and `kind` (`USE` or `READ`) are announced first: every rank must be
+        making the same gather (gather_check.py), else all raise."""
         size = part.size
         if size == 0:
             return None
+        self.gather_check.announce(key, part.n, kind)
         if mine.numel() == size:
             sent = mine
         else:

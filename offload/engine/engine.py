@@ -22,6 +22,7 @@ from torch import nn
 from offload._system import usable_cores
 from offload.checkpoint import load_checkpoint, save_checkpoint
 from offload.checkpoint.sharded import save_parts
+from offload.distributed.agreement import ranks_agree_at_wrap
 from offload.distributed.data_parallel import DataParallel
 from offload.distributed.guard import refuse_data_parallel_wrapper
 from offload.engine.checkpoints import EngineCheckpoints
@@ -58,9 +59,10 @@ class Engine:
         dp = self.data_parallel
         self.module = module
         self.policy = policy
-        self.blocks: List[Block] = build_blocks(module, policy.dtype, allow_meta=True)
-        initial = initial if initial is not None else choose(module, None, None)
-        initial.check(module, self.blocks)  # names, shapes, meta buffers: before any memory or file
+        with ranks_agree_at_wrap(dp, policy, module):  # the same model and options on every rank, else all raise
+            self.blocks: List[Block] = build_blocks(module, policy.dtype, allow_meta=True)
+            initial = initial if initial is not None else choose(module, None, None)
+            initial.check(module, self.blocks)  # names, shapes, meta buffers: before any memory or file
         # in model.parameters() order, as torch.optim.AdamW(model.parameters()) numbers them in its state dict
         in_blocks = {s.param for b in self.blocks for s in b.slots if s.trainable}
         trainable = [p for p in module.parameters() if p in in_blocks]

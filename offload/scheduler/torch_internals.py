@@ -7,6 +7,7 @@ say which. FSDP2 gathers its own the same way (`torch.distributed.fsdp._fully_sh
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -73,6 +74,31 @@ def eager(function: Any) -> Any:
     as they are (a graph break) rather than trying to trace into them (`torch.compiler.disable`, torch>=2.1)."""
     disable = getattr(torch.compiler, "disable", None)
     return function if disable is None else disable(function)
+
+
+def group_timeout(group: Any) -> Optional[timedelta]:
+    """The timeout a process group was made with (`init_process_group(timeout=)` for the default one): its
+    backend's options (`ProcessGroupGloo` / `ProcessGroupNCCL`, `options._timeout`, torch>=2.0); None where torch
+    does not show it."""
+    try:
+        for device in group._device_types:
+            timeout = group._get_backend(device).options._timeout
+            if isinstance(timeout, timedelta):
+                return timeout
+    except (AttributeError, RuntimeError, TypeError):
+        pass
+    return None
+
+
+def default_group_timeout() -> Optional[timedelta]:
+    """The default process group's timeout, for the engine's own groups: `new_group` gives a group the backend's
+    default (gloo: 30 minutes), not the user's `init_process_group(timeout=)`."""
+    from torch.distributed import distributed_c10d
+
+    try:
+        return group_timeout(distributed_c10d._get_default_group())
+    except (AttributeError, RuntimeError, ValueError):
+        return None
 
 
 # --- the saved-tensor hooks' own version check (activations/meter.py: torch checks versions only without hooks) ---

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from offload._system import return_freed_memory, unmap_large_allocations
+from offload.distributed.agreement import refuse_differences
 from offload.distributed.data_parallel import DataParallel, Shard
 from offload.errors import OffloadConfigError
 from offload.planner import GradFlow, Plan, RingSize, make_plan, ring_depth_for, ring_size_for
@@ -155,12 +156,9 @@ def _largest_part(blocks: List[Block], dp: Optional[DataParallel], sharded: bool
 def _refuse_plans_that_differ(plan: Plan, dp: DataParallel) -> None:
     """Every rank must place the same blocks the same way: which blocks stream, which weights are on disk, and
     whether weights are sharded decide the order of the training thread's collectives (the gathers)."""
-    mine = (plan.shard_world, plan.streamed_blocks, plan.disk_weight_blocks, plan.device_budget, plan.host_budget)
-    every = dp.all_gather_object(mine)
-    if any(theirs != every[0] for theirs in every):
-        raise OffloadConfigError(
-            "the data-parallel ranks planned different placements (shard_world, streamed blocks, blocks on disk, "
-            f"budgets) per rank: {every}; give every rank the same model, budgets and options")
+    refuse_differences(dp, {"sharded over": str(plan.shard_world), "streamed blocks": str(plan.streamed_blocks),
+                            "blocks on disk": str(plan.disk_weight_blocks), "device budget": str(plan.device_budget),
+                            "host budget": str(plan.host_budget)}, "placement plans")
 
 
 def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: OffloadPolicy, tiers: Tiers,

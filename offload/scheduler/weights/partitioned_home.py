@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from offload.distributed.data_parallel import DataParallel, Shard
+from offload.distributed.gather_check import READ
 from offload.scheduler.blocks.block import FlatGroup
 
 if TYPE_CHECKING:
@@ -152,7 +153,7 @@ class PartitionedHome:
         assert buffer is not None
         with torch.no_grad():
             self._gathering = self._dp.gather_weights(buffer, self._keeper.read().to(buffer.device), self._part,
-                                                      async_op=ahead)
+                                                      async_op=ahead, key=self._group.key)
         self._count_gather()
 
     def wait_fetched(self) -> None:
@@ -165,7 +166,7 @@ class PartitionedHome:
         self.wait_fetched()
         assert self._group.device_buffer is not None
         whole = torch.empty(self._group.numel, dtype=self._group.dtype, device=self._group.device_buffer.device)
-        self._dp.gather_weights(whole, self._keeper.read().to(whole.device), self._part)
+        self._dp.gather_weights(whole, self._keeper.read().to(whole.device), self._part, key=self._group.key, kind=READ)
         self._count_gather()
         return whole.to("cpu")
 
