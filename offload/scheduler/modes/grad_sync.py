@@ -1,6 +1,7 @@
 """The data-parallel side of one block's update, run on the step worker (distributed/data_parallel.py has the why).
 
-`reduce` averages the block's gradients across the ranks into each rank's own part; `nonfinite` decides
+`reduce` averages the block's gradients across the ranks into each rank's own part (`take_back` undoes it when
+another micro-batch's gradient arrives after it); `nonfinite` decides
 for all ranks together whether the block has an inf/NaN gradient; `shard_sumsq` is this rank's share of
 the squared global norm; `gather` sends this rank's new weights to every rank. Every rank calls them for
 the same blocks in the same order (the worker's queue, FIFO in data-parallel mode).
@@ -58,6 +59,28 @@ class GradSync:
         part = torch.empty(shard.size, dtype=grad.dtype, device=grad.device)
         self.dp.reduce_scatter_mean(grad[:shard.padded], shard, part)
         grad[shard.lo:shard.hi].copy_(part[:shard.numel])
+
+    def take_back(self, block: BlockRuntime) -> None:
+        """A gradient arrives for a block whose gradients of this step were averaged already (with clipping a
+        spilled gradient is averaged before it parks, at each micro-batch; or a clip before this backward): each
+        rank turns its averaged part back into its share of the sum so far, `world` times the part in `[lo, hi)`
+        and zeros elsewhere (the ranks' local sums are in the averages), and the block is no longer averaged; the
+        next average of the sums (`reduce`: the mean of what every rank then holds) is the mean of every
+        micro-batch's gradient, as if none had been averaged before. Every rank does it when the block's next
+        gradient arrives (the same backward structure on every rank); a rank that got none would reduce again
+        alone, which the next job's `agree` refuses on every rank."""
+        taken = [state for state in block.states if state.reduced_ready]
+        for state in taken:  # read back (a parked part) while the block still counts as averaged
+            grads, shard = state.grads, state.shard
+            grads.finish_downloads()
+            grad = grads.buffer()
+            mine = grad[shard.lo:shard.hi].mul(self.dp.world)
+            grad.zero_()
+            grad[shard.lo:shard.hi].copy_(mine)
+            for index in state.reduced_ready or ():
+                grads.has_grad[index] = True  # its share of the sum, even where this rank had no gradient
+        block.forget_averages()
+        block.shard_sumsq = None
 
     def nonfinite(self, block: BlockRuntime) -> bool:
         """Whether any rank's part of the block's averaged gradient holds inf or NaN (the same answer on

@@ -40,7 +40,7 @@ class GradReduction(Protocol):
         """Whether a block's update runs even when no parameter of it has a gradient here."""
 
     def check_arrival(self, block: "BlockRuntime") -> None:
-        """A gradient of the block arrives: refused when this step's gradients were already reduced."""
+        """A gradient of the block arrives: one already averaged across the ranks is taken back first."""
 
     def check_torch_reads(self, block: "BlockRuntime") -> None:
         """Torch code reads the block's held gradients (a clip): refused where they are not what it expects."""
@@ -116,11 +116,11 @@ class DataParallelReduction:
         return has_trainable  # another rank may have gradients for the block; every rank runs its job
 
     def check_arrival(self, block: "BlockRuntime") -> None:
+        """A gradient arriving after the block's average (a spilled gradient parks averaged, with clipping; a
+        clip before this backward): the average is taken back into this rank's share of the sum (grad_sync.py),
+        averaged again when the block completes or at step(). (After an early update `receive_grad` refuses.)"""
         if block.reduced:
-            raise OffloadError(
-                f"a gradient of block {block.block.name!r} arrived after this step's gradients of it were "
-                "averaged across the data-parallel ranks (by clip_grad_norm_, or an update during the last "
-                "declared backward): call backward before clipping, and step() before the next backward")
+            self.sync.take_back(block)
 
     def check_torch_reads(self, block: "BlockRuntime") -> None:
         raise OffloadError(
