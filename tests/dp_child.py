@@ -42,7 +42,8 @@ def train(case: dict, out: str) -> None:
     torch.manual_seed(0 if rank == 0 else 1000 + rank)
     model = TinyGPT()
     freeze(model, case)
-    options = dict(tier=case["tier"], dtype=torch.float32, device="cpu", lr=case.get("lr", 1e-2))
+    options = dict(tier=case["tier"], dtype=torch.float32, device="cpu", lr=case.get("lr", 1e-2),
+                   weight_decay=case.get("weight_decay", 0.0))  # the reference's (torch AdamW given it too)
     if case["tier"] == "nvme":
         options["nvme_path"] = os.path.join(out, f"swap-{case['name']}")
         os.makedirs(options["nvme_path"], exist_ok=True)
