@@ -49,9 +49,9 @@ from common import append_csv, machine_header, print_table  # noqa: E402
 import offload  # noqa: E402
 from offload.cli.estimate import ModelShape, estimate  # noqa: E402
 from offload.measure import DiskProbe, dram_bandwidth  # noqa: E402
-from offload.optim.moments import MomentFormat, moment_nbytes  # noqa: E402
-from offload.planner import GradFlow, Location  # noqa: E402
-from offload.planner import human_bytes as human  # noqa: E402
+from offload.optim.moment_format import MomentFormat, moment_nbytes
+from offload.planner.plan import GradFlow, Location
+from offload.planner.plan import human_bytes as human
 from offload.policy import Tier, parse_bytes  # noqa: E402
 
 try:

@@ -13,7 +13,7 @@ from torch import nn
 from offload.checkpoint.weight_source import WeightSource
 from offload.engine.engine import Engine
 from offload.errors import OffloadConfigError
-from offload.optim.moments import MomentFormat
+from offload.optim.moment_format import MomentFormat
 from offload.param_groups import parse_param_groups
 from offload.policy import COMPUTE_DTYPES, Activations, OffloadPolicy, ShardWeights, Tier, parse_bytes, resolve_device
 from offload.scheduler.setup.initial_weights import choose

@@ -15,7 +15,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from offload.errors import OffloadConfigError
-from offload.optim.moments import MomentFormat
+from offload.optim.moment_format import MomentFormat
 from offload.param_groups import GroupOptions
 
 

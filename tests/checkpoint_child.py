@@ -92,7 +92,7 @@ def memory(directory: str) -> None:
     """Peak RSS growth of save and of load on the nvme tier, for a model whose embedding record is many
     ring chunks: prints the state's bytes, the largest record's, one chunk's, the largest group's weights
     and the growth of each phase."""
-    from offload.scheduler.ring.disk_ring import min_ring_bytes
+    from offload.planner.ring import min_ring_bytes
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

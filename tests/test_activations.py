@@ -174,7 +174,7 @@ def test_the_plan_shows_what_a_training_forward_saved_and_how_many_tokens_fit(tm
         assert use.moved_bytes == engine.stats()["activation_bytes_to_disk"] and use.saved_bytes >= expected
         assert "to the swap file" in text and "would move" not in text
     room = engine.plan.device_room
-    assert room is not None and room > 0 and f"({offload.planner.human_bytes(room)}) holds" in text
+    assert room is not None and room > 0 and f"({offload.planner.plan.human_bytes(room)}) holds" in text
     assert use.tokens_that_fit(room, offloaded=True) > use.tokens_that_fit(room, offloaded=False) > 0
     engine.close()
 

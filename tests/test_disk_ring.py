@@ -7,11 +7,19 @@ import contextlib
 import torch
 from torch import nn
 
-from offload.planner import MAX_READ_AHEAD_DEPTH, read_ahead_bytes
+from offload.planner.ring import (
+    CHUNK_GRANULE,
+    MAX_READ_AHEAD_DEPTH,
+    min_ring_bytes,
+    read_ahead_bytes,
+    ring_depth_for,
+    ring_size_for,
+)
 from offload.scheduler.blocks.block import build_blocks
-from offload.scheduler.ring.disk_ring import CHUNK_GRANULE, DiskRing, min_ring_bytes, ring_depth_for, ring_size_for
-from offload.tiers.disk import SwapStore, plan_swap_layout
+from offload.scheduler.ring.disk_ring import DiskRing
+from offload.tiers.disk import SwapStore
 from offload.tiers.host import StagingPool
+from offload.tiers.swap_layout import plan_swap_layout
 
 
 def _groups(model):

@@ -8,7 +8,7 @@ from torch import nn
 
 import offload
 from offload.errors import OffloadError
-from offload.planner import Location
+from offload.planner.plan import Location
 from offload.scheduler.blocks.block import Residency, block_key, build_blocks, find_layer_list
 from tests.models import TinyGPT, one_intraop_thread
 

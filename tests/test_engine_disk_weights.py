@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import offload
-from offload.planner import Location
+from offload.planner.plan import Location
 from tests.models import TinyGPT, one_intraop_thread
 from tests.test_engine_parity import _compare
 from tests.test_engine_streaming import BUDGET

@@ -59,7 +59,7 @@ _CHILD = textwrap.dedent('''
     engine.synchronize()
     peak = status("VmHWM")
     stats = engine.stats()
-    plan_device = engine.plan.bytes_on(offload.planner.Location.DEVICE)
+    plan_device = engine.plan.bytes_on(offload.planner.plan.Location.DEVICE)
     disk_weights = len(engine.plan.disk_weight_blocks)
     engine.close()
     print(json.dumps(dict(growth=peak - baseline, host_memory=host_memory, state_bytes=state_bytes,

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import offload
-from offload.optim.moments import EXP_AVG, EXP_AVG_SQ, MomentFormat, decode_moment, zeros_moment
+from offload.optim.moment_format import EXP_AVG, EXP_AVG_SQ, MomentFormat, zeros_moment
+from offload.optim.moments import decode_moment
 
 COMPRESSED = ["bf16", "int8"]
 

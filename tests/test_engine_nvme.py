@@ -83,7 +83,7 @@ def test_plan_shows_the_staging_ring_within_host_memory(tmp_path):
     with offload.wrap(TinyGPT(), tier="nvme", nvme_path=tmp_path, dtype=torch.float32, device="cpu",
                       host_memory=300 << 10) as engine:
         assert "staging ring" in str(engine.plan)
-        assert engine.plan.bytes_on(offload.planner.Location.HOST) <= 300 << 10
+        assert engine.plan.bytes_on(offload.planner.plan.Location.HOST) <= 300 << 10
         assert engine.stats()["nvme_staging_bytes"] <= engine.plan.ring_bytes + 4096
         _train_step(engine)
         engine.synchronize()
@@ -121,7 +121,8 @@ def test_whole_record_read_write_round_trip_and_short_buffer_refused(tmp_path):
     from torch import nn
 
     from offload.scheduler.blocks.block import build_blocks
-    from offload.tiers.disk import SwapStore, plan_swap_layout, state_views
+    from offload.tiers.disk import SwapStore, state_views
+    from offload.tiers.swap_layout import plan_swap_layout
 
     blocks = build_blocks(nn.Linear(30, 50), torch.float32)
     group = blocks[0].groups[0]

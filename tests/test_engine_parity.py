@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import offload
-from offload.scheduler.ring.disk_ring import CHUNK_GRANULE
+from offload.planner.ring import CHUNK_GRANULE
 from tests.models import TinyGPT, make_batches, one_intraop_thread
 
 TOL = 1e-5

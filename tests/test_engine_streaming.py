@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import offload
-from offload.planner import Location
+from offload.planner.plan import Location
 from tests.devices import DEVICE, on_device
 from tests.models import GRAD_ROOM, TinyGPT, make_batches, one_intraop_thread
 from tests.test_engine_parity import _compare

@@ -10,7 +10,7 @@ import torch
 
 from offload.__main__ import main
 from offload.cli.estimate import ModelShape, estimate
-from offload.planner import GradFlow, Location
+from offload.planner.plan import GradFlow, Location
 from offload.policy import Tier
 
 

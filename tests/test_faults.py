@@ -91,7 +91,7 @@ def test_bit_flip_in_swap_file_is_an_integrity_error_naming_file_and_block(tmp_p
 
 def _chunked_engine(directory):
     """An nvme engine with the smallest ring (2048-element chunks): its layer records are several chunks."""
-    from offload.scheduler.ring.disk_ring import min_ring_bytes
+    from offload.planner.ring import min_ring_bytes
 
     torch.manual_seed(0)
     model = TinyGPT()

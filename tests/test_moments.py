@@ -17,20 +17,18 @@ from offload import _native
 from offload.errors import OffloadConfigError
 from offload.optim import adam_step_flat
 from offload.optim import moments as M
-from offload.optim.moments import (
+from offload.optim.moment_format import (
     INT8_BLOCK,
     MomentFormat,
     QuantizedMoment,
-    adam_step_moments,
     code_nbytes,
-    decode_moment,
-    encode_moment,
     moment_from_bytes,
     moment_nbytes,
     scale_count,
     slice_moment,
     zeros_moment,
 )
+from offload.optim.moments import adam_step_moments, decode_moment, encode_moment
 
 needs_native = pytest.mark.skipif(_native._C is None, reason="offload._C is not built")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from offload.errors import OffloadConfigError
-from offload.planner import BlockSpec, Location, make_plan, ring_size_for
+from offload.planner.place import make_plan
+from offload.planner.plan import BlockSpec, Location
+from offload.planner.ring import ring_size_for
 from offload.policy import Tier
 
 KiB = 1024

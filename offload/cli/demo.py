@@ -30,7 +30,7 @@ from torch import nn
 
 from offload.cli.demo_data import DEMO_TOKENS, SUCCESSOR_PROBABILITIES
 from offload.cli.options import byte_size, non_negative_finite_float, positive_int
-from offload.optim.moments import MomentFormat
+from offload.optim.moment_format import MomentFormat
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 HEADS = 4  # DemoGPT's attention heads: --dim is split among them

@@ -24,9 +24,11 @@ import torch
 from offload.cli.activation_estimate import describe
 from offload.cli.options import byte_size, positive_int
 from offload.errors import OffloadConfigError
-from offload.optim.moments import MomentFormat, moment_nbytes
-from offload.planner import BlockSpec, GradFlow, Location, Plan, make_plan, ring_size_for, spec_of
-from offload.planner import human_bytes as _human
+from offload.optim.moment_format import MomentFormat, moment_nbytes
+from offload.planner.place import make_plan, shards_weights, spec_of
+from offload.planner.plan import BlockSpec, GradFlow, Location, Plan
+from offload.planner.plan import human_bytes as _human
+from offload.planner.ring import ring_size_for
 from offload.policy import Tier, parse_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -70,11 +72,8 @@ def estimate(shape: ModelShape, tier: Tier, dtype: torch.dtype, device_memory: O
     `moments`: how the Adam moments are kept (wrap's `moments=`); `world`: data-parallel ranks, the plan one rank's,
     with `shard_weights` as wrap takes it (None: sharded when the whole weights do not fit host memory)."""
     if world > 1 and tier is not Tier.GPU and shard_weights is None:
-        try:
-            whole = estimate(shape, tier, dtype, device_memory, host_memory, flow, moments, world, False)
-            shard_weights = bool(whole.disk_weight_blocks)
-        except OffloadConfigError:
-            shard_weights = True
+        shard_weights = shards_weights(
+            lambda: estimate(shape, tier, dtype, device_memory, host_memory, flow, moments, world, False))
     sharded = world > 1 and tier is not Tier.GPU and bool(shard_weights)
     itemsize = dtype.itemsize
     specs: List[BlockSpec] = [spec_of(block[0], block[1] * itemsize, [(block[1], dtype)], tier, largest * itemsize,

@@ -30,7 +30,7 @@ from offload.engine.release import EngineRelease
 from offload.engine.torch_state import TorchStyleState
 from offload.errors import OffloadConfigError, OffloadError
 from offload.param_groups import optimizer_groups
-from offload.planner import Plan
+from offload.planner.plan import Plan
 from offload.policy import OffloadPolicy
 from offload.scheduler.blocks.block import Block, build_blocks, mixed_dtype_hint, param_owners
 from offload.scheduler.blocks.wrapped_mark import MARKER

@@ -90,13 +90,8 @@ from offload.optim.moment_format import (
     Moment,
     MomentFormat,
     QuantizedMoment,
-    code_nbytes,
-    moment_from_bytes,
-    moment_nbytes,
-    moment_numel,
     scale_count,
     slice_moment,
-    zeros_moment,
 )
 
 # --- the int8 maps --------------------------------------------------------------------------------------
@@ -390,6 +385,4 @@ def adam_step_moments(
         float(weight_decay), bool(adamw), float(grad_scale), _threads(n, num_threads))
 
 
-__all__ = ["EXP_AVG", "EXP_AVG_SQ", "INT8_BLOCK", "Moment", "MomentFormat", "QuantizedMoment", "adam_step_moments",
-           "code_map", "code_nbytes", "decode_moment", "encode_moment", "moment_from_bytes", "moment_nbytes",
-           "moment_numel", "scale_count", "slice_moment", "zeros_moment"]
+__all__ = ["adam_step_moments", "code_map", "decode_moment", "encode_moment", "inf_code"]

@@ -26,16 +26,9 @@ from offload.errors import OffloadConfigError
 from offload.io import AsyncIO, SwapFile
 from offload.io.future import IOFuture, wait_all
 from offload.io.swap_file import file_system_of
-from offload.optim.moments import (
-    INT8_BLOCK,
-    Moment,
-    MomentFormat,
-    QuantizedMoment,
-    code_nbytes,
-    slice_moment,
-)
+from offload.optim.moment_format import INT8_BLOCK, Moment, MomentFormat, QuantizedMoment, code_nbytes, slice_moment
 from offload.tiers.disk_checksums import ReadPiece, RecordChecksums, VerifiedRead
-from offload.tiers.swap_layout import (  # re-exported (`__all__`): the layout's names were this module's
+from offload.tiers.swap_layout import (
     ALIGNMENT,
     GRADS,
     LAYOUT_VERSION,
@@ -44,9 +37,6 @@ from offload.tiers.swap_layout import (  # re-exported (`__all__`): the layout's
     WEIGHTS,
     SwapRecord,
     WeightRecord,
-    plan_grad_layout,
-    plan_swap_layout,
-    plan_weight_layout,
     round_up,
     section_bytes,
 )
@@ -297,8 +287,3 @@ def state_views(buffer: Tensor, numel: int) -> Tuple[Tensor, Tensor, Tensor]:
     stride = section_bytes(numel) // 4
     flat = buffer.view(torch.float32)
     return flat[:numel], flat[stride:stride + numel], flat[2 * stride:2 * stride + numel]
-
-
-__all__ = ["ALIGNMENT", "GRADS", "LAYOUT_VERSION", "SCALES", "STATE_TENSORS", "WEIGHTS", "SwapRecord", "SwapStore",
-           "WeightRecord", "check_room", "plan_grad_layout", "plan_swap_layout", "plan_weight_layout", "round_up",
-           "section_bytes", "state_views", "warn_if_ram_backed"]

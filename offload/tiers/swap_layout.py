@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-from offload.optim.moments import MomentFormat, code_nbytes, scale_count
+from offload.optim.moment_format import MomentFormat, code_nbytes, scale_count
 
 if TYPE_CHECKING:  # descriptions only: the tiers never call into the scheduler
     from offload.scheduler.blocks.block import Block

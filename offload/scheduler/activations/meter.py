@@ -19,8 +19,8 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Set, Tup
 import torch
 from torch import Tensor
 
+from offload.planner.activations import ActivationUse
 from offload.scheduler.activations.spill import SpilledTensor, movable
-from offload.scheduler.activations.use import ActivationUse
 from offload.scheduler.torch_internals import (
     FUNC_TRANSFORMS_REFUSE_HOOKS,
     node_name,

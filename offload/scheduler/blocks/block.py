@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from offload.errors import OffloadConfigError, OffloadError
-from offload.optim.moments import MomentFormat
-from offload.planner import BlockSpec, spec_of
+from offload.optim.moment_format import MomentFormat
+from offload.planner.place import spec_of
+from offload.planner.plan import BlockSpec
 from offload.policy import Tier
 from offload.scheduler.torch_internals import own_parameters
 

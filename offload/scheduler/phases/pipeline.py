@@ -12,7 +12,7 @@ from typing import Callable, ContextManager, Dict, Iterator, List, Optional
 
 from torch import nn
 
-from offload.scheduler.activations.use import ActivationUse
+from offload.planner.activations import ActivationUse
 from offload.scheduler.blocks.block import Block
 from offload.scheduler.grads.backward_tracker import BackwardTracker
 from offload.scheduler.phases.backward import BackwardPhase

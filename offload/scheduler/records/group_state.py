@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence, Tuple
 from torch import Tensor
 
 from offload.distributed.data_parallel import Shard
-from offload.optim.moments import moment_nbytes
+from offload.optim.moment_format import moment_nbytes
 from offload.scheduler.blocks.block import FlatGroup
 from offload.scheduler.grads.grad_home import GradAccumulator
 from offload.scheduler.state.adamw import AdamHyper, UpdateSpan, adamw

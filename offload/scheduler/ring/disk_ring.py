@@ -22,19 +22,13 @@ from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Tuple
 
 from torch import Tensor
 
-from offload.optim.moments import MomentFormat
-from offload.planner import (  # the planner sizes the ring; re-exported (`__all__`) for existing imports
-    CHUNK_GRANULE,
-    MAX_DEPTH,
+from offload.optim.moment_format import MomentFormat
+from offload.planner.ring import (
     MIN_DEPTH,
-    SLOT_BYTES_PER_ELEMENT,
-    min_ring_bytes,
-    ring_depth_for,
-    ring_size_for,
 )
 from offload.scheduler.ring.ring_slots import InFlight, Slot, SlotPool, SlotSections, WriteOrder
 from offload.scheduler.ring.weight_io import DiskWeightIO
-from offload.tiers.disk import GRADS, WEIGHTS
+from offload.tiers.swap_layout import GRADS, WEIGHTS
 from offload.trace import Tracer
 
 if TYPE_CHECKING:
@@ -300,7 +294,3 @@ class DiskRing:
                     raise
                 self._reads[key] = InFlight(slot, group, start, stop, futures)
                 self.chunks_read_ahead += 1
-
-
-__all__ = ["DiskRing", "ChunkKey", "CHUNK_GRANULE", "SLOT_BYTES_PER_ELEMENT", "MIN_DEPTH", "MAX_DEPTH",
-           "min_ring_bytes", "ring_size_for", "ring_depth_for"]

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from offload.errors import OffloadConfigError
 from offload.io.future import IOFuture, wait_all
-from offload.optim.moments import (
+from offload.optim.moment_format import (
     Moment,
     MomentFormat,
     code_nbytes,
@@ -51,7 +51,7 @@ from offload.optim.moments import (
     scale_count,
     slice_moment,
 )
-from offload.planner import SLOT_BYTES_PER_ELEMENT, chunk_granule, min_ring_bytes
+from offload.planner.ring import SLOT_BYTES_PER_ELEMENT, chunk_granule, min_ring_bytes
 from offload.trace import Tracer
 
 if TYPE_CHECKING:

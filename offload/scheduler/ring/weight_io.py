@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Callable, List, NamedTuple, Optional, Tuple
 
 from torch import Tensor
 
-from offload.planner import SLOT_BYTES_PER_ELEMENT
+from offload.planner.ring import SLOT_BYTES_PER_ELEMENT
 from offload.scheduler.ring.ring_slots import KEEP_FOR_LOAD
-from offload.tiers.disk import GRADS, WEIGHTS
+from offload.tiers.swap_layout import GRADS, WEIGHTS
 
 if TYPE_CHECKING:
     from offload.io.future import IOFuture

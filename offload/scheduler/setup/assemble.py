@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from offload.distributed.data_parallel import DataParallel
-from offload.planner import Plan
+from offload.planner.plan import Plan
 from offload.policy import Activations, OffloadPolicy
 from offload.scheduler.activations.meter import RootSavedTensors
 from offload.scheduler.activations.spill import STAGING_SLOT_BYTES, STAGING_SLOTS, ActivationSpill, storage_keeper

@@ -19,7 +19,9 @@ from offload._system import return_freed_memory, unmap_large_allocations
 from offload.distributed.agreement import refuse_differences
 from offload.distributed.data_parallel import DataParallel, Shard
 from offload.errors import OffloadConfigError
-from offload.planner import GradFlow, Plan, RingSize, make_plan, ring_depth_for, ring_size_for
+from offload.planner.place import make_plan, shards_weights
+from offload.planner.plan import GradFlow, Plan
+from offload.planner.ring import RingSize, ring_depth_for, ring_size_for
 from offload.policy import OffloadPolicy, ShardWeights, Tier
 from offload.scheduler.blocks.block import Block, FlatGroup
 from offload.scheduler.grads.grad_home import GradAccumulator, WindowedGradAccumulator
@@ -41,8 +43,9 @@ from offload.scheduler.weights.tiers import Tiers
 from offload.scheduler.weights.weight_home import DeviceHome, DiskHome, HostMirror, WeightHome
 from offload.tiers.copies import CopyContext
 from offload.tiers.device import DeviceTier
-from offload.tiers.disk import SwapStore, WeightRecord, plan_grad_layout, plan_swap_layout, plan_weight_layout, round_up
+from offload.tiers.disk import SwapStore
 from offload.tiers.host import StagingPool
+from offload.tiers.swap_layout import WeightRecord, plan_grad_layout, plan_swap_layout, plan_weight_layout, round_up
 from offload.trace import Tracer
 
 
@@ -134,11 +137,7 @@ def _shards_weights(blocks: List[Block], policy: OffloadPolicy, dp: Optional[Dat
     if policy.shard_weights is ShardWeights.ON:
         return True
     ring = ring_size_for(_largest_part(blocks, dp, False), policy.moments) if policy.tier is Tier.NVME else None
-    try:
-        whole = _make_plan(blocks, policy, ring, dp, False)
-    except OffloadConfigError:
-        return True
-    return bool(whole.disk_weight_blocks)
+    return shards_weights(lambda: _make_plan(blocks, policy, ring, dp, False))
 
 
 def _largest_part(blocks: List[Block], dp: Optional[DataParallel], sharded: bool) -> int:

@@ -15,16 +15,8 @@ import torch
 from torch import Tensor
 
 from offload.optim.functional import adam_step_flat, adam_step_torch
-from offload.optim.moments import (
-    EXP_AVG,
-    EXP_AVG_SQ,
-    INT8_BLOCK,
-    MomentFormat,
-    adam_step_moments,
-    decode_moment,
-    encode_moment,
-    slice_moment,
-)
+from offload.optim.moment_format import EXP_AVG, EXP_AVG_SQ, INT8_BLOCK, MomentFormat, slice_moment
+from offload.optim.moments import adam_step_moments, decode_moment, encode_moment
 from offload.scheduler.state.state_store import StateChunk, StateStore
 
 

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Callable, Generator, Iterator, List, Optional,
 import torch
 
 from offload.io.future import wait_all
-from offload.optim.moments import EXP_AVG, EXP_AVG_SQ, MomentFormat, QuantizedMoment, encode_moment, slice_moment
+from offload.optim.moment_format import EXP_AVG, EXP_AVG_SQ, MomentFormat, QuantizedMoment, slice_moment
+from offload.optim.moments import encode_moment
 from offload.scheduler.blocks.block import FlatGroup
 from offload.scheduler.state.state_store import Cloned, Fill, Span, StateChunk, SwapSections, Views, decode_views
 

@@ -15,17 +15,16 @@ from typing import Callable, Iterator, List, NamedTuple, Optional, Protocol, Seq
 import torch
 from torch import Tensor
 
-from offload.optim.moments import (
+from offload.optim.moment_format import (
     EXP_AVG,
     EXP_AVG_SQ,
     Moment,
     MomentFormat,
-    decode_moment,
-    encode_moment,
     moment_nbytes,
     slice_moment,
     zeros_moment,
 )
+from offload.optim.moments import decode_moment, encode_moment
 from offload.scheduler.blocks.block import FlatGroup
 
 Views = Tuple[Tensor, Tensor, Tensor]  # master, exp_avg, exp_avg_sq: fp32, contiguous (the checkpoint side)

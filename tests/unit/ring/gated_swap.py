@@ -15,8 +15,9 @@ from torch import nn
 
 from offload.scheduler.blocks.block import FlatGroup, build_blocks
 from offload.scheduler.ring.disk_ring import DiskRing
-from offload.tiers.disk import SwapStore, plan_swap_layout, plan_weight_layout
+from offload.tiers.disk import SwapStore
 from offload.tiers.host import StagingPool
+from offload.tiers.swap_layout import plan_swap_layout, plan_weight_layout
 
 # (what, group key, first element, address of the slot's bytes); what: "read", "write", "write done" (all of
 # its requests waited for), "read weights", "write weights", "write weights done"

@@ -8,7 +8,7 @@ import threading
 import pytest
 from torch import nn
 
-from offload.scheduler.ring.disk_ring import min_ring_bytes
+from offload.planner.ring import min_ring_bytes
 from offload.scheduler.ring.ring_slots import KEEP_FOR_LOAD
 from tests.unit.ring.gated_swap import check_no_slot_reused_in_flight, gated_ring
 

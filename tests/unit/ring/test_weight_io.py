@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from offload.scheduler.ring.disk_ring import min_ring_bytes
+from offload.planner.ring import min_ring_bytes
 from offload.scheduler.ring.weight_io import KEEP_FOR_CHUNKS
 from tests.unit.ring.gated_swap import check_no_slot_reused_in_flight, gated_ring
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from offload.scheduler.ring.disk_ring import min_ring_bytes
+from offload.planner.ring import min_ring_bytes
 from offload.scheduler.ring.ring_slots import KEEP_FOR_LOAD, InFlight, SlotPool, WriteOrder
 from offload.tiers.host import StagingPool
 

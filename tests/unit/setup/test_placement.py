@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from offload.param_groups import optimizer_groups
-from offload.planner import Plan
+from offload.planner.plan import Plan
 from offload.policy import OffloadPolicy, Tier
 from offload.scheduler.blocks.block import Block, FlatGroup, Residency, build_blocks
 from offload.scheduler.grads.grad_home import GradAccumulator, WindowedGradAccumulator

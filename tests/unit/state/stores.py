@@ -14,14 +14,15 @@ import torch
 from torch import nn
 
 from offload.distributed.data_parallel import Shard
-from offload.planner import min_ring_bytes
+from offload.planner.ring import min_ring_bytes
 from offload.scheduler.blocks.block import Block, FlatGroup, ParamSlot
 from offload.scheduler.ring.disk_ring import DiskRing
 from offload.scheduler.state.disk_store import DiskStore
 from offload.scheduler.state.sharded_store import ShardedStore, ShardGroup
 from offload.scheduler.state.state_store import MemoryStore, StateStore
-from offload.tiers.disk import SwapStore, plan_swap_layout
+from offload.tiers.disk import SwapStore
 from offload.tiers.host import StagingPool
+from offload.tiers.swap_layout import plan_swap_layout
 
 # Trainable parameters 0..4500, 4500..4600, 4600..6600, then a frozen one: with the smallest ring (chunks of
 # 2048 elements) the disk store has four chunks, and chunks and parameters cross each other's boundaries.

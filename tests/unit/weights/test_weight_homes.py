@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from offload.planner.ring import min_ring_bytes
 from offload.scheduler.blocks.block import FlatGroup
-from offload.scheduler.ring.disk_ring import min_ring_bytes
 from offload.scheduler.state.disk_store import DiskStore
 from offload.scheduler.weights.weight_home import DeviceHome, DiskHome, HostMirror, WeightHome
 from offload.tiers.copies import CopyContext

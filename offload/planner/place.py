@@ -1,191 +1,25 @@
-"""The planner: a pure function from block sizes, the tier and the budgets to a placement `Plan`.
+"""Placement: a pure function from block sizes, the tier and the budgets to a `Plan` (plan.py).
 
-Faster tiers are filled first, in forward order; only what does not fit spills down. Nothing here
-allocates or measures: the engine builds `BlockSpec`s from its blocks and applies the plan.
+Faster tiers are filled first, in forward order; only what does not fit spills down. Nothing here allocates or
+measures: the engine builds `BlockSpec`s from its blocks (`spec_of`) and applies the plan.
 """
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
 from offload.errors import OffloadConfigError
-from offload.optim.moments import MomentFormat, moment_nbytes
+from offload.optim.moment_format import MomentFormat, moment_nbytes
+from offload.planner.plan import BlockPlacement, BlockSpec, GradFlow, Location, Plan
+from offload.planner.plan import human_bytes as _human
+from offload.planner.ring import MAX_DEPTH, RingSize, read_ahead_bytes
 from offload.policy import Tier
-from offload.ring_sizes import (  # re-exported (`__all__`): the ring's sizes were this module's
-    CHUNK_GRANULE,
-    MAX_DEPTH,
-    MAX_READ_AHEAD_DEPTH,
-    MIN_DEPTH,
-    PREFERRED_SLOT_BYTES,
-    SLOT_BYTES_PER_ELEMENT,
-    RingSize,
-    chunk_granule,
-    min_ring_bytes,
-    read_ahead_bytes,
-    ring_depth_for,
-    ring_size_for,
-)
-from offload.scheduler.activations.use import ActivationUse
-
-
-class Location(enum.Enum):
-    """A memory tier a block's weights or optimizer state can live in."""
-
-    DEVICE = "device"
-    HOST = "host"
-    DISK = "disk"
-
-
-@dataclass(frozen=True)
-class BlockSpec:
-    """Sizes of one block: compute weights on the device, and its optimizer state (master, m, v, grads)."""
-
-    name: str
-    weight_bytes: int
-    state_bytes: int
-    grad_bytes: int = 0  # nvme tier: the gradient accumulator, which stays in host memory (not in state_bytes)
-    largest_grad_bytes: int = 0  # the largest gradient autograd makes on the device for one of its parameters
-    part_weight_bytes: Optional[int] = None  # sharded weights: this rank's part, kept in host memory or on disk
-
-
-@dataclass(frozen=True)
-class BlockPlacement:
-    name: str
-    weights: Location
-    state: Location
-    weight_bytes: int
-    state_bytes: int
-    grad_bytes: int = 0  # on the host
-
-
-@dataclass(frozen=True)
-class GradFlow:
-    """When a step's gradients are consumed, which decides where they may wait (nvme tier, host budget): by the
-    updates during the last backward (accumulation declared, no clipping: a window of them suffices), or only
-    after it (clipping needs the global norm; undeclared accumulation cannot know which backward is the last).
-    See docs/design.md [Note: gradients on disk]."""
-
-    declared_steps: Optional[int] = None  # grad_accumulation_steps when declared
-    clipping: bool = False
-    itemsize: int = 4  # of the compute dtype: what a gradient element costs
-
-    @property
-    def consumed_in_backward(self) -> bool:
-        return self.declared_steps is not None and not self.clipping
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Where each block's weights and state live, with the bytes each tier must hold."""
-
-    tier: Tier
-    blocks: Tuple[BlockPlacement, ...]
-    device_budget: Optional[int]
-    host_budget: Optional[int]
-    ring_bytes: int = 0  # nvme tier: host staging ring through which disk-resident state and weights flow
-    grad_window_bytes: Optional[int] = None  # nvme tier, gradients windowed: host bytes for gradients at once
-    device_grad_bytes: int = 0  # streamed weights under a device budget: room for autograd's largest gradient
-    grads_on_disk: bool = False  # gradients that must wait go to their records in the swap file (a window stays)
-    grad_disk_bytes_per_step: int = 0  # bytes of gradients written and read back per step (an estimate)
-    micro_batches_on_device: bool = True  # declared accumulation's earlier micro-batches sum on the device
-    shard_world: int = 1  # > 1: weights sharded across that many ranks (blocks' weight bytes are a rank's part)
-    activations: Optional[ActivationUse] = None  # measured in a training forward (engine.plan adds it)
-    precision: str = ""  # the compute and master dtypes, in words (the engine's plan sets it; estimate leaves it)
-
-    @property
-    def host_grad_bytes(self) -> int:
-        """Host bytes the gradient accumulators take: all of them, or the window."""
-        if self.grad_window_bytes is not None:
-            return self.grad_window_bytes
-        return sum(b.grad_bytes for b in self.blocks)
-
-    @property
-    def device_weight_budget(self) -> Optional[int]:
-        """What the device budget leaves for weights: `device_grad_bytes` is kept for autograd's gradient."""
-        return None if self.device_budget is None else self.device_budget - self.device_grad_bytes
-
-    @property
-    def device_room(self) -> Optional[int]:
-        """What the device budget leaves after the plan's weights, the blocks streaming through it (two of the
-        largest when it holds them, else one) and the gradient room: for activations."""
-        if self.device_budget is None:
-            return None
-        left = self.device_budget - self.bytes_on(Location.DEVICE)
-        largest = max((b.weight_bytes for b in self.blocks if b.weights is not Location.DEVICE), default=0)
-        largest *= self.shard_world  # a sharded block's part, gathered whole
-        return max(left - (2 * largest if left >= 2 * largest else largest), 0)
-
-    @property
-    def all_grad_bytes(self) -> int:
-        return sum(b.grad_bytes for b in self.blocks)
-
-    def bytes_on(self, location: Location) -> int:
-        total = self.ring_bytes + self.host_grad_bytes if location is Location.HOST else 0
-        total += self.device_grad_bytes if location is Location.DEVICE else 0
-        total += self.all_grad_bytes if location is Location.DISK and self.grads_on_disk else 0
-        for block in self.blocks:
-            total += block.weight_bytes if block.weights is location else 0
-            total += block.state_bytes if block.state is location else 0
-        return total
-
-    @property
-    def disk_weight_blocks(self) -> Tuple[str, ...]:
-        """Blocks whose compute weights live on disk (streamed disk -> host staging -> device)."""
-        return tuple(b.name for b in self.blocks if b.weights is Location.DISK)
-
-    @property
-    def streamed_blocks(self) -> Tuple[str, ...]:
-        """Blocks whose weights do not stay on the device and must be fetched for each use."""
-        return tuple(b.name for b in self.blocks if b.weights is not Location.DEVICE)
-
-    def __str__(self) -> str:
-        rows = [("block", "weights", "state", "weight bytes", "state bytes")]
-        rows += [(b.name, b.weights.value, b.state.value, _human(b.weight_bytes), _human(b.state_bytes))
-                 for b in self.blocks]
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
-        lines = [f"offload plan (tier={self.tier.value}" + (f"; {self.precision})" if self.precision else ")")]
-        for i, row in enumerate(rows):
-            lines.append("  ".join(cell.ljust(w) if j < 3 else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths))))
-            if i == 0:
-                lines.append("  ".join("-" * w for w in widths))
-        for location, budget in ((Location.DEVICE, self.device_budget), (Location.HOST, self.host_budget),
-                                 (Location.DISK, None)):
-            limit = "no budget" if budget is None else f"budget {_human(budget)}"
-            lines.append(f"total on {location.value}: {_human(self.bytes_on(location))} ({limit})")
-        if self.shard_world > 1:
-            lines.append(f"  weights sharded across {self.shard_world} ranks: each keeps its part of every block (the "
-                         "weight bytes above), gathered whole on the device for each use; state bytes are this rank's")
-        if self.ring_bytes:
-            lines.append(f"  gradients: {self.grads_placement()}")
-            lines.append(f"  host holds: gradients {_human(self.host_grad_bytes)}, staging ring "
-                         f"{_human(self.ring_bytes)}")
-        if self.device_grad_bytes:
-            lines.append(f"  device keeps {_human(self.device_grad_bytes)} for the largest gradient autograd makes "
-                         "before the engine takes it")
-        if self.activations is not None:
-            lines += self.activations.lines(self.device_room, _human)
-        return "\n".join(lines)
-
-    def grads_placement(self) -> str:
-        """Where the gradients live, in words (the plan's table and `python -m offload estimate` print it)."""
-        everything = _human(self.all_grad_bytes)
-        if self.grads_on_disk:
-            return (f"a window of {_human(self.grad_window_bytes)} in host memory, all {everything} on disk (a "
-                    f"record per group in the swap file): about {_human(self.grad_disk_bytes_per_step)} written and "
-                    "read back per step, per micro-batch without declared accumulation (declaring "
-                    "grad_accumulation_steps without max_grad_norm is the fast path: no gradient goes to disk)")
-        if self.grad_window_bytes is not None:
-            return (f"a window of {_human(self.grad_window_bytes)} (of {everything}; the fast path: each block's "
-                    "update consumes its gradient during the last backward)")
-        return f"all {everything} in host memory"
 
 
 def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[int],
-              host_budget: Optional[int], ring: Optional[RingSize] = None, grads: GradFlow = GradFlow(),
+              host_budget: Optional[int], ring: Optional[RingSize] = None, grads: Optional[GradFlow] = None,
               shard_world: int = 1) -> Plan:
     """Place each block; raises OffloadConfigError naming the block or budget that cannot work.
 
@@ -198,6 +32,7 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
 
     Sharded weights (`shard_world` > 1, each spec's `part_weight_bytes`): no block stays on the device; a rank's
     part of each goes to host memory, else to disk, and the device holds the blocks gathered for compute."""
+    grads = grads if grads is not None else GradFlow()
     if not blocks:
         raise OffloadConfigError("the model has no parameters to offload")
     if tier is Tier.GPU:
@@ -375,26 +210,10 @@ def spec_of(name: str, weight_bytes: int, groups: Sequence[Tuple[int, torch.dtyp
     return BlockSpec(name, weight_bytes, state + grads, 0, largest_grad_bytes, part_weight_bytes)
 
 
-def _human(nbytes: Optional[int]) -> str:
-    if nbytes is None:
-        return "-"
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{nbytes} B"
-
-
-human_bytes = _human  # for the CLI
-
-
-def totals(plan: Plan) -> Dict[Location, int]:
-    """Bytes per location, for stats and the CLI estimate."""
-    return {location: plan.bytes_on(location) for location in Location}
-
-
-__all__ = ["CHUNK_GRANULE", "GRAD_WINDOW_BLOCKS", "MAX_DEPTH", "MAX_READ_AHEAD_DEPTH", "MIN_DEPTH", "MIN_GRAD_WINDOW_BLOCKS",
-           "PREFERRED_SLOT_BYTES", "SLOT_BYTES_PER_ELEMENT", "BlockPlacement", "BlockSpec", "GradFlow", "Location", "Plan",
-           "RingSize", "chunk_granule", "grad_window_bytes", "group_bytes", "human_bytes", "make_plan", "min_ring_bytes",
-           "read_ahead_bytes", "ring_depth_for", "ring_size_for", "spec_of", "totals"]
+def shards_weights(whole_plan: Callable[[], Plan]) -> bool:
+    """Whether data-parallel ranks keep a part of the weights each when `shard_weights` is unset (None): when the
+    plan of ranks that keep them whole puts some on disk, or cannot be made at all."""
+    try:
+        return bool(whole_plan().disk_weight_blocks)
+    except OffloadConfigError:
+        return True

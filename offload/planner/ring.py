@@ -18,7 +18,7 @@ class RingSize:
     preferred: int
 
 
-# The staging ring's sizes (offload/scheduler/disk_ring.py moves the state through it in slot-sized chunks).
+# The staging ring's sizes (offload/scheduler/ring/disk_ring.py moves the state through it in slot-sized chunks).
 CHUNK_GRANULE = 2048  # elements: 8 KiB of fp32 and 4 KiB of bf16, so every chunk is an aligned request
 SLOT_BYTES_PER_ELEMENT = 16  # the state, and room for compute weights (<= 4 bytes) of blocks whose weights are on disk
 MIN_DEPTH = 4  # read i+1, update i, write i-1, and one spare so a write can finish while the next read starts
