@@ -5,7 +5,7 @@ check, each switched off in turn, four engines interleaved round by round in one
     python benchmarks/bench_integrity.py --quick   # a tiny model, 2 rounds (smoke run)
 
 Each engine's checks are switched off for its whole life by replacing them with no-ops on its own runtime
-records (`block.runtime`: each group's gradient accumulator and swap store; a measurement device only:
+records (`engine.records`: each group's gradient accumulator and swap store; a measurement device only:
 offload itself has no switch for them).
 """
 
@@ -32,8 +32,8 @@ VARIANTS = {"both checks": (True, True), "no checksums": (False, True),
 def disable_checks(engine: "offload.Engine", checksums: bool, finite: bool) -> None:
     """Switch this engine's checks off for its whole life (never per turn: a seal skipped in one turn and
     verified in another would be a false alarm)."""
-    for block in engine.blocks:
-        for state in block.runtime.states:
+    for record in engine.records:
+        for state in record.states:
             if not finite:
                 state.grads.all_finite = lambda *a, **k: True
             swap = getattr(state.store, "swap", None)  # the nvme tier's swap file

@@ -1,6 +1,6 @@
 """Fault injection through one engine's state stores: its updates fail or wait on command.
 
-`faulty_stores(engine)` wraps the `store` of every `GroupState` of that engine (`engine.blocks[i].record.states`)
+`faulty_stores(engine)` wraps the `store` of every `GroupState` of that engine (`engine.records[i].states`)
 in a `FaultyStore`, which implements the `StateStore` protocol (state/state_store.py) by delegating to the
 store it wraps. Armed, its `load` raises (`fail_updates`) or waits (`hold_updates`, until `release`): that is
 where an update meets its state (`GroupState.update` -> `adamw(store, ...)` -> `store.load`), on the step
@@ -86,8 +86,8 @@ def faulty_stores(engine: Any) -> Faults:
     """Wrap every state store of `engine` (one engine: its blocks' group states); the returned `Faults` arms
     them (a second call replaces the first's wrappers). Call it on the training thread, after `offload.wrap`."""
     faults = Faults(threading.current_thread())
-    for block in engine.blocks:
-        for state in block.record.states:
+    for record in engine.records:
+        for state in record.states:
             inner = state.store.inner if isinstance(state.store, FaultyStore) else state.store
             state.store = FaultyStore(inner, faults)
             faults.stores.append(state.store)

@@ -275,7 +275,7 @@ def test_streamed_weights_round_trip_and_progress_bar(tmp_path, capsys):
     streamed = offload.wrap(TinyGPT(), tier="cpu", dtype=torch.float32, device="cpu", device_memory=BUDGET)
     scheduler = torch.optim.lr_scheduler.StepLR(streamed.optimizer, 1)
     with streamed:
-        assert streamed.stats()["block_evictions"] >= 0 and any(b.runtime.streamed for b in streamed.blocks)
+        assert streamed.stats()["block_evictions"] >= 0 and any(r.streamed for r in streamed.records)
         train(streamed, scheduler, range(K))
         streamed.save(tmp_path / "ckpt", progress=True, scheduler=scheduler, rng=True)
         assert "saving ckpt" in capsys.readouterr().err

@@ -53,7 +53,7 @@ def test_tied_stored_once_frozen_weights_only():
         assert total == 4 * sum(p.numel() for p in model.parameters())  # parameters() dedups tied
         frozen = next(b for b in engine.blocks if b.name == "h.1")
         assert frozen.trainable_numel == 0
-        assert frozen.runtime.states == []  # no optimizer state for frozen weights
+        assert engine.records[frozen.index].states == []  # no optimizer state for frozen weights
         placement = {p.name: p for p in engine.plan.blocks}
         assert placement["h.1"].state_bytes == 0 and placement["h.0"].state_bytes > 0
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -98,7 +98,7 @@ def test_torch_format_state_is_the_decoded_fp32_moments(tmp_path):
     engine = _wrap("cpu", "int8", tmp_path)
     _train(engine, 2)
     state = engine.optimizer.state_dict()["state"]
-    store = next(g.state.store for b in engine.blocks for g in b.runtime.groups if g.state is not None)
+    store = next(g.state.store for r in engine.records for g in r.groups if g.state is not None)
     n = store.group.trainable_numel
     values = torch.empty(n)
     decode_moment(store.exp_avg, MomentFormat.INT8, EXP_AVG, values)

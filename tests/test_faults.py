@@ -255,10 +255,10 @@ def test_ctrl_c_during_step_applies_the_whole_step(tmp_path):
     with plain:
         train(plain, plain_scheduler, range(2))
         expected = plain.state_dict()
-    from offload.scheduler.records.block_runtime import BlockRuntime
+    from offload.scheduler.records.block_record import BlockRecord
 
     engine, scheduler = make_engine("cpu", str(tmp_path))
-    submit, calls = BlockRuntime.schedule_update, []
+    submit, calls = BlockRecord.schedule_update, []
 
     def interrupted(*args, **kwargs):
         calls.append(1)
@@ -268,12 +268,12 @@ def test_ctrl_c_during_step_applies_the_whole_step(tmp_path):
 
     with engine:
         train(engine, scheduler, range(1))
-        BlockRuntime.schedule_update = interrupted
+        BlockRecord.schedule_update = interrupted
         try:
             with pytest.raises(KeyboardInterrupt):
                 train(engine, scheduler, range(1, 2))
         finally:
-            BlockRuntime.schedule_update = submit
+            BlockRecord.schedule_update = submit
         assert len(calls) == 6 and engine.stats()["steps"] == 2  # every block scheduled; the step counted
         engine.zero_grad()
         scheduler.step()  # the interrupt skipped the training loop's scheduler.step()

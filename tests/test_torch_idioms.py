@@ -76,7 +76,7 @@ def test_load_state_dict_after_wrap_becomes_the_weights_that_train(tmp_path, tie
 def test_load_state_dict_into_streamed_blocks_is_refused_before_anything_changes():
     model = TinyGPT()
     with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", device_memory=60_000 + GRAD_ROOM) as engine:
-        assert any(b.runtime.streamed for b in engine.blocks)
+        assert any(r.streamed for r in engine.records)
         before = engine.state_dict()
         with pytest.raises(OffloadError, match="streamed from host or disk.*engine.load"):
             model.load_state_dict(_pretrained())
@@ -366,7 +366,7 @@ def test_a_streamed_sub_module_load_is_refused():
     reads the weights: above); a load into a streamed block cannot write them and is refused."""
     model = TinyGPT()
     with offload.wrap(model, tier="cpu", dtype=torch.float32, device="cpu", device_memory=60_000 + GRAD_ROOM) as engine:
-        streamed = [b.name for b in engine.blocks if b.runtime.streamed]
+        streamed = [r.block.name for r in engine.records if r.streamed]
         layer = model.get_submodule(streamed[0])
         with pytest.raises(OffloadError, match="cannot write the weights"):
             layer.load_state_dict({k: torch.zeros_like(v) for k, v in TinyGPT().get_submodule(streamed[0])

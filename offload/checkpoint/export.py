@@ -35,7 +35,7 @@ import torch
 
 from offload.checkpoint.atomic import fsync_dir
 from offload.checkpoint.tensor_file import Entry, TensorFileWriter, dtype_code
-from offload.checkpoint.writer import _progress
+from offload.checkpoint.writer import progress_bar
 from offload.checksum import preferred_algorithm
 from offload.errors import OffloadConfigError, OffloadIOError
 from offload.policy import parse_bytes
@@ -101,9 +101,9 @@ def export_pretrained(engine: "CheckpointTarget", directory: Union[str, "os.Path
         if engine.weights_gathered:  # the other ranks gather every group: take part in the rest, then fail
             take_part_in_export(engine, max_shard_size, skip=reads[0])
         if isinstance(exc, OffloadIOError):
-            raise _explained(exc, directory) from None
+            raise explained_io_error(exc, directory) from None
         if isinstance(exc, OSError):
-            raise _explained(OffloadIOError.from_errno(exc.errno or errno.EIO, exc.filename or directory, 0, 0,
+            raise explained_io_error(OffloadIOError.from_errno(exc.errno or errno.EIO, exc.filename or directory, 0, 0,
                                                        "export"), directory) from None
         raise
     return directory
@@ -121,7 +121,7 @@ def take_part_in_export(engine: "CheckpointTarget", max_shard_size: Union[int, s
         engine.group_weights(group)
 
 
-def _explained(exc: OffloadIOError, directory: str) -> OffloadIOError:
+def explained_io_error(exc: OffloadIOError, directory: str) -> OffloadIOError:
     return exc.if_disk_full(f"no space left while exporting to {directory!r}; files of an earlier export "
                             "there are intact and training state is unharmed: free space and export again")
 
@@ -255,7 +255,7 @@ def _export(engine: "CheckpointTarget", directory: str, limit: int, progress: Op
     tag = uuid.uuid4().hex[:8]
     shards = _ShardWriter(directory, plan, tag)
     desc = f"offload: exporting {os.path.basename(directory)}"
-    with _progress(plan.total_size, progress, desc) as bar:
+    with progress_bar(plan.total_size, progress, desc) as bar:
         try:
             for group, pairs in plan.groups:
                 if not pairs:

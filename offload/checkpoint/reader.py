@@ -22,16 +22,17 @@ import torch
 from torch import Tensor
 
 from offload.checkpoint import rng as rng_state
-from offload.checkpoint import state_io
 from offload.checkpoint.atomic import resolve
 from offload.checkpoint.manifest import MODEL_FILE, OPTIMIZER_FILE, read_manifest
 from offload.checkpoint.reflink import BLOCK, clone_range
 from offload.checkpoint.sharded import PartsReader
-from offload.checkpoint.state_io import STATE_KINDS
+from offload.checkpoint.target import pieces
 from offload.checkpoint.tensor_file import TensorFileReader
-from offload.checkpoint.writer import _progress, optimizer_key
+from offload.checkpoint.writer import optimizer_key, progress_bar
 from offload.checksum import checksum
 from offload.errors import OffloadConfigError, OffloadIntegrityError, OffloadIOError
+from offload.scheduler.state.state_store import Views
+from offload.tiers.swap_layout import STATE_TENSORS
 
 if TYPE_CHECKING:
     from offload.checkpoint.target import CheckpointTarget
@@ -76,7 +77,7 @@ def load_checkpoint(engine: "CheckpointTarget", path: str, *, stateful: Optional
         model_path = os.path.join(directory, MODEL_FILE)
         with TensorFileReader(model_path, model_info["checksums"], algorithm, block_of) as weights, \
                 optim_reader as optim, \
-                _progress(2 * total, progress, f"offload: loading {os.path.basename(directory)}") as bar:
+                progress_bar(2 * total, progress, f"offload: loading {os.path.basename(directory)}") as bar:
             # Pass 1 changes nothing: every tensor is found, sized and checksummed before the engine is touched.
             _check_entries(engine, groups, weights, optim)
             scratch = memoryview(bytearray(VERIFY_BYTES))
@@ -152,7 +153,7 @@ def _check_entries(engine: "CheckpointTarget", groups, weights: TensorFileReader
         for slot in group.slots:
             weights.require(slot.name, slot.numel)
         if state is not None:
-            for kind in STATE_KINDS:
+            for kind in STATE_TENSORS:
                 for slot in group.trainable_slots:
                     optim.require(optimizer_key(kind, slot.name), slot.numel, torch.float32)
     stored = {s.name for _b, g, _s in groups for s in g.slots}
@@ -190,7 +191,7 @@ def _load_record(optim: "OptimizerReader", group: Any, state: Any, clone_state: 
     is first cloned from the checkpoint (copy-on-write, same file system, sections aligned as the swap
     record's); every chunk is still read, for its checksums and the swap file's seals, and only the part
     no clone covered is written."""
-    names = [[optimizer_key(kind, slot.name) for slot in group.trainable_slots] for kind in STATE_KINDS]
+    names = [[optimizer_key(kind, slot.name) for slot in group.trainable_slots] for kind in STATE_TENSORS]
     cloned = [0, 0, 0]
     single_file = isinstance(optim, TensorFileReader)  # parts saved by several ranks are read, never cloned
     target = state.state_store.swap_sections() if clone_state["try"] and single_file else None
@@ -205,9 +206,9 @@ def _load_record(optim: "OptimizerReader", group: Any, state: Any, clone_state: 
                 break
             cloned[index] = aligned // 4
 
-    def fill(start: int, stop: int, views: state_io.Views) -> None:
+    def fill(start: int, stop: int, views: Views) -> None:
         for index, view in enumerate(views):
-            for slot, first, _lo, piece in state_io.pieces(group, start, stop, view):
+            for slot, first, _lo, piece in pieces(group, start, stop, view):
                 optim.read_at(names[index][slot], 4 * first, piece)
 
     state.state_store.write(fill, cloned)

@@ -26,13 +26,13 @@ from torch import Tensor
 from tqdm import tqdm
 
 from offload.checkpoint import rng as rng_state
-from offload.checkpoint import state_io
 from offload.checkpoint.atomic import begin, fsync_dir, publish
 from offload.checkpoint.manifest import MODEL_FILE, write_manifest
-from offload.checkpoint.state_io import STATE_KINDS
+from offload.checkpoint.target import pieces
 from offload.checkpoint.tensor_file import Entry, TensorFileReader, TensorFileWriter
 from offload.checksum import preferred_algorithm
 from offload.errors import OffloadIntegrityError, OffloadIOError
+from offload.tiers.swap_layout import STATE_TENSORS
 
 if TYPE_CHECKING:
     from offload.checkpoint.target import CheckpointTarget
@@ -67,12 +67,12 @@ def save_parts(engine: "CheckpointTarget", dp: "DataParallel", path: str, statef
                progress: Optional[bool]) -> str:
     """engine.save() on every rank of a data-parallel engine (see the module docstring)."""
     from offload.checkpoint.writer import (
-        _explained,
-        _layout,
-        _progress,
-        _write_pickle,
-        _write_weights,
+        checkpoint_layout,
+        explained_io_error,
+        progress_bar,
         weights_in_file_order,
+        write_model_file,
+        write_pickle,
         write_stateful,
     )
 
@@ -92,16 +92,16 @@ def save_parts(engine: "CheckpointTarget", dp: "DataParallel", path: str, statef
     files: Dict[str, Dict[str, Any]] = {}
     mine = parts_of(groups)
     try:
-        layout = _layout(engine, groups)
+        layout = checkpoint_layout(engine, groups)
         total = sum(12 * (b - a) for a, b in mine.values())
         if dp.rank == 0:
             total += sum(e.nbytes for e in layout.model_entries)
-        with _progress(total, progress, f"offload: saving {os.path.basename(path)} (rank {dp.rank})") as bar:
+        with progress_bar(total, progress, f"offload: saving {os.path.basename(path)} (rank {dp.rank})") as bar:
             walk = weights_in_file_order(engine, groups, layout)
             if dp.rank == 0:
                 try:
                     files.update(write_stateful(tmp, stateful, algorithm))  # one scheduler, one data position
-                    files[MODEL_FILE] = _write_weights(engine, groups, layout, os.path.join(tmp, MODEL_FILE),
+                    files[MODEL_FILE] = write_model_file(engine, groups, layout, os.path.join(tmp, MODEL_FILE),
                                                        algorithm, bar, walk)
                 except BaseException:
                     if engine.weights_gathered:  # the other ranks gather to the walk's end: take part, then fail
@@ -113,7 +113,7 @@ def save_parts(engine: "CheckpointTarget", dp: "DataParallel", path: str, statef
                     pass
             if rng:
                 name = rng_file(dp.rank, dp.world)
-                files[name] = _write_pickle(os.path.join(tmp, name), rng_state.capture(), algorithm)
+                files[name] = write_pickle(os.path.join(tmp, name), rng_state.capture(), algorithm)
             name = optimizer_file(dp.rank, dp.world)
             files[name] = _write_part_file(groups, mine, os.path.join(tmp, name), algorithm, bar)
     except (OSError, OffloadIOError) as exc:
@@ -143,7 +143,7 @@ def save_parts(engine: "CheckpointTarget", dp: "DataParallel", path: str, statef
     outcome = dp.broadcast_object(failed)
     if outcome:
         rank, err = outcome[0]  # type: ignore[index]
-        raise _explained(OffloadIOError(5, f"rank {rank} could not write its part of checkpoint {path!r}: "
+        raise explained_io_error(OffloadIOError(5, f"rank {rank} could not write its part of checkpoint {path!r}: "
                                            f"{err}; nothing was switched", path, 0, 0, "save"), path)
     return path
 
@@ -158,7 +158,7 @@ def _write_part_file(groups: list, mine: Parts, path: str, algorithm: str, bar: 
     for _block, group, state in groups:
         if state is None:
             continue
-        for kind in STATE_KINDS:
+        for kind in STATE_TENSORS:
             for slot in group.trainable_slots:
                 if slot.name in mine:
                     a, b = mine[slot.name]
@@ -170,8 +170,8 @@ def _write_part_file(groups: list, mine: Parts, path: str, algorithm: str, bar: 
                 continue
             with state.state_store.reading() as chunks:
                 for start, stop, views in chunks:
-                    for kind, view in zip(STATE_KINDS, views):
-                        for index, first, _lo, piece in state_io.pieces(group, start, stop, view):
+                    for kind, view in zip(STATE_TENSORS, views):
+                        for index, first, _lo, piece in pieces(group, start, stop, view):
                             name = group.trainable_slots[index].name
                             data = piece.contiguous().view(torch.uint8).numpy().data
                             writer.put(f"{kind}/{name}", 4 * (first - mine[name][0]), data)
@@ -216,8 +216,8 @@ class PartsReader:
         except BaseException:
             self.close()
             raise
-        for pieces in self._parts.values():
-            pieces.sort(key=lambda piece: piece[1])
+        for parts in self._parts.values():
+            parts.sort(key=lambda piece: piece[1])
 
     def require(self, name: str, numel: int, dtype: Optional[torch.dtype] = None) -> None:
         """The rank files together hold all `numel` elements of `name`, each part with its size."""

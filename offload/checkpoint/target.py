@@ -91,3 +91,15 @@ class CheckpointTarget(Protocol):
 
     def restore_counters(self, counters: Dict[str, int]) -> None:
         ...
+
+
+def pieces(group: FlatGroup, start: int, stop: int, view: torch.Tensor) -> List[Tuple[int, int, int, torch.Tensor]]:
+    """How a checkpoint cuts a flat group's optimizer state into parameters: the parameters a chunk [start, stop)
+    of one section covers, as (trainable slot index, first element of the piece within the parameter, first
+    element within the group, the piece's view of `view`)."""
+    out = []
+    for index, slot in enumerate(group.trainable_slots):
+        lo, hi = max(start, slot.offset), min(stop, slot.offset + slot.numel)
+        if lo < hi:
+            out.append((index, lo - slot.offset, lo, view[lo - start:hi - start]))
+    return out

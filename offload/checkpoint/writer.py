@@ -22,7 +22,6 @@ import torch
 from tqdm import tqdm
 
 from offload.checkpoint import rng as rng_state
-from offload.checkpoint import state_io
 from offload.checkpoint.atomic import atomic_directory
 from offload.checkpoint.manifest import (
     FORMAT,
@@ -35,10 +34,11 @@ from offload.checkpoint.manifest import (
     write_manifest,
 )
 from offload.checkpoint.reflink import BLOCK
-from offload.checkpoint.state_io import STATE_KINDS
+from offload.checkpoint.target import pieces
 from offload.checkpoint.tensor_file import Entry, TensorFileWriter
 from offload.checksum import checksum, preferred_algorithm
 from offload.errors import OffloadIOError
+from offload.tiers.swap_layout import STATE_TENSORS
 
 if TYPE_CHECKING:
     from offload.checkpoint.target import CheckpointTarget
@@ -51,7 +51,7 @@ def optimizer_key(kind: str, name: str) -> str:
     return f"{kind}/{name}"
 
 
-def _progress(total: int, progress: Optional[bool], desc: str) -> tqdm:
+def progress_bar(total: int, progress: Optional[bool], desc: str) -> tqdm:
     show = total >= PROGRESS_BYTES if progress is None else progress
     return tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not show, leave=False)
 
@@ -67,19 +67,19 @@ def save_checkpoint(engine: "CheckpointTarget", path: str, *, stateful: Optional
     try:
         return _save(engine, path, stateful or {}, rng, progress)
     except OffloadIOError as exc:
-        raise _explained(exc, path) from None
+        raise explained_io_error(exc, path) from None
     except OSError as exc:
-        raise _explained(OffloadIOError.from_errno(exc.errno or errno.EIO, exc.filename or path, 0, 0, "save"),
+        raise explained_io_error(OffloadIOError.from_errno(exc.errno or errno.EIO, exc.filename or path, 0, 0, "save"),
                          path) from None
 
 
-def _explained(exc: OffloadIOError, path: str) -> OffloadIOError:
+def explained_io_error(exc: OffloadIOError, path: str) -> OffloadIOError:
     return exc.if_disk_full(f"no space left while saving checkpoint {path!r}; the previous checkpoint "
                             "there (if any) is intact and training state is unharmed: free space and save again")
 
 
 @dataclass
-class _Layout:
+class CheckpointLayout:
     """What the files will hold, known before any data is read: entries in write order, and the manifest's
     per-block description."""
 
@@ -91,8 +91,8 @@ class _Layout:
     tied: Dict[str, str] = field(default_factory=dict)  # alias -> stored name
 
 
-def _layout(engine: "CheckpointTarget", groups: list) -> _Layout:
-    out, optim_bytes = _Layout(), 0
+def checkpoint_layout(engine: "CheckpointTarget", groups: list) -> CheckpointLayout:
+    out, optim_bytes = CheckpointLayout(), 0
     for block, group, state in groups:
         if not out.blocks or out.blocks[-1]["name"] != block.name:
             out.blocks.append({"name": block.name, "groups": []})
@@ -105,7 +105,7 @@ def _layout(engine: "CheckpointTarget", groups: list) -> _Layout:
             out.model_entries.append(Entry(slot.name, group.dtype, tuple(slot.shape)))
         if state is None:
             continue
-        for kind in STATE_KINDS:  # each section starts on a file-system block, as in the swap record (v2)
+        for kind in STATE_TENSORS:  # each section starts on a file-system block, as in the swap record (v2)
             gap = -optim_bytes % BLOCK
             if gap:
                 out.optim_entries.append(Entry(f"{PAD}/{len(out.optim_entries)}", torch.uint8, (gap,)))
@@ -134,14 +134,14 @@ def _save(engine: "CheckpointTarget", path: str, stateful: Dict[str, Any], rng: 
         warnings.warn("offload: saving between backward() and step(): accumulated gradients are not part of a "
                       "checkpoint; save after step()/zero_grad() to resume exactly", RuntimeWarning, stacklevel=3)
     algorithm = preferred_algorithm()
-    layout = _layout(engine, groups)
+    layout = checkpoint_layout(engine, groups)
     total = sum(e.nbytes for e in layout.model_entries + layout.optim_entries)
     files: Dict[str, Dict[str, Any]] = {}
-    with atomic_directory(path) as tmp, _progress(total, progress, f"offload: saving {os.path.basename(path)}") as bar:
+    with atomic_directory(path) as tmp, progress_bar(total, progress, f"offload: saving {os.path.basename(path)}") as bar:
         if rng:
-            files[RNG_FILE] = _write_pickle(os.path.join(tmp, RNG_FILE), rng_state.capture(), algorithm)
+            files[RNG_FILE] = write_pickle(os.path.join(tmp, RNG_FILE), rng_state.capture(), algorithm)
         files.update(write_stateful(tmp, stateful, algorithm))
-        files[MODEL_FILE] = _write_weights(engine, groups, layout, os.path.join(tmp, MODEL_FILE), algorithm, bar)
+        files[MODEL_FILE] = write_model_file(engine, groups, layout, os.path.join(tmp, MODEL_FILE), algorithm, bar)
         files[OPTIMIZER_FILE], transfer = _write_optimizer(groups, layout, os.path.join(tmp, OPTIMIZER_FILE),
                                                            algorithm, bar)
         write_manifest(tmp, dict(
@@ -152,7 +152,7 @@ def _save(engine: "CheckpointTarget", path: str, stateful: Dict[str, Any], rng: 
     return path
 
 
-def manifest_fields(engine: "CheckpointTarget", layout: _Layout, algorithm: str,
+def manifest_fields(engine: "CheckpointTarget", layout: CheckpointLayout, algorithm: str,
                     files: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     """What every manifest records (manifest.py), whoever wrote the files."""
     counters = engine.checkpoint_counters()
@@ -170,7 +170,7 @@ def manifest_fields(engine: "CheckpointTarget", layout: _Layout, algorithm: str,
     }
 
 
-def _write_weights(engine: "CheckpointTarget", groups: list, layout: _Layout, path: str, algorithm: str,
+def write_model_file(engine: "CheckpointTarget", groups: list, layout: CheckpointLayout, path: str, algorithm: str,
                    bar: tqdm, walk: Optional[Iterator[Tuple[str, torch.Tensor, int]]] = None) -> Dict[str, Any]:
     """model.safetensors: each group's current weights, then tied aliases and buffers (`walk`: that sequence,
     begun by the caller, which then can finish it after a failure)."""
@@ -187,7 +187,7 @@ def _write_weights(engine: "CheckpointTarget", groups: list, layout: _Layout, pa
 
 
 def weights_in_file_order(engine: "CheckpointTarget", groups: list,
-                          layout: _Layout) -> Iterator[Tuple[str, torch.Tensor, int]]:
+                          layout: CheckpointLayout) -> Iterator[Tuple[str, torch.Tensor, int]]:
     """model.safetensors' tensors in file order, with the bytes of progress each completes: each group's current
     weights, then tied aliases and buffers. Sharded weights: the other ranks walk it too (each read is a gather)."""
     where = {slot.name: (group, slot) for _b, group, _s in groups for slot in group.slots}
@@ -203,7 +203,7 @@ def weights_in_file_order(engine: "CheckpointTarget", groups: list,
         yield name, value.detach(), 0
 
 
-def _write_optimizer(groups: list, layout: _Layout, path: str, algorithm: str,
+def _write_optimizer(groups: list, layout: CheckpointLayout, path: str, algorithm: str,
                      bar: tqdm) -> Tuple[Dict[str, Any], Dict[str, int]]:
     """optimizer.safetensors, one record at a time and each record chunk by chunk; returns the file's entry
     and the bytes cloned/written."""
@@ -234,7 +234,7 @@ def _write_record(optim: TensorFileWriter, group: Any, state: Any, try_clone: bo
     section's block-aligned part is first cloned from its swap-record section when possible (the file
     mirrors the record's padded sections), and only the rest written; every byte still passes through
     the per-tensor checksums. Returns (bytes cloned, whether every clone tried worked)."""
-    names = [[optimizer_key(kind, slot.name) for slot in group.trainable_slots] for kind in STATE_KINDS]
+    names = [[optimizer_key(kind, slot.name) for slot in group.trainable_slots] for kind in STATE_TENSORS]
     cloned = [0, 0, 0]  # per section: leading elements the clone covered
     source = state.state_store.swap_sections() if try_clone else None
     complete = True
@@ -248,7 +248,7 @@ def _write_record(optim: TensorFileWriter, group: Any, state: Any, try_clone: bo
     with state.state_store.reading() as chunks:
         for start, stop, views in chunks:
             for index, view in enumerate(views):
-                for slot, first, lo, piece in state_io.pieces(group, start, stop, view):
+                for slot, first, lo, piece in pieces(group, start, stop, view):
                     _put(optim, names[index][slot], first, lo, piece, cloned[index])
     return 4 * sum(cloned), complete
 
@@ -266,7 +266,7 @@ def _put(optim: TensorFileWriter, name: str, first: int, lo: int, piece: torch.T
 
 def write_stateful(tmp: str, stateful: Dict[str, Any], algorithm: str) -> Dict[str, Dict[str, Any]]:
     """Each given object's state_dict() (the LR scheduler's, the data stream's) into its file."""
-    return {STATEFUL_FILES[kind]: _write_pickle(os.path.join(tmp, STATEFUL_FILES[kind]), obj.state_dict(), algorithm)
+    return {STATEFUL_FILES[kind]: write_pickle(os.path.join(tmp, STATEFUL_FILES[kind]), obj.state_dict(), algorithm)
             for kind, obj in stateful.items()}
 
 
@@ -275,7 +275,7 @@ def stateful_fields(stateful: Dict[str, Any]) -> Dict[str, Optional[str]]:
     return {kind: file if kind in stateful else None for kind, file in STATEFUL_FILES.items()}
 
 
-def _write_pickle(path: str, obj: Any, algorithm: str) -> Dict[str, Any]:
+def write_pickle(path: str, obj: Any, algorithm: str) -> Dict[str, Any]:
     """A torch.save file (loadable with weights_only=True), with its whole-file checksum."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)

@@ -7,7 +7,7 @@ code needs of it: the module, the policy, the optimizer, the blocks and the step
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
@@ -20,33 +20,28 @@ from offload.scheduler.phases.pipeline import StepPipeline
 
 class EngineCheckpoints:
     def __init__(self, module: nn.Module, policy: OffloadPolicy, optimizer: torch.optim.Optimizer,
-                 blocks: List[Block], pipeline: StepPipeline) -> None:
+                 pipeline: StepPipeline) -> None:
         self.module = module
         self.policy = policy
         self.optimizer = optimizer
-        self._blocks = blocks
         self._pipeline = pipeline
 
     def checkpoint_groups(self) -> Iterator[Tuple[Block, FlatGroup, Optional[GroupStateView]]]:
         self._pipeline.synchronize()
         self._pipeline.keep_all_writes()  # the saved master weights are the ones the model holds
-        for block in self._blocks:
-            for runtime in block.record.groups:
-                yield block, runtime.group, runtime.state
+        for record in self._pipeline.records:
+            for group in record.groups:
+                yield record.block, group.group, group.state
 
     def group_weights(self, group: FlatGroup) -> torch.Tensor:
-        assert group.runtime is not None
-        return group.runtime.home.host_weights()
+        return self._pipeline.group_record(group).home.host_weights()
 
     @property
     def weights_gathered(self) -> bool:
-        return any(runtime.home.partitioned for block in self._blocks for runtime in block.record.groups)
+        return self._pipeline.weights_sharded
 
     def set_group_weights(self, group: FlatGroup, flat: torch.Tensor) -> None:
-        assert group.runtime is not None
-        with torch.no_grad():
-            group.runtime.replace_weights(flat)
-        group.runtime.block.record.needs_push = False  # the device has the new weights, or fetches them
+        self._pipeline.replace_group_weights(group, flat)
 
     def prepare_for_load(self) -> None:
         self._pipeline.prepare_for_load()

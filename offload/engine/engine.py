@@ -32,8 +32,8 @@ from offload.errors import OffloadConfigError, OffloadError
 from offload.param_groups import optimizer_groups
 from offload.planner.plan import Plan
 from offload.policy import OffloadPolicy
-from offload.scheduler.blocks.block import Block, build_blocks, mixed_dtype_hint, param_owners
-from offload.scheduler.blocks.wrapped_mark import MARKER
+from offload.scheduler.blocks.block import MARKER, Block, build_blocks, mixed_dtype_hint, param_owners
+from offload.scheduler.records.block_record import BlockRecord
 from offload.scheduler.setup.assemble import assemble
 from offload.scheduler.setup.initial_weights import InitialWeights, choose
 from offload.scheduler.setup.placement import plan_and_open
@@ -79,7 +79,7 @@ class Engine:
             tiers.close()  # nothing of a failed wrap() stays on disk
             raise
         self.optimizer = self._pipeline.optimizer
-        self._checkpoints = EngineCheckpoints(module, policy, self.optimizer, self.blocks, self._pipeline)
+        self._checkpoints = EngineCheckpoints(module, policy, self.optimizer, self._pipeline)
         self._pipeline.optimizer.keep_state_with(TorchStyleState(self._checkpoints, dp))
         self._hooks = self._pipeline.attach_hooks(module, param_owners(module))
         mark = weakref.ref(self)
@@ -97,6 +97,12 @@ class Engine:
         backward (activations, measured) and how many tokens per micro-batch the device room holds."""
         use = self._pipeline.activation_use()
         return self._plan if use is None else dataclasses.replace(self._plan, activations=use)
+
+    @property
+    def records(self) -> List[BlockRecord]:
+        """Each block's runtime record, by block index (`engine.blocks[i]`'s is `engine.records[i]`): for tests and
+        measurements that look inside; empty once closed."""
+        return self._pipeline.records
 
     @property
     def weights_sharded(self) -> bool:
@@ -153,8 +159,9 @@ class Engine:
             entries = {k: v for k, v in entries.items() if k in wanted}
         needed = {id(v) for v in entries.values()}
         streamed = {}  # values read from the groups' homes: streamed blocks', and with `names` every group's
+        streamed_blocks = set(self._plan.streamed_blocks)
         for block in self.blocks:
-            if names is None and not block.record.streamed:
+            if names is None and block.name not in streamed_blocks:
                 continue
             for group in block.groups:
                 if not any(id(slot.param) in needed for slot in group.slots):

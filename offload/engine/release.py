@@ -17,8 +17,7 @@ from typing import Any, List, Optional
 
 from torch import nn
 
-from offload.scheduler.blocks.block import Block
-from offload.scheduler.blocks.wrapped_mark import MARKER
+from offload.scheduler.blocks.block import MARKER, Block
 from offload.scheduler.phases.hooks import HookSet
 from offload.scheduler.phases.pipeline import StepPipeline
 
@@ -84,10 +83,7 @@ class EngineRelease:
         finally:  # whatever failed, the hooks, records, files and the model's mark go
             pipeline.mark_closed()
             self.hooks.remove()
-            for block in self.blocks:
-                block.runtime = None
-                for group in block.groups:
-                    group.runtime = None
+            pipeline.release_records()
             try:
                 pipeline.close_tiers()
             except Exception as exc:

@@ -25,12 +25,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from offload.checkpoint.state_io import STATE_KINDS, pieces
-from offload.checkpoint.target import CheckpointTarget, GroupStateView
+from offload.checkpoint.target import CheckpointTarget, GroupStateView, pieces
 from offload.distributed.data_parallel import DataParallel
 from offload.errors import OffloadError
 from offload.policy import Tier
 from offload.scheduler.blocks.block import FlatGroup
+from offload.tiers.swap_layout import STATE_TENSORS
 
 MASTER_KEY = "offload_master"  # the fp32 master weights, ours: torch's AdamW keeps none
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -67,7 +67,7 @@ class TorchStyleState:
                       for i in which}
             with state.state_store.reading() as chunks:
                 for start, stop, views in chunks:
-                    for kind, view in zip(STATE_KINDS, views):
+                    for kind, view in zip(STATE_TENSORS, views):
                         for index, first, _lo, piece in pieces(group, start, stop, view):
                             target = wanted.get(index, {}).get(kind)
                             if target is not None:
@@ -112,7 +112,7 @@ class TorchStyleState:
 
 def _kinds(group: FlatGroup) -> Tuple[str, ...]:
     """What a parameter's entry holds: the master weights only where they differ from the compute weights."""
-    return STATE_KINDS if group.dtype != torch.float32 else MOMENTS
+    return STATE_TENSORS if group.dtype != torch.float32 else MOMENTS
 
 
 def _check_entries(groups: Groups, state: Mapping[nn.Parameter, Mapping[str, Any]]) -> None:
@@ -146,7 +146,7 @@ def _load_group(group: FlatGroup, view: GroupStateView, entries: Sequence[Option
             if e is not None else {} for e in entries]
 
     def fill(start: int, stop: int, views: Tuple[Tensor, Tensor, Tensor]) -> None:
-        for kind, section in zip(STATE_KINDS, views):
+        for kind, section in zip(STATE_TENSORS, views):
             for index, first, lo, piece in pieces(group, start, stop, section):
                 source = flat[index].get(MASTER_KEY if kind == "master" else kind)
                 if source is not None:

@@ -8,7 +8,7 @@ say which. FSDP2 gathers its own the same way (`torch.distributed.fsdp._fully_sh
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +35,11 @@ def version_of(tensor: Tensor) -> int:
     """The tensor's version counter: every in-place write through it (or a view sharing it) bumps it;
     `.data` writes and `param.data = ...` do not."""
     return tensor._version
+
+
+def versions_of(tensors: Sequence[Tensor]) -> List[int]:
+    """`version_of` of each tensor (one call for a group's parameters)."""
+    return [tensor._version for tensor in tensors]
 
 
 def view_base(tensor: Tensor) -> Tensor:

@@ -1,5 +1,6 @@
-"""The shape the engine's code keeps (issue "the engine's inside, round two"): small files, small classes, small
-folders, and phases that ask no tier or mode (the modes are objects chosen at placement, scheduler/modes/)."""
+"""The shape the engine's code keeps: no module handing on names it imports (a name has one home), and phases that
+ask no tier or mode (the modes are objects chosen at placement, scheduler/modes/). Files, classes and folders are
+as large as their concept (issue 34: caps on lines, attributes and folder sizes cut the code to fit numbers)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,6 @@ import pathlib
 from typing import List
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "offload"
-MAX_FILE_LINES = 400
-MAX_CLASS_ATTRIBUTES = 12
-MAX_FOLDER_FILES = 15
 # what a phase would read to learn which tier or mode runs (the policy's options, the tiers' optional parts)
 MODE_NAMES = {"tier", "Tier", "ring", "dp", "data_parallel", "max_grad_norm", "windowed", "grad_pool", "streamed",
               "swap", "staging", "grad_accumulation_steps"}
@@ -20,37 +18,25 @@ def _sources() -> List[pathlib.Path]:
     return sorted(PACKAGE.rglob("*.py"))
 
 
-def test_no_file_is_longer_than_400_lines():
-    long = [(str(p.relative_to(PACKAGE)), n) for p in _sources() if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
-    assert long == []
+def _reexports(tree: ast.Module) -> List[str]:
+    """Names a module imports only to hand on: listed in its `__all__` but defined in another module."""
+    imported = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                for alias in node.names}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            listed = [e.value for e in getattr(node.value, "elts", []) if isinstance(e, ast.Constant)]
+            return sorted(name for name in listed if name in imported)
+    return []
 
 
-def _attributes(cls: ast.ClassDef) -> set:
-    """Names assigned on `self` anywhere in the class (its instance attributes)."""
-    names = set()
-    for node in ast.walk(cls):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-            node, (ast.AnnAssign, ast.AugAssign)) else []
-        for target in targets:
-            for sub in ast.walk(target):
-                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "self":
-                    names.add(sub.attr)
-    return names
-
-
-def test_no_class_holds_more_than_12_attributes():
-    big = []
-    for path in _sources():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef) and len(_attributes(node)) > MAX_CLASS_ATTRIBUTES:
-                big.append((str(path.relative_to(PACKAGE)), node.name, sorted(_attributes(node))))
-    assert big == []
-
-
-def test_no_folder_holds_more_than_15_python_files():
-    folders = {p.parent for p in _sources()}
-    crowded = [(str(f.relative_to(PACKAGE.parent)), n) for f in folders if (n := len(list(f.glob("*.py")))) > MAX_FOLDER_FILES]
-    assert crowded == []
+def test_no_module_hands_on_names_it_imports():
+    """Import from where a name is defined: a module cut in two left re-export blocks "for existing imports"
+    (planner.py, disk_ring.py, tiers/disk.py, optim/moments.py), so one name had two homes."""
+    found = {str(p.relative_to(PACKAGE)): names for p in _sources() if p.name != "__init__.py"
+             for names in [_reexports(ast.parse(p.read_text()))] if names}
+    assert found == {}
+    comments = [str(p.relative_to(PACKAGE)) for p in _sources() if "for existing imports" in p.read_text()]
+    assert comments == []
 
 
 def test_the_phases_ask_no_tier_or_mode():
@@ -66,9 +52,9 @@ def test_the_phases_ask_no_tier_or_mode():
 
 
 def test_the_checks_can_fail(tmp_path):
-    """The attribute count and the mode check see what they look for."""
-    cls = ast.parse("class C:\n    def __init__(self):\n" + "".join(f"        self.a{i} = {i}\n" for i in range(13)))
-    assert len(_attributes(cls.body[0])) == 13  # type: ignore[arg-type]
+    """The re-export and the mode checks see what they look for."""
+    shim = ast.parse("from offload.a import X, Y\nfrom offload.b import Z\nZ2 = 1\n__all__ = ['X', 'Z', 'Z2']\n")
+    assert _reexports(shim) == ["X", "Z"]
     phase = ast.parse("def f(self):\n    if self.policy.tier is Tier.NVME:\n        pass\n")
     names = {n.attr if isinstance(n, ast.Attribute) else n.id for n in ast.walk(phase)
              if isinstance(n, (ast.Attribute, ast.Name))}

@@ -10,7 +10,7 @@ from typing import Iterator, List, Tuple
 SCHEDULER = pathlib.Path(__file__).resolve().parents[2] / "offload" / "scheduler"
 # bottom to top: the model cut into blocks; the nvme ring; optimizer state; gradients; weight homes and
 # streaming; the step worker and its jobs; the per-block runtime records; the modes; the phases; setup
-LAYERS = ["torch_internals", "blocks", "ring", "state", "grads", "activations", "weights", "worker", "records", "modes", "phases",
+LAYERS = ["torch_internals", "blocks", "ring", "state", "activations", "weights", "worker", "records", "modes", "phases",
           "setup"]
 ABOVE_THE_SCHEDULER = ("offload.engine", "offload.integrations", "offload.cli", "offload.api")
 

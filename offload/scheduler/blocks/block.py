@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -22,9 +22,9 @@ from offload.planner.plan import BlockSpec
 from offload.policy import Tier
 from offload.scheduler.torch_internals import own_parameters
 
-if TYPE_CHECKING:
-    from offload.scheduler.records.block_runtime import BlockRuntime
-    from offload.scheduler.records.group_runtime import GroupRuntime
+# The attribute a wrapped model carries: a weak reference to its engine (`wrap()` refuses a model that has one
+# alive; `close()` and a deepcopy of the model remove it).
+MARKER = "_offload_engine"
 
 # Normalization layers keep their fp32 parameters under a lower compute dtype, as autocast does.
 _NORM_TYPES: Tuple[type, ...] = tuple(
@@ -36,7 +36,7 @@ _NORM_TYPES: Tuple[type, ...] = tuple(
 class Residency(enum.Enum):
     """Where a block's compute weights are: every change is checked against the allowed moves. Whether an
     upload into a resident block is still in flight (CUDA) is not residency but its copy event, kept in
-    one place, the copy context (streams.py): the compute stream waits on it before the block is used."""
+    one place, the copy context (tiers/copies.py): the compute stream waits on it before the block is used."""
 
     RESIDENT = "resident"    # on the compute device, params point into the device buffer
     RELEASED = "released"    # device buffer freed; the weight home's copy is the only one
@@ -75,7 +75,6 @@ class FlatGroup:
         self.trainable_slots = [s for s in slots if s.trainable]
         self.trainable_numel = sum(s.numel for s in self.trainable_slots)
         self.device_buffer: Optional[torch.Tensor] = None
-        self.runtime: Optional["GroupRuntime"] = None  # set when an engine takes the group (runtime.py)
 
     @property
     def nbytes(self) -> int:
@@ -109,13 +108,7 @@ class Block:
         self.index = index
         self.groups = groups
         self.residency = Residency.RESIDENT
-        self.runtime: Optional["BlockRuntime"] = None  # set when an engine takes the block (runtime.py)
-
-    @property
-    def record(self) -> "BlockRuntime":
-        """Its runtime record, while an engine has it (records/block_runtime.py)."""
-        assert self.runtime is not None, f"block {self.name!r} has no runtime record (not materialized, or closed)"
-        return self.runtime
+        self.slots: List[ParamSlot] = [slot for group in groups for slot in group.slots]
 
     @property
     def weight_bytes(self) -> int:
@@ -125,11 +118,6 @@ class Block:
     @property
     def trainable_numel(self) -> int:
         return sum(g.trainable_numel for g in self.groups)
-
-    @property
-    def slots(self) -> Iterable[ParamSlot]:
-        for group in self.groups:
-            yield from group.slots
 
     def spec(self, tier: Tier, moments: MomentFormat = MomentFormat.FP32, world: int = 1,
              sharded: bool = False) -> BlockSpec:

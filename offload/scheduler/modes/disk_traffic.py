@@ -10,14 +10,17 @@ from __future__ import annotations
 
 from typing import List, Protocol
 
-from offload.scheduler.blocks.block import Block
+from offload.scheduler.records.block_record import BlockRecord
 from offload.scheduler.ring.disk_ring import DiskRing
 
 
 class DiskTraffic(Protocol):
     """What the phases ask of the disk, whatever the tier."""
 
-    def read_ahead_for_backward(self, blocks: List[Block]) -> None:
+    def serve(self, records: List[BlockRecord]) -> None:
+        """The blocks' records, by block index (made after the modes: the worker and the modes come first)."""
+
+    def read_ahead_for_backward(self, blocks: List[BlockRecord]) -> None:
         """The updates of these blocks will run in this order, starting during the coming backward."""
 
     def queued(self, block_indices: List[int]) -> None:
@@ -33,7 +36,10 @@ class DiskTraffic(Protocol):
 class NoDiskTraffic:
     """The cpu and gpu tiers: the state is in memory."""
 
-    def read_ahead_for_backward(self, blocks: List[Block]) -> None:
+    def serve(self, records: List[BlockRecord]) -> None:
+        pass
+
+    def read_ahead_for_backward(self, blocks: List[BlockRecord]) -> None:
         pass
 
     def queued(self, block_indices: List[int]) -> None:
@@ -49,15 +55,19 @@ class NoDiskTraffic:
 class RingTraffic:
     """The nvme tier: the state streams through `ring`."""
 
-    def __init__(self, ring: DiskRing, blocks: List[Block]) -> None:
+    def __init__(self, ring: DiskRing) -> None:
         self._ring = ring
-        self._blocks = blocks
+        self._records: List[BlockRecord] = []
 
-    def read_ahead_for_backward(self, blocks: List[Block]) -> None:
+    def serve(self, records: List[BlockRecord]) -> None:
+        self._records = records
+
+    def read_ahead_for_backward(self, blocks: List[BlockRecord]) -> None:
         self._ring.announce(_disk_groups(blocks))
 
     def queued(self, block_indices: List[int]) -> None:
-        self._ring.announce(_disk_groups([self._blocks[i] for i in block_indices]), replace=True)
+        if self._records:
+            self._ring.announce(_disk_groups([self._records[i] for i in block_indices]), replace=True)
 
     def flush_writes(self) -> None:
         self._ring.flush_writes()
@@ -66,11 +76,7 @@ class RingTraffic:
         self._ring.drain()
 
 
-def _disk_groups(blocks: List[Block]) -> list:
+def _disk_groups(records: List[BlockRecord]) -> list:
     """The flat groups of these blocks whose state the ring reads ahead, in block order (as their stores
     see them: a rank's part in data-parallel mode)."""
-    groups: list = []
-    for block in blocks:
-        assert block.runtime is not None
-        groups.extend(state.store.group for state in block.runtime.states if state.store.reads_ahead)
-    return groups
+    return [state.store.group for record in records for state in record.states if state.store.reads_ahead]

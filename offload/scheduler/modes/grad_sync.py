@@ -17,8 +17,8 @@ from torch import Tensor
 
 from offload.distributed.data_parallel import DataParallel
 from offload.optim.functional import sum_of_squares
-from offload.scheduler.records.block_runtime import BlockRuntime
-from offload.scheduler.records.group_state import GroupState
+from offload.scheduler.records.block_record import BlockRecord
+from offload.scheduler.records.group import GroupState
 
 
 class GradSync:
@@ -28,7 +28,7 @@ class GradSync:
         self.dp = dp
         self.num_threads = num_threads
 
-    def reduce(self, block: BlockRuntime, step: int, ready: Optional[List[List[int]]] = None) -> List[List[int]]:
+    def reduce(self, block: BlockRecord, step: int, ready: Optional[List[List[int]]] = None) -> List[List[int]]:
         """Average this step's gradients of the block into each rank's part (once per step). `ready`: per
         state, the parameters this rank has a gradient for (taken when the update was scheduled); a
         parameter only some ranks have one for counts as a zero gradient on the others, and is stepped on
@@ -60,7 +60,7 @@ class GradSync:
         self.dp.reduce_scatter_mean(grad[:shard.padded], shard, part)
         grad[shard.lo:shard.hi].copy_(part[:shard.numel])
 
-    def take_back(self, block: BlockRuntime) -> None:
+    def take_back(self, block: BlockRecord) -> None:
         """A gradient arrives for a block whose gradients of this step were averaged already (with clipping a
         spilled gradient is averaged before it parks, at each micro-batch; or a clip before this backward): each
         rank turns its averaged part back into its share of the sum so far, `world` times the part in `[lo, hi)`
@@ -82,14 +82,14 @@ class GradSync:
         block.forget_averages()
         block.shard_sumsq = None
 
-    def nonfinite(self, block: BlockRuntime) -> bool:
+    def nonfinite(self, block: BlockRecord) -> bool:
         """Whether any rank's part of the block's averaged gradient holds inf or NaN (the same answer on
         every rank)."""
         local = any(not _finite(self._part(state), self.num_threads) for state in block.states
                     if state.reduced_ready)
         return self.dp.any_rank(local)
 
-    def shard_sumsq(self, block: BlockRuntime) -> float:
+    def shard_sumsq(self, block: BlockRecord) -> float:
         """Sum of squares of this rank's part of the block's averaged gradient (fp64 accumulated)."""
         total = 0.0
         for state in block.states:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Optional
 
 from offload.distributed.data_parallel import DataParallel
-from offload.scheduler.blocks.block import Block
 from offload.scheduler.modes.clipping import Clipping, NoClipping, NormClipping
 from offload.scheduler.modes.disk_traffic import DiskTraffic, NoDiskTraffic, RingTraffic
-from offload.scheduler.modes.reduction import DataParallelReduction, GradReduction, LocalReduction
+from offload.scheduler.modes.reduction import DataParallelReduction, LocalReduction
+from offload.scheduler.records.services import GradReduction
 from offload.scheduler.ring.disk_ring import DiskRing
 from offload.scheduler.worker.step_worker import StepWorker
 
@@ -21,8 +21,8 @@ class Modes:
     clipping: Clipping  # none, or by the global norm
 
 
-def disk_traffic_for(ring: Optional[DiskRing], blocks: List[Block]) -> DiskTraffic:
-    return NoDiskTraffic() if ring is None else RingTraffic(ring, blocks)
+def disk_traffic_for(ring: Optional[DiskRing]) -> DiskTraffic:
+    return NoDiskTraffic() if ring is None else RingTraffic(ring)
 
 
 def reduction_for(dp: Optional[DataParallel], worker: StepWorker, num_threads: int) -> GradReduction:

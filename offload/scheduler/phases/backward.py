@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from offload.scheduler.grads.backward_tracker import BackwardTracker
 from offload.scheduler.modes.clipping import Clipping
+from offload.scheduler.phases.backward_tracker import BackwardTracker
 from offload.scheduler.phases.forward import ForwardPhase
 from offload.scheduler.phases.phase_clock import PhaseClock
 from offload.scheduler.records.slot_table import SlotTable
@@ -54,12 +54,12 @@ class BackwardPhase:
             tracker.watch_completion()  # blocks update during it: a failure partway must be told apart
         block = ref.block
         block.receive_grad(ref, param)
-        if (tracker.is_last_backward or block.spills) and tracker.completes(block.trainable_ids):
-            self._clipping.block_complete(block, self._hypers, tracker.is_last_backward)
+        last = tracker.is_last_backward
+        if self._clipping.watches(block, last) and tracker.completes(block.trainable_ids):
+            self._clipping.block_complete(block, self._hypers, last)
 
     def collect_grads(self) -> None:
         """Before the step reads the gradients: take those still in `.grad` (fewer backward calls than
         declared, or a `.grad` the user set), and forget those cleared outside the engine (model.zero_grad())."""
-        for param in self._slots:
-            ref = self._slots[param]
-            ref.block.take_leftover_grad(ref, param)
+        for ref in self._slots.refs():
+            ref.block.take_leftover_grad(ref, ref.param)

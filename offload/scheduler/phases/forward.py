@@ -17,17 +17,18 @@ from offload.distributed.guard import refuse_outer_data_parallel
 from offload.scheduler.activations.meter import RootSavedTensors
 from offload.scheduler.blocks.block import Block
 from offload.scheduler.blocks.forward_order import ForwardOrder
-from offload.scheduler.grads.backward_tracker import BackwardTracker
 from offload.scheduler.modes.selection import Modes
+from offload.scheduler.phases.backward_tracker import BackwardTracker
 from offload.scheduler.phases.phase_clock import PhaseClock
+from offload.scheduler.records.block_record import BlockRecord
 from offload.scheduler.torch_internals import eager, is_backward
 from offload.scheduler.weights.streamer import WeightStreamer
 
 
 class ForwardPhase:
-    def __init__(self, blocks: List[Block], module: nn.Module, tracker: BackwardTracker, clock: PhaseClock,
+    def __init__(self, records: List[BlockRecord], module: nn.Module, tracker: BackwardTracker, clock: PhaseClock,
                  order: ForwardOrder, streamer: WeightStreamer, modes: Modes, saved_tensors: RootSavedTensors) -> None:
-        self._blocks = blocks
+        self._records = records  # by block index
         self._module = module
         self._tracker = tracker
         self._clock = clock
@@ -69,14 +70,14 @@ class ForwardPhase:
         elif blocks:
             self.saved_tensors.meter.enter_block(blocks[-1].index)
         for block in blocks:
-            runtime = block.record
-            runtime.refuse_moved_parameters()
-            runtime.keep_writes()  # before the wait: a write made while the update was pending is refused
-            runtime.settle(counted=True)  # its update in, pushed (before a fetch, which reads the home anyway)
+            record = self._records[block.index]
+            record.refuse_moved_parameters()
+            record.keep_writes()  # before the wait: a write made while the update was pending is refused
+            record.settle(counted=True)  # its update in, pushed (before a fetch, which reads the home anyway)
             following = self._next_in_forward_order(block) if self._order.known and not in_backward else None
-            runtime.make_resident(following, in_backward)
+            record.make_resident(following, in_backward)
             if not in_backward and self._tracker.profile is None and self._root_grad_enabled:
-                self._tracker.predict_from_forward(runtime.trainable_ids, torch.is_grad_enabled())
+                self._tracker.predict_from_forward(record.trainable_ids, torch.is_grad_enabled())
             if not self._order.record(block.index) and not in_backward and block.index == self._order.first \
                     and self._tracker.next_is_last:
                 self.read_ahead_for_backward()  # the disk is otherwise idle during the forward
@@ -85,14 +86,14 @@ class ForwardPhase:
     def post_forward(self, blocks: List[Block]) -> None:
         """The module no longer needs these blocks (also after an exception)."""
         for block in blocks:
-            block.record.leave_forward()
+            self._records[block.index].leave_forward()
 
     def read_ahead_for_backward(self) -> None:
         """Blocks update as their gradients complete, roughly in reverse forward order: the disk reads their
         state as soon as slots allow (from the forward on), not when each block's gradients are in."""
         if self._order.known and self._modes.clipping.updates_during_backward:
-            self._modes.disk.read_ahead_for_backward([self._blocks[i] for i in self._order.reversed()])
+            self._modes.disk.read_ahead_for_backward([self._records[i] for i in self._order.reversed()])
 
-    def _next_in_forward_order(self, block: Block) -> Optional[Block]:
+    def _next_in_forward_order(self, block: Block) -> Optional[BlockRecord]:
         following = self._order.after(block.index)
-        return None if following is None else self._blocks[following]
+        return None if following is None else self._records[following]

@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 
 from offload.scheduler.activations.meter import token_count
 from offload.scheduler.blocks.block import Block
+from offload.scheduler.records.block_record import BlockRecord
 from offload.scheduler.records.model_copy import ModelCopies
 from offload.scheduler.torch_internals import flatten
 
@@ -138,9 +139,10 @@ class HookSet:
 
     def attach(self, root: nn.Module, blocks: List[Block], owners: Dict[int, List[nn.Module]],
                forward: ForwardHooks, backward: BackwardHooks, state_dicts: StateDictHooks,
-               sync: Synchronizing) -> None:
+               sync: Synchronizing, records: List[BlockRecord]) -> None:
         """Hook the phases into the model: each block owner's pre- and post-forward, each trainable parameter's
-        gradient, the root's outputs (a backward begins), and the root's forward as a whole."""
+        gradient, the root's outputs (a backward begins), and the root's forward as a whole; `records`: the
+        blocks' records, which a deepcopy reads streamed weights through."""
         blocks_of_module: Dict[int, List[Block]] = {}
         modules: Dict[int, nn.Module] = {}
         for block in blocks:
@@ -175,7 +177,7 @@ class HookSet:
         self._handles.append(root.register_forward_pre_hook(root_hooks.enter, prepend=True, with_kwargs=True))
         self._handles.append(root.register_forward_hook(root_hooks.exit, always_call=True))
         # copy.deepcopy(model) or of a sub-module: a plain copy, current weights, no engine hooks (model_copy.py)
-        self._copies = ModelCopies(root, blocks, sync.synchronize, self._handles)
+        self._copies = ModelCopies(root, records, sync.synchronize, self._handles)
 
     def remove(self) -> None:
         if self._copies is not None:

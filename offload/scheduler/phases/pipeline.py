@@ -10,19 +10,22 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, ContextManager, Dict, Iterator, List, Optional
 
+import torch
 from torch import nn
 
 from offload.planner.activations import ActivationUse
-from offload.scheduler.blocks.block import Block
-from offload.scheduler.grads.backward_tracker import BackwardTracker
+from offload.scheduler.blocks.block import Block, FlatGroup
 from offload.scheduler.phases.backward import BackwardPhase
+from offload.scheduler.phases.backward_tracker import BackwardTracker
+from offload.scheduler.phases.engine_stats import engine_stats
 from offload.scheduler.phases.forward import ForwardPhase
 from offload.scheduler.phases.hooks import HookSet
 from offload.scheduler.phases.optimizer_view import EngineOptimizer
 from offload.scheduler.phases.phase_clock import PhaseClock
 from offload.scheduler.phases.step import StepPhase
-from offload.scheduler.phases.step_stats import engine_stats
 from offload.scheduler.phases.sync import Synchronizer
+from offload.scheduler.records.block_record import BlockRecord
+from offload.scheduler.records.group import GroupRecord
 from offload.scheduler.records.module_weights import ModuleWeights
 from offload.scheduler.records.services import BlockServices
 from offload.scheduler.weights.tiers import Tiers
@@ -30,10 +33,12 @@ from offload.trace import PhaseObserver
 
 
 class StepPipeline:
-    def __init__(self, blocks: List[Block], forward: ForwardPhase, backward: BackwardPhase, step: StepPhase,
+    def __init__(self, blocks: List[Block], records: List[BlockRecord], forward: ForwardPhase, backward: BackwardPhase, step: StepPhase,
                  sync: Synchronizer, weights: ModuleWeights, services: BlockServices, tiers: Tiers,
                  tracker: BackwardTracker, clock: PhaseClock, optimizer: EngineOptimizer) -> None:
         self._blocks = blocks
+        self.records = records  # by block index; emptied at close (the state is freed)
+        self._group_records = {id(g.group): g for r in records for g in r.groups}
         self._forward = forward
         self._backward = backward
         self._step = step
@@ -47,7 +52,8 @@ class StepPipeline:
 
     def attach_hooks(self, module: nn.Module, owners: Dict[int, List[nn.Module]]) -> HookSet:
         hooks = HookSet()
-        hooks.attach(module, self._blocks, owners, self._forward, self._backward, self._weights, self._sync)
+        hooks.attach(module, self._blocks, owners, self._forward, self._backward, self._weights, self._sync,
+                     self.records)
         return hooks
 
     # ----- what the Engine calls --------------------------------------------------------------------------
@@ -71,8 +77,8 @@ class StepPipeline:
         self._sync.synchronize()
 
     def stats(self) -> Dict[str, float]:
-        return engine_stats(self._services.counters, self._services.jobs.nonfinite, self._clock, self._tiers,
-                            self._blocks)
+        return engine_stats(self._services.counters, self._services.nonfinite, self._clock, self._tiers,
+                            self.records)
 
     def grad_norm(self) -> float:
         """The last step's global gradient norm before clipping (nan: no norm was taken)."""
@@ -105,13 +111,13 @@ class StepPipeline:
 
     def counters(self) -> Dict[str, int]:
         counters = self._services.counters
-        return {"steps": counters.steps, "skipped_steps": counters.skipped_steps + self._services.jobs.nonfinite.steps}
+        return {"steps": counters.steps, "skipped_steps": counters.skipped_steps + self._services.nonfinite.steps}
 
     def restore_counters(self, steps: int, skipped_steps: int) -> None:
         """A checkpoint's step counts (its skips for non-finite gradients are part of `skipped_steps`)."""
         counters = self._services.counters
         counters.steps, counters.skipped_steps = steps, skipped_steps
-        self._services.jobs.nonfinite.reset()
+        self._services.nonfinite.reset()
 
     # ----- closing (engine/release.py) ----------------------------------------------------------------------
     @property
@@ -129,14 +135,31 @@ class StepPipeline:
     def close(self, restore: bool = True) -> Optional[BaseException]:
         """Finish the updates, push every new weight, bring streamed blocks back (unless `restore` is False);
         returns an update's error that was never reported (raised by the caller after its own cleanup)."""
-        return self._sync.close(restore)
+        failure = self._sync.close(restore)
+        return failure
 
     @property
     def weights_sharded(self) -> bool:
-        return any(block.record.partitioned for block in self._blocks if block.runtime is not None)
+        return any(record.partitioned for record in self.records)
+
+    def group_record(self, group: FlatGroup) -> GroupRecord:
+        """The record of a flat group (checkpoints read and replace its weights through its home)."""
+        return self._group_records[id(group)]
+
+    def replace_group_weights(self, group: FlatGroup, flat: torch.Tensor) -> None:
+        """New compute weights for a whole group (a checkpoint load): the device has them, or fetches them."""
+        record = self._group_records[id(group)]
+        with torch.no_grad():
+            record.replace_weights(flat)
+        self.records[record.block.index].needs_push = False
 
     def mark_closed(self) -> None:
         self._sync.closed = True
+
+    def release_records(self) -> None:
+        """Drop the blocks' records, and with them the optimizer state and gradients (after `close`)."""
+        self.records.clear()
+        self._group_records.clear()
 
     def close_tiers(self) -> None:
         """Delete the swap file and free the ring's slots and the staging pool."""

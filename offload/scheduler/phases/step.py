@@ -16,13 +16,11 @@ from offload._interrupts import deferred_keyboard_interrupt
 from offload._system import return_freed_memory
 from offload.errors import OffloadError
 from offload.policy import OffloadPolicy
-from offload.scheduler.blocks.block import Block
-from offload.scheduler.grads.backward_tracker import BackwardTracker
-from offload.scheduler.modes.clipping import Clipping
-from offload.scheduler.modes.norms import clip_in_place
+from offload.scheduler.modes.clipping import Clipping, clip_in_place
 from offload.scheduler.phases.backward import BackwardPhase
+from offload.scheduler.phases.backward_tracker import BackwardTracker
 from offload.scheduler.phases.sync import Synchronizer
-from offload.scheduler.records.block_runtime import BlockRuntime, zeroed_after_early_update
+from offload.scheduler.records.block_record import BlockRecord, zeroed_after_early_update
 from offload.scheduler.records.module_weights import ModuleWeights
 from offload.scheduler.records.services import BlockServices
 from offload.scheduler.records.slot_table import SlotTable
@@ -32,10 +30,10 @@ HEAP_SLACK_BYTES = 16 << 20  # freed heap bytes a step keeps before trimming (ha
 
 
 class StepPhase:
-    def __init__(self, blocks: List[Block], slots: SlotTable, services: BlockServices, tracker: BackwardTracker,
+    def __init__(self, records: List[BlockRecord], slots: SlotTable, services: BlockServices, tracker: BackwardTracker,
                  hypers: StepHypers, clipping: Clipping, backward: BackwardPhase, writes: ModuleWeights,
                  sync: Synchronizer, policy: OffloadPolicy) -> None:
-        self._blocks = blocks
+        self._records = records  # by block index
         self._slots = slots
         self._services = services
         self._tracker = tracker
@@ -85,9 +83,9 @@ class StepPhase:
         if scale is None:
             counters.skipped_steps += 1
         else:
-            for runtime in in_order:
-                if not runtime.updated_early:
-                    runtime.schedule_update(hyper, scale, self._clipping.checks_each_block)
+            for record in in_order:
+                if not record.updated_early:
+                    record.schedule_update(hyper, scale, self._clipping.checks_each_block)
         self.finish_step()
 
     def finish_step(self) -> None:
@@ -96,20 +94,20 @@ class StepPhase:
 
     def reset_step(self) -> None:
         """Forget the step in progress: blocks updated early, gradient norms, the early hyperparameters."""
-        for block in self._blocks:
-            block.record.end_step()
+        for record in self._records:
+            record.end_step()
         self._hypers.reset()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """engine.optimizer.zero_grad(): drop the accumulated gradients (or zero them)."""
         self._sync.check_open()
-        early = [b.name for b in self._blocks if b.record.updated_early]
+        early = [r.block.name for r in self._records if r.updated_early]
         if early and self._tracker.failed_last_backward:
             raise self._tracker.failed_backward_error("zero_grad()", early[0])
         if early:  # torch would now step on no gradient at all; these blocks already stepped on the gradients
             raise zeroed_after_early_update(early[0])
-        for block in self._blocks:
-            block.record.zero_grads(set_to_none)
+        for record in self._records:
+            record.zero_grads(set_to_none)
         self._tracker.end_step()  # the backward passes counted toward the next step held those gradients
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> float:
@@ -119,7 +117,7 @@ class StepPhase:
         self._services.worker.raise_if_failed()
         if float(norm_type) != 2.0:
             raise OffloadError(f"engine.clip_grad_norm_ computes the L2 norm only (norm_type=2), got {norm_type!r}")
-        early = [b.name for b in self._blocks if b.record.updated_early]
+        early = [r.block.name for r in self._records if r.updated_early]
         if early:
             raise OffloadError(
                 f"engine.clip_grad_norm_() after blocks (first: {early[0]!r}) were updated during the last backward "
@@ -131,5 +129,5 @@ class StepPhase:
         norm = self._services.reduction.global_norm(in_order, self._slots, max_norm)
         return clip_in_place(in_order, norm, error_if_nonfinite)
 
-    def _in_update_order(self) -> List[BlockRuntime]:
-        return [self._blocks[i].record for i in self._services.order.update_order()]
+    def _in_update_order(self) -> List[BlockRecord]:
+        return [self._records[i] for i in self._services.order.update_order()]

@@ -16,8 +16,9 @@ from torch import Tensor
 
 from offload.errors import OffloadError
 from offload.scheduler.blocks.block import Block
-from offload.scheduler.grads.held_grad import is_held
 from offload.scheduler.modes.disk_traffic import DiskTraffic
+from offload.scheduler.records.block_record import BlockRecord
+from offload.scheduler.records.held_grad import is_held
 from offload.scheduler.records.slot_table import SlotTable
 from offload.scheduler.weights.pending_guard import PendingGuard
 from offload.scheduler.weights.streamer import WeightStreamer
@@ -26,9 +27,9 @@ from offload.tiers.copies import CopyContext
 
 
 class Synchronizer:
-    def __init__(self, blocks: List[Block], slots: SlotTable, worker: StepWorker, disk: DiskTraffic,
+    def __init__(self, records: List[BlockRecord], slots: SlotTable, worker: StepWorker, disk: DiskTraffic,
                  copies: CopyContext, streamer: WeightStreamer, guard: PendingGuard) -> None:
-        self._blocks = blocks
+        self._records = records  # by block index
         self._slots = slots
         self._worker = worker
         self._disk = disk
@@ -55,22 +56,22 @@ class Synchronizer:
     def settle_blocks(self, blocks: List[Block]) -> None:
         """These blocks' pending updates done and their weights in the parameters."""
         for block in blocks:
-            block.record.settle()
+            self._records[block.index].settle()
         self._copies.synchronize()
 
     def settle_weights(self) -> None:
         """Every pending update done and its weights in the parameters (swap writes may still be in flight)."""
         self._worker.wait_all()
-        for block in self._blocks:
-            if block.record.needs_push:
-                block.record.push()
+        for record in self._records:
+            if record.needs_push:
+                record.push()
         self._copies.synchronize()
         self._guard.release_all()
 
     def guard_pending(self) -> None:
         """step() returns before the updates: resident blocks still updating read through until they settle."""
-        for block in self._blocks:
-            block.record.guard_while_pending()
+        for record in self._records:
+            record.guard_while_pending()
 
     @contextlib.contextmanager
     def replacing_state(self) -> Iterator[None]:
@@ -102,9 +103,9 @@ class Synchronizer:
         except Exception as exc:  # still clean up; report it at the end
             failure = exc
         self.closed = True
-        for block in self._blocks if restore else ():
-            if block.record.needs_push:
-                block.record.push()
+        for record in self._records if restore else ():
+            if record.needs_push:
+                record.push()
         self._guard.release_all()
         if restore:
             self._streamer.restore_all()
@@ -122,7 +123,7 @@ class Synchronizer:
     def open_for_read(self, block: Block) -> None:
         """The block's pending update landed and its weights resident and pinned, for one operation."""
         self.check_open()
-        block.record.settle()
+        self._records[block.index].settle()
         self._streamer.ensure(block, pin=True)
 
     def pin_views(self, tensors: List[Tensor]) -> None:
@@ -130,7 +131,8 @@ class Synchronizer:
 
     def close_after_read(self, block: Block) -> None:
         """A write through the parameters is kept now (before anything can release the block)."""
+        record = self._records[block.index]
         try:
-            block.record.keep_writes()
+            record.keep_writes()
         finally:
-            block.record.unpin()
+            record.unpin()

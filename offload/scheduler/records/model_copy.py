@@ -27,8 +27,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from offload.errors import OffloadError
-from offload.scheduler.blocks.block import Block, FlatGroup, ParamSlot
-from offload.scheduler.blocks.wrapped_mark import MARKER
+from offload.scheduler.blocks.block import MARKER, ParamSlot
+from offload.scheduler.records.block_record import BlockRecord
+from offload.scheduler.records.group import GroupRecord
 
 _MARKS = (MARKER,)  # what the engine sets on the root module
 
@@ -36,9 +37,9 @@ _MARKS = (MARKER,)  # what the engine sets on the root module
 class ModelCopies:
     """Intercepts `copy.deepcopy` of the model and of its sub-modules while the engine is attached."""
 
-    def __init__(self, root: nn.Module, blocks: List[Block], synchronize: Callable[[], None],
+    def __init__(self, root: nn.Module, records: List[BlockRecord], synchronize: Callable[[], None],
                  handles: List[RemovableHandle]) -> None:
-        self._blocks = blocks
+        self._records = records
         self._synchronize = synchronize
         self._handles = handles  # the engine's hooks, read at copy time (every one attached by then)
         self._installed: Dict[int, "weakref.ref[nn.Module]"] = {}
@@ -80,7 +81,7 @@ class ModelCopies:
     def _refuse_mid_step(self, module: nn.Module) -> None:
         """With grad_accumulation_steps declared, blocks update during the last backward: between it and
         step(), a copy would mix stepped blocks and blocks not yet stepped (torch would copy none stepped)."""
-        early = [b.name for b in self._blocks if b.runtime is not None and b.runtime.updated_early]
+        early = [r.block.name for r in self._records if r.updated_early]
         if early:
             raise OffloadError(
                 f"copy.deepcopy of {type(module).__name__} between the last backward and step(): with "
@@ -91,11 +92,11 @@ class ModelCopies:
         """A real parameter for each streamed one under `module`, made from its weight home; deepcopy then
         takes it from the memo (tied parameters stay tied, being one entry)."""
         inside = {id(p) for _n, p in module.named_parameters(remove_duplicate=False)}
-        for block in self._blocks:
-            if block.runtime is None or not block.runtime.streamed:
+        for record in self._records:
+            if not record.streamed:
                 continue
-            for group in block.groups:
-                wanted = [s for s in group.slots if id(s.param) in inside and id(s.param) not in memo]
+            for group in record.groups:
+                wanted = [s for s in group.group.slots if id(s.param) in inside and id(s.param) not in memo]
                 if wanted:
                     _memo_group(group, wanted, memo)
 
@@ -160,9 +161,8 @@ def _copier(module_ref: "weakref.ref[nn.Module]", owner_ref: "weakref.ref[ModelC
     return __deepcopy__
 
 
-def _memo_group(group: FlatGroup, slots: List[ParamSlot], memo: dict) -> None:
-    assert group.runtime is not None
-    host = group.runtime.home.host_weights()  # the authoritative copy of a streamed block (all updates in)
+def _memo_group(group: GroupRecord, slots: List[ParamSlot], memo: dict) -> None:
+    host = group.home.host_weights()  # the authoritative copy of a streamed block (all updates in)
     for slot in slots:
         value = host[slot.offset:slot.offset + slot.numel].view(slot.shape)
         value = value.to(slot.param.device, copy=True)  # placeholders live on the device the weights compute on

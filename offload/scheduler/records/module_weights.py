@@ -5,7 +5,7 @@ the blocks' pending updates. A streamed block's entries are read through its par
 block in) and become host copies module by module, so the device never holds more than it streams; the
 state dict as a whole must fit in host memory, else it is refused before anything is read. A load into
 streamed blocks is refused. After a load the written weights become the master
-weights (each block's record keeps writes made through its parameters: records/block_runtime.py); a
+weights (each block's record keeps writes made through its parameters: records/block_record.py); a
 parameter frozen at wrap() and unfrozen later is refused at step(). See docs/design.md [Note: the module's
 own state_dict] and [Note: weights written after wrap()].
 """
@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from offload._system import mem_available
 from offload.errors import OffloadError
 from offload.scheduler.blocks.block import Block
+from offload.scheduler.records.block_record import BlockRecord
 
 HOST_MEMORY_MARGIN = 1 << 30  # what a state dict of streamed blocks leaves free of the host's available memory
 
@@ -40,11 +41,13 @@ class BlockSettler(Protocol):
 class ModuleWeights:
     """The module-facing side of the engine's weights (the hooks call it through the pipeline)."""
 
-    def __init__(self, blocks: List[Block], settler: BlockSettler) -> None:
-        self.blocks = blocks
+    def __init__(self, records: List[BlockRecord], settler: BlockSettler) -> None:
+        self.records = records  # by block index
+        self.blocks = [record.block for record in records]
+        self._streamed = {record.block.index for record in records if record.streamed}
         self._settler = settler
         self._engine_reads = 0  # >0 while the engine itself reads module.state_dict() (engine_reads)
-        self._block_of = {id(slot.param): block for block in blocks for slot in block.slots}
+        self._block_of = {id(slot.param): block for block in self.blocks for slot in block.slots}
 
     # ----- model.state_dict() and model.load_state_dict() --------------------------------------------
     def before_state_dict(self, blocks: Optional[List[Block]] = None) -> None:
@@ -58,7 +61,7 @@ class ModuleWeights:
             blocks = self.blocks
         else:
             self._settler.settle_blocks(blocks)
-        streamed = [b for b in blocks if b.record.streamed]
+        streamed = [b for b in blocks if b.index in self._streamed]
         needed = sum(b.weight_bytes for b in blocks)  # every entry becomes a copy of its own (after_state_dict)
         available = mem_available()
         if streamed and available is not None and needed > available - HOST_MEMORY_MARGIN:
@@ -77,7 +80,7 @@ class ModuleWeights:
         for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
             key, block = prefix + name, self._block_of.get(id(param))
             value = state_dict.get(key)
-            if block is None or not block.record.streamed or isinstance(value, nn.Parameter) \
+            if block is None or block.index not in self._streamed or isinstance(value, nn.Parameter) \
                     or not isinstance(value, Tensor):
                 continue
             state_dict[key] = value.to("cpu", copy=True)
@@ -108,7 +111,7 @@ class ModuleWeights:
             blocks = self.blocks
         else:
             self._settler.settle_blocks(blocks)
-        streamed = [b.name for b in blocks if b.record.streamed]
+        streamed = [b.name for b in blocks if b.index in self._streamed]
         if streamed:
             raise OffloadError(f"{what} the blocks streamed from host or disk (first: {streamed[0]!r}): {fix}")
 
@@ -136,8 +139,8 @@ class ModuleWeights:
 
     def adopt_all(self) -> None:
         """After a load_state_dict, before a save: every block's written weights become its master weights."""
-        for block in self.blocks:
-            block.record.keep_writes()
+        for record in self.records:
+            record.keep_writes()
 
     def refuse_unfrozen(self) -> None:
         """A parameter frozen at wrap() has no optimizer state: unfrozen later, torch would train it, and here

@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Dict, Iterator, List, NamedTuple, Sequence
 
 from torch import nn
 
-from offload.scheduler.blocks.block import Block
-from offload.scheduler.records.group_state import GroupState
+from offload.scheduler.records.group import GroupState
 
 if TYPE_CHECKING:
-    from offload.scheduler.records.block_runtime import BlockRuntime
+    from offload.scheduler.records.block_record import BlockRecord
 
 
 class SlotRef(NamedTuple):
     """Where one trainable parameter lives: its block, its flat group's state, its slot index there, and
     its position in `module.parameters()` (the order torch reduces gradient norms in)."""
 
-    block: "BlockRuntime"
+    block: "BlockRecord"
     state: GroupState
     index: int  # type: ignore[assignment]  # the slot's index in its group (shadows tuple.index, unused here)
     position: int
+    param: nn.Parameter
 
 
 class SlotTable:
@@ -28,22 +28,25 @@ class SlotTable:
     records. Keyed by `id(param)` inside (the parameters are alive as long as the table: the blocks hold
     them): a lookup runs per gradient, and `Tensor.__hash__` is a Python call several times slower."""
 
-    def __init__(self, blocks: Sequence[Block], module: nn.Module) -> None:
+    def __init__(self, records: Sequence["BlockRecord"], module: nn.Module) -> None:
         position = {p: i for i, p in enumerate(module.parameters())}
         self._refs: Dict[int, SlotRef] = {}
-        for block in blocks:
-            assert block.runtime is not None
-            for runtime in block.runtime.groups:
-                if runtime.state is not None:
-                    for index, slot in enumerate(runtime.group.trainable_slots):
-                        self._refs[id(slot.param)] = SlotRef(block.runtime, runtime.state, index, position[slot.param])
+        for record in records:
+            for group in record.groups:
+                if group.state is not None:
+                    for index, slot in enumerate(group.group.trainable_slots):
+                        self._refs[id(slot.param)] = SlotRef(record, group.state, index, position[slot.param],
+                                                             slot.param)
 
     def __getitem__(self, param: nn.Parameter) -> SlotRef:
         return self._refs[id(param)]
+
+    def refs(self) -> List[SlotRef]:
+        return list(self._refs.values())
 
     def clear(self) -> None:
         """Drop every reference to the records (the engine is closing: the optimizer state is freed)."""
         self._refs.clear()
 
     def __iter__(self) -> Iterator[nn.Parameter]:
-        return (ref.state.group.trainable_slots[ref.index].param for ref in self._refs.values())
+        return (ref.param for ref in self._refs.values())

@@ -11,7 +11,7 @@ and the ordering rules (a read of a range waits for the in-flight write of that 
 only after its write has completed; reads ahead never take the last free slot, so the chunk the worker
 needs next can always get one; a write error met on the training thread is raised on the worker). This
 file keeps what only chunks have: announcements, reads ahead and the chunks checked out for an update;
-`DiskWeightIO` (weight_io.py) moves disk-resident compute weights through the same slots and the same
+`RecordMoves` (record_moves.py) moves disk-resident compute weights through the same slots and the same
 `WriteOrder`. Neither path calls the other: the ring only hands the weight moves on.
 """
 
@@ -26,8 +26,8 @@ from offload.optim.moment_format import MomentFormat
 from offload.planner.ring import (
     MIN_DEPTH,
 )
+from offload.scheduler.ring.record_moves import RecordMoves
 from offload.scheduler.ring.ring_slots import InFlight, Slot, SlotPool, SlotSections, WriteOrder
-from offload.scheduler.ring.weight_io import DiskWeightIO
 from offload.tiers.swap_layout import GRADS, WEIGHTS
 from offload.trace import Tracer
 
@@ -43,7 +43,7 @@ ChunkKey = Tuple[str, int]  # (the group's layout key, first element)
 class DiskRing:
     """`depth` slots leased once from `pool` (their total is the ring budget, see ring_slots.SlotPool) and the
     chunk I/O in flight over them, ordered by one `WriteOrder`; the weight moves of disk-resident compute
-    weights (weight_io.py) share the slots and the order.
+    weights (record_moves.py) share the slots and the order.
 
     Thread safety: the engine's thread announces and the step worker loads and stores; one lock (the slot
     pool's) guards the bookkeeping, and waits on I/O happen outside it.
@@ -55,8 +55,8 @@ class DiskRing:
         self._slots = SlotPool(pool, ring_bytes, depth, moments)
         self._order = WriteOrder(self._slots, tracer)  # every wait for the disk is a "disk wait" span
         self._store = store
-        self._weights = DiskWeightIO(self._slots, self._order, store, WEIGHTS)
-        self._grads = DiskWeightIO(self._slots, self._order, store, GRADS)
+        self._weights = RecordMoves(self._slots, self._order, store, WEIGHTS)
+        self._grads = RecordMoves(self._slots, self._order, store, GRADS)
         self._reads: Dict[ChunkKey, InFlight] = {}  # reads issued ahead, not yet loaded
         self._checked_out: Dict[ChunkKey, Optional[Slot]] = {}  # chunks being updated: from `load` to `store`
         self._announced: Dict[ChunkKey, Tuple["FlatGroup", int, int]] = {}  # to read ahead, in this order
@@ -249,12 +249,12 @@ class DiskRing:
                 "nvme_io_wait_seconds": self.io_wait_seconds}
 
     @property
-    def weights(self) -> DiskWeightIO:
+    def weights(self) -> RecordMoves:
         """The moves of disk-resident compute weights through this ring's slots, in its write order."""
         return self._weights
 
     @property
-    def grads(self) -> DiskWeightIO:
+    def grads(self) -> RecordMoves:
         """The moves of spilled gradients through this ring's slots, in its write order."""
         return self._grads
 

@@ -5,7 +5,7 @@ condition variable that guard it. It only hands out free slots and takes them ba
 
 `WriteOrder`: the ring's writes in flight and the rules that order everything else after them. Two paths
 move bytes through the slots: optimizer-state chunks (disk_ring.py: `announce`, `load`, `store`) and
-disk-resident compute weights (weight_io.py). Both take their slots, wait for the disk and meet write errors
+disk-resident compute weights (record_moves.py). Both take their slots, wait for the disk and meet write errors
 through this one object, so each rule is written once:
 
 - a read of a range waits for the in-flight write of that range (`wait_for_writes_of`; a read issued ahead

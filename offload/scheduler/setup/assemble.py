@@ -19,17 +19,18 @@ from offload.scheduler.activations.meter import RootSavedTensors
 from offload.scheduler.activations.spill import STAGING_SLOT_BYTES, STAGING_SLOTS, ActivationSpill, storage_keeper
 from offload.scheduler.blocks.block import Block
 from offload.scheduler.blocks.forward_order import ForwardOrder
-from offload.scheduler.grads.backward_tracker import BackwardTracker
 from offload.scheduler.modes.selection import Modes, clipping_for, disk_traffic_for, reduction_for
 from offload.scheduler.phases.backward import BackwardPhase
+from offload.scheduler.phases.backward_tracker import BackwardTracker
 from offload.scheduler.phases.forward import ForwardPhase
 from offload.scheduler.phases.optimizer_view import EngineOptimizer
 from offload.scheduler.phases.phase_clock import PhaseClock
 from offload.scheduler.phases.pipeline import StepPipeline
 from offload.scheduler.phases.step import StepPhase
-from offload.scheduler.phases.step_stats import StepCounters
 from offload.scheduler.phases.sync import Synchronizer
+from offload.scheduler.records.block_record import BlockRecord
 from offload.scheduler.records.module_weights import ModuleWeights
+from offload.scheduler.records.nonfinite import NonFiniteSkips
 from offload.scheduler.records.services import BlockServices
 from offload.scheduler.records.slot_table import SlotTable
 from offload.scheduler.setup.initial_weights import InitialWeights
@@ -37,7 +38,7 @@ from offload.scheduler.setup.placement import materialize
 from offload.scheduler.state.hypers import StepHypers
 from offload.scheduler.weights.pending_guard import PendingGuard
 from offload.scheduler.weights.tiers import Tiers
-from offload.scheduler.worker.block_jobs import BlockJobs
+from offload.scheduler.worker.counters import StepCounters
 from offload.scheduler.worker.step_worker import StepWorker
 from offload.tiers.host import StagingPool
 from offload.trace import Tracer
@@ -47,7 +48,7 @@ def assemble(blocks: List[Block], module: nn.Module, policy: OffloadPolicy, plan
              tracer: Tracer, optimizer_groups: List[dict], initial: InitialWeights, num_threads: int,
              dp: Optional[DataParallel] = None) -> StepPipeline:
     """Materialize `blocks` into their tiers and build the step over them (see the module docstring)."""
-    disk = disk_traffic_for(tiers.ring, blocks)
+    disk = disk_traffic_for(tiers.ring)
     worker = StepWorker(num_threads, observer=disk)
     try:
         if tiers.grad_pool is not None:
@@ -56,37 +57,38 @@ def assemble(blocks: List[Block], module: nn.Module, policy: OffloadPolicy, plan
         modes = Modes(disk, reduction, clipping_for(policy.max_grad_norm, worker, reduction))
         counters, order = StepCounters(), ForwardOrder(len(blocks))
         services = BlockServices(worker, tiers.streamer, tracer, counters, order, reduction,
-                                 BlockJobs(tracer, counters, num_threads, reduction),
-                                 PendingGuard(tiers.streamer.read_through))
+                                 PendingGuard(tiers.streamer.read_through), NonFiniteSkips(), num_threads)
         group_of = {p: i for i, g in enumerate(optimizer_groups) for p in g["params"]}
-        materialize(blocks, module, plan, policy, tiers, group_of, initial, services, dp)
+        records = materialize(blocks, module, plan, policy, tiers, group_of, initial, services, dp)
+        disk.serve(records)
         disk.drain()  # the start weights' writes on disk, every slot free
         if policy.activations is Activations.OFFLOAD:
             tiers.activations = _activation_spill(blocks, tiers)
-        return _phases(blocks, module, policy, plan, tiers, optimizer_groups, services, modes)
+        return _phases(blocks, records, module, policy, plan, tiers, optimizer_groups, services, modes)
     except BaseException:
         worker.close()
         raise
 
 
-def _phases(blocks: List[Block], module: nn.Module, policy: OffloadPolicy, plan: Plan, tiers: Tiers,
-            optimizer_groups: List[dict], services: BlockServices, modes: Modes) -> StepPipeline:
-    slots = SlotTable(blocks, module)
+def _phases(blocks: List[Block], records: List[BlockRecord], module: nn.Module, policy: OffloadPolicy, plan: Plan,
+            tiers: Tiers, optimizer_groups: List[dict], services: BlockServices, modes: Modes) -> StepPipeline:
+    slots = SlotTable(records, module)
     tracker = BackwardTracker(policy.grad_accumulation_steps, plan.micro_batches_on_device)
     clock = PhaseClock()
     defaults = dict(lr=policy.lr, betas=policy.betas, eps=policy.eps, weight_decay=policy.weight_decay)
     optimizer = EngineOptimizer(optimizer_groups, defaults)
     hypers = StepHypers(optimizer.param_groups)
     optimizer.watch_groups_with(hypers)
-    sync = Synchronizer(blocks, slots, services.worker, modes.disk, tiers.copies, tiers.streamer, services.guard)
-    weights = ModuleWeights(blocks, sync)
-    forward = ForwardPhase(blocks, module, tracker, clock, services.order, tiers.streamer, modes,
+    sync = Synchronizer(records, slots, services.worker, modes.disk, tiers.copies, tiers.streamer, services.guard)
+    weights = ModuleWeights(records, sync)
+    forward = ForwardPhase(records, module, tracker, clock, services.order, tiers.streamer, modes,
                            _root_saved_tensors(blocks, tiers))
     backward = BackwardPhase(slots, tracker, clock, forward, modes.clipping, hypers)
-    step = StepPhase(blocks, slots, services, tracker, hypers, modes.clipping, backward, weights, sync, policy)
+    step = StepPhase(records, slots, services, tracker, hypers, modes.clipping, backward, weights, sync, policy)
     optimizer.drive_with(step)
     tiers.streamer.read_through.serve(sync)  # streamed parameters read outside their forward open their block
-    return StepPipeline(blocks, forward, backward, step, sync, weights, services, tiers, tracker, clock, optimizer)
+    return StepPipeline(blocks, records, forward, backward, step, sync, weights, services, tiers, tracker, clock,
+                        optimizer)
 
 
 def _root_saved_tensors(blocks: List[Block], tiers: Tiers) -> RootSavedTensors:

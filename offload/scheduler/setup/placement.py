@@ -24,12 +24,9 @@ from offload.planner.plan import GradFlow, Plan
 from offload.planner.ring import RingSize, ring_depth_for, ring_size_for
 from offload.policy import OffloadPolicy, ShardWeights, Tier
 from offload.scheduler.blocks.block import Block, FlatGroup
-from offload.scheduler.grads.grad_home import GradAccumulator, WindowedGradAccumulator
-from offload.scheduler.grads.grad_window import GradPool
-from offload.scheduler.grads.spilling_home import SpillingGradAccumulator
-from offload.scheduler.records.block_runtime import BlockRuntime
-from offload.scheduler.records.group_runtime import GroupRuntime
-from offload.scheduler.records.group_state import GroupState
+from offload.scheduler.records.block_record import BlockRecord
+from offload.scheduler.records.grad_home import DiskParking, GradHome
+from offload.scheduler.records.group import GroupRecord, GroupState
 from offload.scheduler.records.services import BlockServices
 from offload.scheduler.ring.disk_ring import DiskRing
 from offload.scheduler.setup.initial_weights import InitialWeights
@@ -44,6 +41,7 @@ from offload.scheduler.weights.weight_home import DeviceHome, DiskHome, HostMirr
 from offload.tiers.copies import CopyContext
 from offload.tiers.device import DeviceTier
 from offload.tiers.disk import SwapStore
+from offload.tiers.grad_window import GradPool
 from offload.tiers.host import StagingPool
 from offload.tiers.swap_layout import WeightRecord, plan_grad_layout, plan_swap_layout, plan_weight_layout, round_up
 from offload.trace import Tracer
@@ -162,14 +160,15 @@ def _refuse_plans_that_differ(plan: Plan, dp: DataParallel) -> None:
 
 def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: OffloadPolicy, tiers: Tiers,
                 optimizer_group_of: Dict[nn.Parameter, int], initial: InitialWeights, services: BlockServices,
-                dp: Optional[DataParallel] = None) -> None:
+                dp: Optional[DataParallel] = None) -> List[BlockRecord]:
     """Give every block its flat device buffers, filled from `initial` (the parameters, a checkpoint, or an
     initializer: one block at a time, so a model built on the meta device is never whole in memory), and its
-    runtime record (`block.runtime`); move the module's buffers to the device. `optimizer_group_of`: each
+    runtime record (returned, by block index); move the module's buffers to the device. `optimizer_group_of`: each
     trainable parameter's optimizer group. `dp`: every rank starts from rank 0's weights, and keeps the
     optimizer state of its own part of each group."""
     streamed, on_disk = set(plan.streamed_blocks), set(plan.disk_weight_blocks)
     sharded = plan.shard_world > 1
+    records: List[BlockRecord] = []
     for block in blocks:
         for group in block.groups:
             buffer = tiers.device.allocate(group.numel, group.dtype, f"block {block.name!r}")
@@ -201,11 +200,11 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
                                    shard)
             home = _partitioned_home(block, group, tiers, on_disk, dp, shard) if sharded else \
                 _weight_home(block, group, policy, tiers, streamed, on_disk, state is not None)
-            group.runtime = GroupRuntime(block, group, home, state)
-            groups.append(group.runtime)
-        block.runtime = BlockRuntime(block, groups, block.name in streamed, services)
-        if block.runtime.streamed:
-            tiers.streamer.adopt(block)  # released before the next block takes its device memory
+            groups.append(GroupRecord(block, group, home, state))
+        record = BlockRecord(block, groups, block.name in streamed, services)
+        records.append(record)
+        if record.streamed:  # released before the next block takes its device memory
+            tiers.streamer.adopt(block, [g.home for g in groups], record)
         return_freed_memory()  # the temporaries of filling this block: not kept as RSS into the next
     initial.finish(module, policy.device)
     for sub in module.modules():
@@ -217,6 +216,7 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
                 buf = buffers[key] = buf.to(policy.device)
             if dp is not None:
                 dp.broadcast_from_first(buf)
+    return records
 
 
 def _state_store(group, policy: OffloadPolicy, tiers: Tiers) -> StateStore:
@@ -227,7 +227,7 @@ def _state_store(group, policy: OffloadPolicy, tiers: Tiers) -> StateStore:
 
 
 def _grad_home(group, on_host: bool, policy: OffloadPolicy, tiers: Tiers, plan: Plan,
-               shard: Optional[Shard]) -> GradAccumulator:
+               shard: Optional[Shard]) -> GradHome:
     """Host memory for the host tiers (the nvme tier's gradient window when the plan has one, with the swap
     file for the gradients that must wait when the plan puts them on disk), else the device. Data-parallel
     (`shard`): the whole gradient padded to whole shards; with clipping, only this rank's part parks on disk."""
@@ -236,11 +236,9 @@ def _grad_home(group, on_host: bool, policy: OffloadPolicy, tiers: Tiers, plan: 
     if plan.grads_on_disk:
         assert tiers.grad_pool is not None and tiers.ring is not None
         parked = None if shard is None or policy.max_grad_norm is None else (shard.lo, shard.hi)
-        return SpillingGradAccumulator(group, device, tiers.copies, on_host, tiers.grad_pool, tiers.ring.grads,
-                                       padded_numel, parked)
-    if tiers.grad_pool is not None:
-        return WindowedGradAccumulator(group, device, tiers.copies, on_host, tiers.grad_pool, padded_numel)
-    return GradAccumulator(group, device, tiers.copies, on_host, padded_numel)
+        return GradHome(group, device, tiers.copies, on_host, padded_numel, tiers.grad_pool,
+                        DiskParking(tiers.ring.grads, parked))
+    return GradHome(group, device, tiers.copies, on_host, padded_numel, tiers.grad_pool)
 
 
 def _weight_home(block: Block, group, policy: OffloadPolicy, tiers: Tiers, streamed: set, on_disk: set,

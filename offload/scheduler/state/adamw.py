@@ -112,14 +112,6 @@ def block_of(fmt: MomentFormat) -> int:
     return INT8_BLOCK if fmt is MomentFormat.INT8 else 1
 
 
-def clip_scale(norms: List[float], max_norm: float) -> Tuple[float, float]:
-    """(total norm, gradient scale) exactly as torch.nn.utils.clip_grad_norm_ computes them in fp32: the
-    norm of the per-parameter norms, then min(max_norm / (total + 1e-6), 1)."""
-    total = torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float32), 2)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    return float(total), float(coef)
-
-
 def _adamw_torch(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int,
                  hyper: AdamHyper, grad_scale: float, out: Optional[Tensor]) -> None:
     """torch.optim.AdamW's single-tensor maths, for state kept on the compute device (the gpu tier)."""

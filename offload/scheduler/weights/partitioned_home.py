@@ -12,7 +12,7 @@ nothing is gathered after an update: the next fetch gathers the new weights. See
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, List, Optional, Protocol, cast
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -20,9 +20,10 @@ from torch import Tensor
 from offload.distributed.data_parallel import DataParallel, Shard
 from offload.distributed.gather_check import READ
 from offload.scheduler.blocks.block import FlatGroup
+from offload.scheduler.weights.weight_home import UpdateOwner, UpdateSharing
 
 if TYPE_CHECKING:
-    from offload.scheduler.ring.weight_io import DiskWeightIO, WeightRead
+    from offload.scheduler.ring.record_moves import PieceRead, RecordMoves
 
 
 class WeightPart:
@@ -81,12 +82,12 @@ class DiskPart:
 
     reads_ahead_from_disk = True
 
-    def __init__(self, part: WeightPart, weights: "DiskWeightIO", initial: Tensor) -> None:
+    def __init__(self, part: WeightPart, weights: "RecordMoves", initial: Tensor) -> None:
         self._part = part
         self._record = cast(FlatGroup, part)  # the ring and the swap file read its key, dtype and numel only
         self._disk = weights
-        self._read_ahead: Optional[List["WeightRead"]] = None
-        weights.write_weights(self._record, initial.detach().to("cpu"))
+        self._read_ahead: Optional[List["PieceRead"]] = None
+        weights.write_from(self._record, initial.detach().to("cpu"))
 
     def update_target(self, trainable: int) -> Optional[Tensor]:
         return None  # the store's chunks carry the new weights to the record
@@ -95,24 +96,24 @@ class DiskPart:
         out = torch.empty(self._part.numel, dtype=self._part.dtype)
         handle, self._read_ahead = self._read_ahead, None
         if handle:
-            self._disk.finish_weights_read(handle, out, _copy)
+            self._disk.finish_read(handle, out, _copy)
         else:
-            self._disk.read_weights(self._record, out, _copy)
+            self._disk.read_into(self._record, out, _copy)
         return out
 
     def write(self, part: Tensor) -> None:
         self.cancel_prefetch()  # reads a prefetch started would return the old weights
-        self._disk.write_weights(self._record, part.to(self._part.dtype).contiguous())
+        self._disk.write_from(self._record, part.to(self._part.dtype).contiguous())
 
     def prefetch(self) -> bool:
         if self._read_ahead is None:
-            self._read_ahead = self._disk.start_weights_read(self._record, self._part.dtype.itemsize)
+            self._read_ahead = self._disk.start_read(self._record, self._part.dtype.itemsize)
         return self._read_ahead is not None
 
     def cancel_prefetch(self) -> None:
         handle, self._read_ahead = self._read_ahead, None
         if handle:
-            self._disk.cancel_weights_read(handle)
+            self._disk.cancel_read(handle)
 
 
 class PartitionedHome:
@@ -144,6 +145,14 @@ class PartitionedHome:
     def push(self, resident: bool) -> None:
         if resident:
             self.fetch()  # the device copy is stale: gather the new weights (every rank pushes the same block)
+
+    def before_prefetch(self, owner: UpdateOwner) -> None:
+        """Its update in first, so the gather ahead brings the new weights and the push after the update has
+        nothing left to gather (one gather a use; the same wait on every rank)."""
+        owner.settle(counted=True)
+
+    def share_update(self, sharing: UpdateSharing, state: Any, out: Optional[Tensor]) -> None:
+        pass  # each rank wrote its own part: the next fetch gathers every rank's
 
     def fetch(self, ahead: bool = False) -> None:
         """Gather the whole group into its device buffer; `ahead` (a prefetch): started, finished by `wait_fetched`

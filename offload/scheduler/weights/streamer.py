@@ -23,7 +23,7 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor
@@ -47,6 +47,12 @@ class PackedWeight(NamedTuple):
     stride: Tuple[int, ...]
 
 
+class ReleaseObserver(Protocol):
+    """Whoever keeps a streamed block's weights written through its parameters (records/block_record.py)."""
+
+    def keep_writes_before_release(self) -> None: ...
+
+
 @dataclass
 class StreamCounts:
     """What `engine.stats()` reports of the streaming."""
@@ -62,13 +68,15 @@ class WeightStreamer:
     A block is pinned while a module that owns it runs, while an unpacked saved weight of it is alive,
     and, when fetched during backward for a checkpoint recompute, until that backward ends. Pinned blocks
     are never evicted; when nothing can be evicted the fetch goes over budget (counted, never wrong).
-    The data moves through each group's weight home (`block.runtime.groups[i].home`).
+    The data moves through each group's weight home (given with the block: `adopt`).
     """
 
     def __init__(self, device_tier: DeviceTier, copies: CopyContext) -> None:
         self._device = device_tier
         self._copies = copies
         self._blocks: Dict[int, Block] = {}
+        self._homes: Dict[int, List[WeightHome]] = {}  # each streamed block's groups' homes, in group order
+        self._owners: Dict[int, ReleaseObserver] = {}  # told before a block is released
         self._lru: "OrderedDict[int, None]" = OrderedDict()  # resident streamed blocks, oldest first
         self._pins: Dict[int, int] = {}
         self._in_forward: Dict[int, int] = {}  # blocks inside an owning module's forward: plain parameters
@@ -87,9 +95,12 @@ class WeightStreamer:
         """Whether the block of this index streams (its device buffer comes and goes)."""
         return index in self._blocks
 
-    def adopt(self, block: Block) -> None:
-        """Take a block whose weight homes hold its weights now, and release its device buffers."""
+    def adopt(self, block: Block, homes: List[WeightHome], owner: "ReleaseObserver") -> None:
+        """Take a block whose weight homes (one per group, in group order) hold its weights now, and release its
+        device buffers; `owner` is told before each release."""
         self._blocks[block.index] = block
+        self._homes[block.index] = homes
+        self._owners[block.index] = owner
         for group in block.groups:
             assert group.device_buffer is not None
             self._by_storage[group.device_buffer.untyped_storage().data_ptr()] = (block.index, group)
@@ -106,7 +117,7 @@ class WeightStreamer:
         if block.residency is Residency.RELEASED:
             self._make_room(block.weight_bytes, keep=block.index)
             self._fetch(block)
-        for group, home in zip(block.groups, _homes(block)):
+        for group, home in zip(block.groups, self._homes[block.index]):
             self._copies.use_upload(group.key)  # the compute stream waits for this block's upload (a prefetch)
             home.wait_fetched()  # or for its gather (sharded weights)
         self._lru.move_to_end(block.index)
@@ -165,15 +176,19 @@ class WeightStreamer:
             for slot in block.slots:
                 self.read_through.unmark(slot.param)
         self._blocks.clear()
+        self._homes.clear()
+        self._owners.clear()
 
     def invalidate(self, block: Block) -> None:
         """An update of the block was scheduled: disk reads a prefetch started are stale; drop them. A sharded block
         gathered now and in no use is released: the update makes its gathered copy stale, and gathering it again at
         the push would only repeat what its next use does ([Note: sharded weights])."""
-        homes = _homes(block)
+        if block.index not in self._blocks:
+            return  # it stays resident: nothing is read ahead for it
+        homes = self._homes[block.index]
         for home in homes:
             home.cancel_prefetch()
-        if (block.index in self._blocks and block.residency is Residency.RESIDENT and all(h.partitioned for h in homes)
+        if (block.residency is Residency.RESIDENT and all(h.partitioned for h in homes)
                 and not self._pins.get(block.index, 0) and not self._in_forward.get(block.index, 0)):
             self._release(block)
 
@@ -217,7 +232,7 @@ class WeightStreamer:
     def _fetch(self, block: Block, ahead: bool = False) -> None:
         """Make the block resident; `ahead` (a prefetch): a gather may still be running at return (`ensure` waits)."""
         self._device.reserve(block.weight_bytes, f"block {block.name!r}", over_budget_ok=True)
-        for group, home in zip(block.groups, _homes(block)):
+        for group, home in zip(block.groups, self._homes[block.index]):
             assert group.device_buffer is not None
             self._device.regrow(group.device_buffer, group.numel)
             storage = group.device_buffer.untyped_storage()
@@ -233,9 +248,8 @@ class WeightStreamer:
         self.counts.fetches += 1
 
     def _release(self, block: Block) -> None:
-        if block.runtime is not None:
-            block.runtime.keep_writes_before_release()  # written through a parameter since its last use
-        for home in _homes(block):
+        self._owners[block.index].keep_writes_before_release()  # written through a parameter since its last use
+        for home in self._homes[block.index]:
             home.wait_fetched()  # a gather started ahead writes into the buffer until it is done
         for group in block.groups:
             assert group.device_buffer is not None
@@ -267,7 +281,7 @@ class WeightStreamer:
             return
         if following.residency is not Residency.RELEASED:
             return
-        homes = _homes(following)
+        homes = self._homes[following.index]
         if any(home.reads_ahead_from_disk for home in homes):
             # overlaps this block's compute; the fetch finishes it. Not while an update may still write them.
             if settled and all(home.prefetch() for home in homes):
@@ -306,8 +320,3 @@ def _slot_of(tensor: Tensor, group: FlatGroup) -> Optional[ParamSlot]:
     alike = [s for s in group.slots if tuple(s.shape) in (shape, shape[::-1])]
     return alike[0] if len(alike) == 1 else None
 
-
-def _homes(block: Block) -> List[WeightHome]:
-    """The weight home of each of the block's groups, in the block's group order."""
-    assert block.runtime is not None
-    return [runtime.home for runtime in block.runtime.groups]

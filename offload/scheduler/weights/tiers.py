@@ -6,12 +6,12 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from offload.scheduler.activations.spill import ActivationSpill
-from offload.scheduler.grads.grad_window import GradPool
 from offload.scheduler.ring.disk_ring import DiskRing
 from offload.scheduler.weights.streamer import WeightStreamer
 from offload.tiers.copies import CopyContext
 from offload.tiers.device import DeviceTier
 from offload.tiers.disk import SwapStore
+from offload.tiers.grad_window import GradPool
 from offload.tiers.host import StagingPool
 
 
@@ -25,7 +25,7 @@ class Tiers:
     swap: Optional[SwapStore] = None
     staging: Optional[StagingPool] = None
     ring: Optional[DiskRing] = None
-    grad_pool: Optional[GradPool] = None  # the nvme tier's gradient window (grad_pool.py)
+    grad_pool: Optional[GradPool] = None  # the nvme tier's gradient window (tiers/grad_window.py)
     activations: Optional[ActivationSpill] = None  # activations="offload": saved tensors to the swap directory
 
     def stats(self) -> Dict[str, float]:

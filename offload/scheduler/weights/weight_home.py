@@ -16,7 +16,7 @@ streamer's (streaming.py); CUDA events are the copy context's (streams.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -25,7 +25,7 @@ from offload.scheduler.blocks.block import FlatGroup
 from offload.tiers.copies import CopyContext
 
 if TYPE_CHECKING:
-    from offload.scheduler.ring.weight_io import DiskWeightIO
+    from offload.scheduler.ring.record_moves import RecordMoves
 
 
 class WeightHome(Protocol):
@@ -33,7 +33,7 @@ class WeightHome(Protocol):
 
     pushes: bool  # an update writes elsewhere than the device buffer: `push` must follow it
     reads_ahead_from_disk: bool  # a prefetch starts disk reads (`prefetch`) instead of a fetch
-    partitioned: bool  # it keeps this rank's part only (sharded weights): no gather follows an update
+    partitioned: bool  # it keeps this rank's part only (sharded weights), gathered whole for each use
     target_base: int  # the group element that `update_target()`'s element 0 is
 
     def update_target(self) -> Optional[Tensor]: ...
@@ -54,8 +54,37 @@ class WeightHome(Protocol):
 
     def cancel_prefetch(self) -> None: ...
 
+    def before_prefetch(self, owner: "UpdateOwner") -> None:
+        """The block before its block in the forward is about to fetch it ahead."""
 
-class DeviceHome:
+    def share_update(self, sharing: "UpdateSharing", state: Any, out: Optional[Tensor]) -> None:
+        """After an update wrote `out` (this rank's part of `state`): the other data-parallel ranks get it."""
+
+
+class UpdateOwner(Protocol):
+    """The block record a home belongs to (records/block_record.py)."""
+
+    def settle(self, counted: bool = False) -> None: ...
+
+
+class UpdateSharing(Protocol):
+    """How new weights reach the other data-parallel ranks (modes/reduction.py; nothing in one process)."""
+
+    def send_new_weights(self, state: Any, out: Optional[Tensor]) -> None: ...
+
+
+class WholeWeights:
+    """What the homes of whole weights share: a fetch ahead reads what is at home (nothing to wait for), and
+    every rank's new part of an update is gathered into each rank's weights at once."""
+
+    def before_prefetch(self, owner: UpdateOwner) -> None:
+        pass
+
+    def share_update(self, sharing: UpdateSharing, state: Any, out: Optional[Tensor]) -> None:
+        sharing.send_new_weights(state, out)
+
+
+class DeviceHome(WholeWeights):
     """Weights on the compute device only."""
 
     pushes = False
@@ -96,7 +125,7 @@ class DeviceHome:
         pass
 
 
-class HostMirror:
+class HostMirror(WholeWeights):
     """A host copy the update writes; uploads (asynchronous on CUDA, see [Note: CUDA streams]) feed the device.
     `whole`: the copy holds the whole group and is the authoritative one (a streamed block); else only the
     trainable range, next to device weights that stay resident."""
@@ -156,7 +185,7 @@ class HostMirror:
         pass
 
 
-class DiskHome:
+class DiskHome(WholeWeights):
     """Compute weights in the swap file, moved disk -> staging slot -> device slot by slot. A prefetch starts
     the disk reads ahead (`prefetch`), the next fetch or push finishes them; an update of the block makes
     them stale (`cancel_prefetch`)."""
@@ -166,13 +195,13 @@ class DiskHome:
     partitioned = False
     target_base = 0
 
-    def __init__(self, group: FlatGroup, weights: "DiskWeightIO", copies: CopyContext) -> None:
+    def __init__(self, group: FlatGroup, weights: "RecordMoves", copies: CopyContext) -> None:
         assert group.device_buffer is not None
         self._group = group
-        self._disk = weights  # the ring's weight moves (ring/weight_io.py)
+        self._disk = weights  # the ring's weight moves (ring/record_moves.py)
         self._copies = copies
         self._read_ahead: Optional[list] = None  # the ring's handle of reads a prefetch started
-        weights.write_weights(group, group.device_buffer.to("cpu"))
+        weights.write_from(group, group.device_buffer.to("cpu"))
 
     def update_target(self) -> Optional[Tensor]:
         return None  # the update writes the new weights into the store's chunks, and the ring to disk
@@ -194,18 +223,18 @@ class DiskHome:
         handle, self._read_ahead = self._read_ahead, None
         with torch.no_grad():
             if handle:
-                self._disk.finish_weights_read(handle, buffer, self._copies.to_device)
+                self._disk.finish_read(handle, buffer, self._copies.to_device)
             else:
-                self._disk.read_weights(self._group, buffer, self._copies.to_device)
+                self._disk.read_into(self._group, buffer, self._copies.to_device)
 
     def host_weights(self) -> Tensor:
         weights = torch.empty(self._group.numel, dtype=self._group.dtype)
-        self._disk.read_weights(self._group, weights, _host_copy)
+        self._disk.read_into(self._group, weights, _host_copy)
         return weights
 
     def replace(self, flat: Tensor, resident: bool) -> None:
         self.cancel_prefetch()  # reads a prefetch started would return the old weights
-        self._disk.write_weights(self._group, flat.to(self._group.dtype).contiguous())
+        self._disk.write_from(self._group, flat.to(self._group.dtype).contiguous())
         if resident:
             assert self._group.device_buffer is not None
             self._group.device_buffer.copy_(flat)
@@ -214,13 +243,13 @@ class DiskHome:
         """Start the disk reads of the weights without blocking; False when the ring has no slots to spare."""
         if self._read_ahead is None:
             assert self._group.device_buffer is not None
-            self._read_ahead = self._disk.start_weights_read(self._group, self._group.device_buffer.element_size())
+            self._read_ahead = self._disk.start_read(self._group, self._group.device_buffer.element_size())
         return self._read_ahead is not None
 
     def cancel_prefetch(self) -> None:
         handle, self._read_ahead = self._read_ahead, None
         if handle:
-            self._disk.cancel_weights_read(handle)
+            self._disk.cancel_read(handle)
 
 
 def _host_copy(dst: Tensor, src: Tensor) -> None:

@@ -108,7 +108,7 @@ def _attached() -> Tuple[Net, FakePhases, HookSet]:
     assert [b.name for b in blocks] == ["emb", "layers.0", "layers.1", "head"]
     phases = FakePhases(model)
     hooks = HookSet()
-    hooks.attach(model, blocks, param_owners(model), phases, phases, phases, phases)
+    hooks.attach(model, blocks, param_owners(model), phases, phases, phases, phases, records=[])
     return model, phases, hooks
 
 
@@ -205,7 +205,7 @@ def test_remove_leaves_no_hook_and_no_deepcopy_and_keeps_the_users_own():
     blocks = build_blocks(model, torch.float32)
     phases = FakePhases(model)
     hooks = HookSet()
-    hooks.attach(model, blocks, param_owners(model), phases, phases, phases, phases)
+    hooks.attach(model, blocks, param_owners(model), phases, phases, phases, phases, records=[])
     holders = [m for m in model.modules() if next(m.parameters(), None) is not None]
     assert all("__deepcopy__" in vars(m) for m in holders)
     assert sum(_hook_entries(m) for m in model.modules()) > sum(before.values())

@@ -126,7 +126,7 @@ def test_a_write_error_reaped_by_a_weight_prefetch_is_raised_by_drain(tmp_path):
         ring.write_fresh(group, _fill(1.0))
         swap.hold_writes, swap.fail_writes = False, None
         swap.finish_writes()
-        assert ring.weights.start_weights_read(group, 4) is None  # a prefetch meets the error: kept, not raised
+        assert ring.weights.start_read(group, 4) is None  # a prefetch meets the error: kept, not raised
         with pytest.raises(OSError, match="write failed"):
             ring.drain()
         ring.drain()  # reported once

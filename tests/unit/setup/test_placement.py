@@ -17,7 +17,6 @@ from offload.param_groups import optimizer_groups
 from offload.planner.plan import Plan
 from offload.policy import OffloadPolicy, Tier
 from offload.scheduler.blocks.block import Block, FlatGroup, Residency, build_blocks
-from offload.scheduler.grads.grad_home import GradAccumulator, WindowedGradAccumulator
 from offload.scheduler.modes.clipping import NoClipping, NormClipping
 from offload.scheduler.modes.disk_traffic import NoDiskTraffic, RingTraffic
 from offload.scheduler.modes.reduction import LocalReduction
@@ -54,6 +53,14 @@ class Placed:
         out = [g for b in self.blocks for g in b.groups]
         return out if trains is None else [g for g in out if bool(g.trainable_numel) == trains]
 
+    def state(self, group: FlatGroup):
+        state = self.pipeline.group_record(group).state
+        assert state is not None
+        return state
+
+    def home(self, group: FlatGroup):
+        return self.pipeline.group_record(group).home
+
     @property
     def modes(self) -> Modes:
         """The modes `assemble` chose: the forward phase holds them (phases/forward.py)."""
@@ -87,29 +94,21 @@ def _policy(tier: Tier, tmp_path, **options) -> OffloadPolicy:
                          device=CPU, **options)
 
 
-def _state(group: FlatGroup):
-    assert group.runtime is not None and group.runtime.state is not None
-    return group.runtime.state
-
-
-def _home(group: FlatGroup):
-    assert group.runtime is not None
-    return group.runtime.home
 
 
 def test_the_gpu_tier_keeps_state_and_gradients_on_the_device(tmp_path):
     with placed(_policy(Tier.GPU, tmp_path)) as p:
         assert not p.plan.streamed_blocks and p.tiers.ring is None
         for group in p.groups(trains=True):
-            state = _state(group)
+            state = p.state(group)
             assert type(state.store) is MemoryStore and not state.store.on_host
             assert not state.store.uses_cpu_kernel, "torch maths on the device"
             assert not state.store.writes_compute_copy, "fp32: the master weights are the device buffer itself"
-            assert type(state.grads) is GradAccumulator and state.grads.device == CPU
+            assert state.grads.pool is None and state.grads.device == CPU
         for group in p.groups():
-            assert type(_home(group)) is DeviceHome
+            assert type(p.home(group)) is DeviceHome
         for group in p.groups(trains=False):
-            assert group.runtime is not None and group.runtime.state is None
+            assert p.pipeline.group_record(group).state is None
         assert isinstance(p.modes.disk, NoDiskTraffic) and isinstance(p.modes.reduction, LocalReduction)
         assert isinstance(p.modes.clipping, NoClipping)
 
@@ -117,10 +116,10 @@ def test_the_gpu_tier_keeps_state_and_gradients_on_the_device(tmp_path):
 def test_the_cpu_tier_keeps_the_state_on_the_host_for_the_cpu_adam(tmp_path):
     with placed(_policy(Tier.CPU, tmp_path, max_grad_norm=1.0)) as p:
         for group in p.groups(trains=True):
-            state = _state(group)
+            state = p.state(group)
             assert type(state.store) is MemoryStore and state.store.on_host and state.store.uses_cpu_kernel
-            assert type(state.grads) is GradAccumulator
-            assert type(_home(group)) is DeviceHome, "the compute device is the cpu: no upload source"
+            assert state.grads.pool is None
+            assert type(p.home(group)) is DeviceHome, "the compute device is the cpu: no upload source"
         assert isinstance(p.modes.disk, NoDiskTraffic) and isinstance(p.modes.reduction, LocalReduction)
         assert isinstance(p.modes.clipping, NormClipping) and p.modes.clipping.max_norm == 1.0
 
@@ -130,10 +129,10 @@ def test_streamed_blocks_get_a_whole_host_mirror_and_are_released(tmp_path):
         streamed = set(p.plan.streamed_blocks)
         assert streamed == {"h.0", "h.1", "h.2"}
         for block in p.blocks:
-            assert block.record.streamed == (block.name in streamed)
+            assert p.pipeline.records[block.index].streamed == (block.name in streamed)
             assert block.residency is (Residency.RELEASED if block.name in streamed else Residency.RESIDENT)
             for group in block.groups:
-                home = _home(group)
+                home = p.home(group)
                 if block.name in streamed:
                     assert type(home) is HostMirror and home.host.numel() == group.numel
                 else:
@@ -145,10 +144,10 @@ def test_the_nvme_tier_keeps_the_state_in_the_swap_file_through_the_ring(tmp_pat
     with placed(_policy(Tier.NVME, tmp_path)) as p:
         assert p.tiers.ring is not None and p.tiers.swap is not None and p.tiers.grad_pool is None
         for group in p.groups(trains=True):
-            state = _state(group)
+            state = p.state(group)
             assert type(state.store) is DiskStore and state.store.reads_ahead
-            assert type(state.grads) is GradAccumulator and state.grads.device == CPU
-            assert type(_home(group)) is DeviceHome, "no budget: the weights stay on the device"
+            assert state.grads.pool is None and state.grads.device == CPU
+            assert type(p.home(group)) is DeviceHome, "no budget: the weights stay on the device"
         assert isinstance(p.modes.disk, RingTraffic) and isinstance(p.modes.clipping, NoClipping)
 
 
@@ -158,7 +157,7 @@ def test_a_host_budget_too_small_for_the_streamed_weights_puts_them_on_disk(tmp_
         assert on_disk and on_disk <= streamed
         for block in p.blocks:
             for group in block.groups:
-                home = _home(group)
+                home = p.home(group)
                 if block.name in on_disk:
                     assert type(home) is DiskHome, block.name
                 elif block.name in streamed:
@@ -166,7 +165,7 @@ def test_a_host_budget_too_small_for_the_streamed_weights_puts_them_on_disk(tmp_
                 else:
                     assert type(home) is DeviceHome, block.name
         for group in p.groups(trains=True):
-            assert type(_state(group).grads) is GradAccumulator, "accumulation not declared: no window"
+            assert p.state(group).grads.pool is None, "accumulation not declared: no window"
 
 
 def test_a_gradient_window_needs_declared_accumulation_no_clipping_and_a_host_budget(tmp_path):
@@ -174,13 +173,13 @@ def test_a_gradient_window_needs_declared_accumulation_no_clipping_and_a_host_bu
     with placed(_policy(Tier.NVME, tmp_path, **windowed)) as p:
         assert p.tiers.grad_pool is not None and p.plan.grad_window_bytes is not None
         for group in p.groups(trains=True):
-            grads = _state(group).grads
-            assert type(grads) is WindowedGradAccumulator and grads.pool is p.tiers.grad_pool
+            grads = p.state(group).grads
+            assert grads.pool is not None and grads.pool is p.tiers.grad_pool
             assert grads.grad is None, "no buffer before the first gradient"
     for other in (dict(windowed, max_grad_norm=1.0), dict(grad_accumulation_steps=1), dict(host_memory=1 << 30)):
         with placed(_policy(Tier.NVME, tmp_path, **other)) as p:
             assert p.tiers.grad_pool is None, other
-            assert all(type(_state(g).grads) is GradAccumulator for g in p.groups(trains=True)), other
+            assert all(p.state(g).grads.pool is None for g in p.groups(trains=True)), other
 
 
 def test_resident_trainable_weights_on_a_gpu_with_host_state_get_an_upload_source():

@@ -14,8 +14,6 @@ from torch import nn
 
 from offload.errors import OffloadError
 from offload.scheduler.blocks.block import Block, Residency, build_blocks
-from offload.scheduler.records.block_runtime import BlockRuntime
-from offload.scheduler.records.group_runtime import GroupRuntime
 from offload.scheduler.weights.read_through import reads_through
 from offload.scheduler.weights.streamer import PackedWeight, WeightStreamer
 from offload.scheduler.weights.weight_home import HostMirror
@@ -24,6 +22,13 @@ from offload.tiers.device import DeviceTier
 
 BLOCK_BYTES = (8 * 8 + 8) * 4  # one nn.Linear(8, 8) in fp32
 CPU = torch.device("cpu")
+
+
+class KeepsNothing:
+    """The release observer of blocks whose parameters nothing writes here (a block record keeps such writes)."""
+
+    def keep_writes_before_release(self) -> None:
+        pass
 
 
 class Streamed:
@@ -39,16 +44,15 @@ class Streamed:
         self.blocks: List[Block] = build_blocks(self.model, torch.float32)
         for block in self.blocks:
             assert block.weight_bytes == BLOCK_BYTES
-            runtimes = []
+            homes = []
             for group in block.groups:
                 buffer = self.device.allocate(group.numel, group.dtype, block.name)
                 for slot in group.slots:
                     buffer[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
                 group.device_buffer = buffer
                 group.point_params_at(buffer)
-                runtimes.append(GroupRuntime(block, group, HostMirror(group, copies, whole=True), None))
-            block.runtime = BlockRuntime(block, runtimes, True, services=None)  # type: ignore[arg-type]
-            self.streamer.adopt(block)
+                homes.append(HostMirror(group, copies, whole=True))
+            self.streamer.adopt(block, homes, KeepsNothing())
 
     def resident(self) -> List[int]:
         return [b.index for b in self.blocks if b.residency is Residency.RESIDENT]

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from offload.scheduler.blocks.block import FlatGroup, ParamSlot
-from offload.scheduler.grads.grad_home import GradAccumulator, WindowedGradAccumulator
-from offload.scheduler.grads.grad_window import GradPool
+from offload.scheduler.records.grad_home import GradHome
 from offload.tiers.copies import CopyContext
+from offload.tiers.grad_window import GradPool
 
 TRAINABLE_SHAPES: Tuple[Tuple[int, ...], ...] = ((3, 4), (5,), (2, 3))  # elements 0..12, 12..17, 17..23
 HOME_KINDS = ["host", "windowed"]
@@ -32,14 +32,15 @@ def make_group(dtype: torch.dtype = torch.float32, name: str = "blk") -> FlatGro
 
 
 def make_home(kind: str, group: FlatGroup, off_device: bool = True, pool: Optional[GradPool] = None,
-              padded_numel: Optional[int] = None) -> Tuple[GradAccumulator, CopyContext]:
-    """The group's gradient home of `kind` on the host, with the cpu device's copy context."""
+              padded_numel: Optional[int] = None) -> Tuple[GradHome, CopyContext]:
+    """The group's gradient home of `kind` on the host (a buffer of its own, or one from a window), with the cpu
+    device's copy context."""
     copies = CopyContext(torch.device("cpu"))
     cpu = torch.device("cpu")
     if kind == "host":
-        return GradAccumulator(group, cpu, copies, off_device, padded_numel), copies
+        return GradHome(group, cpu, copies, off_device, padded_numel), copies
     pool = pool if pool is not None else GradPool(1 << 20)
-    return WindowedGradAccumulator(group, cpu, copies, off_device, pool, padded_numel), copies
+    return GradHome(group, cpu, copies, off_device, padded_numel, pool), copies
 
 
 def grad_of(group: FlatGroup, index: int, value: Optional[float] = None) -> torch.Tensor:
@@ -50,7 +51,7 @@ def grad_of(group: FlatGroup, index: int, value: Optional[float] = None) -> torc
     return torch.randn(slot.shape).to(group.dtype)
 
 
-def piece(home: GradAccumulator, index: int) -> torch.Tensor:
+def piece(home: GradHome, index: int) -> torch.Tensor:
     """Parameter `index`'s range of the home's flat gradient."""
     slot = home.group.trainable_slots[index]
     return home.buffer()[slot.offset:slot.offset + slot.numel]

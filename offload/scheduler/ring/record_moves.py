@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 KEEP_FOR_CHUNKS = KEEP_FOR_LOAD + 1
 
 
-class WeightRead(NamedTuple):
+class PieceRead(NamedTuple):
     """One piece of a prefetch: a slot, the elements [start, stop) it receives as `staged`, and its read."""
 
     slot: "Slot"
@@ -46,7 +46,7 @@ class WeightRead(NamedTuple):
     future: "IOFuture"
 
 
-class DiskWeightIO:
+class RecordMoves:
     """The moves of one kind of array (`WEIGHTS` or `GRADS`) over `slots`, ordered after the state's writes by
     `order`."""
 
@@ -72,9 +72,9 @@ class DiskWeightIO:
         records = self._store.weights if self._kind == WEIGHTS else self._store.grads
         return records[group.key].numel
 
-    def read_weights(self, group: "FlatGroup", dst: Tensor, copy: Callable[[Tensor, Tensor], None]) -> None:
-        """Read the group's disk-resident compute weights, slot by slot, and `copy(dst_piece, staged)` each.
-        Reads take a slot's worth at a time (several of the pieces `write_weights` sealed, each verified)."""
+    def read_into(self, group: "FlatGroup", dst: Tensor, copy: Callable[[Tensor, Tensor], None]) -> None:
+        """Read the group's record (its weights or its gradient), slot by slot, and `copy(dst_piece, staged)` each.
+        Reads take a slot's worth at a time (several of the pieces `write_from` sealed, each verified)."""
         self._order.wait_for_writes_of(group, 0, group.numel)
         for start, stop in _pieces(self._numel(group), self._per_slot(dst.element_size())):
             slot = self._order.take()
@@ -85,8 +85,8 @@ class DiskWeightIO:
             finally:
                 self._slots.give_back(slot)
 
-    def write_weights(self, group: "FlatGroup", src: Tensor) -> None:
-        """Write the group's compute weights (all of `src`) to its weight record, through the slots. Writes go
+    def write_from(self, group: "FlatGroup", src: Tensor) -> None:
+        """Write the group's record (all of `src`: its weights or its gradient), through the slots. Writes go
         in the updates' chunks, so each piece they seal is one an update's read covers whole and verifies."""
         self._order.wait_for_writes_of(group, 0, group.numel)
         for start, stop in _pieces(self._numel(group), self._slots.chunk_numel):
@@ -98,7 +98,7 @@ class DiskWeightIO:
             finally:
                 self._slots.give_back(slot)
 
-    def start_weights_read(self, group: "FlatGroup", itemsize: int) -> Optional[List[WeightRead]]:
+    def start_read(self, group: "FlatGroup", itemsize: int) -> Optional[List[PieceRead]]:
         """Issue reads of the group's disk-resident weights into free slots without blocking (a prefetch);
         None when that would take the ring's last free slots (`KEEP_FOR_CHUNKS` stay) or a write of the group
         is still in flight. Complete it with `finish_weights_read`, or `cancel_weights_read`."""
@@ -109,18 +109,18 @@ class DiskWeightIO:
             slots = self._order.take_ahead_locked(len(pieces), group, 0, group.numel, keep=KEEP_FOR_CHUNKS)
             if slots is None:
                 return None
-            taken: List[WeightRead] = []
+            taken: List[PieceRead] = []
             try:
                 for slot, (start, stop) in zip(slots, pieces):
                     staged = slot.raw[:(stop - start) * itemsize].view(group.dtype)
-                    taken.append(WeightRead(slot, start, stop, staged, self._submit_read(group, start, staged)))
+                    taken.append(PieceRead(slot, start, stop, staged, self._submit_read(group, start, staged)))
             except BaseException:
                 for slot in slots[len(taken):]:  # no read targets these
                     self._slots.give_back_locked(slot)
                 raise
         return taken
 
-    def finish_weights_read(self, handle: List[WeightRead], dst: Tensor,
+    def finish_read(self, handle: List[PieceRead], dst: Tensor,
                             copy: Callable[[Tensor, Tensor], None]) -> None:
         """Wait for a prefetch's reads and `copy(dst_piece, staged)` each; its slots go back."""
         try:
@@ -128,9 +128,9 @@ class DiskWeightIO:
                 self._order.wait([piece.future])
                 copy(dst[piece.start:piece.stop], piece.staged)
         finally:
-            self.cancel_weights_read(handle)
+            self.cancel_read(handle)
 
-    def cancel_weights_read(self, handle: List[WeightRead]) -> None:
+    def cancel_read(self, handle: List[PieceRead]) -> None:
         """Return a prefetch's slots (after its reads are done: the kernel writes into them)."""
         for piece in handle:
             try:

@@ -1,39 +1,82 @@
-"""`BlockRuntime`: one block during training (`block.runtime`), with the work each phase does for it.
+"""`BlockRecord`: one block during training, with the work each phase does for it and the jobs the worker
+runs for it.
 
 The phases (phases/) only dispatch: for each block they ask its record to get ready for the forward, to take
 a gradient, to schedule its update or to forget its gradients, and the record does it with its groups
-(group_runtime.py: weight home, optimizer state, gradient home) and the engine's shared services
-(services.py). State and the logic that changes it live here together, as in FSDP2's `FSDPParamGroup`.
+(group.py: weight home, optimizer state, gradient home) and the engine's shared services (services.py). Its
+update and the parking of its gradients are jobs (`UpdateJob`, `ParkJob`) made here on the training thread and
+run here on the step worker (`run_update`, `run_park`); the reduction mode says which parameters step and the
+record runs the loop. State and the logic that changes it live here together, as in FSDP2's `FSDPParamGroup`.
 What a record holds per step (`updated_early`, `norms`, `shard_sumsq`) is reset by one `end_step()`.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
-from torch import nn
+from torch import Tensor, nn
 
 from offload.errors import OffloadError
 from offload.scheduler.blocks.block import Block, Residency
-from offload.scheduler.grads.grad_home import released_gradient
-from offload.scheduler.grads.held_grad import HeldGrad
-from offload.scheduler.records.group_runtime import GroupRuntime
-from offload.scheduler.records.group_state import GroupState
+from offload.scheduler.records.grad_home import released_gradient
+from offload.scheduler.records.group import GroupRecord, GroupState
+from offload.scheduler.records.held_grad import HeldGrad
 from offload.scheduler.records.services import BlockServices
 from offload.scheduler.state.adamw import AdamHyper
 from offload.scheduler.torch_internals import after_backward
-from offload.scheduler.worker.jobs import GroupUpdate, ParkJob, UpdateJob
 
 if TYPE_CHECKING:
     from offload.scheduler.records.slot_table import SlotRef
 
 
-class BlockRuntime:
+@dataclass(frozen=True)
+class GroupUpdate:
+    """One flat group's part of a block update: ready slots, their hyperparameters, the weights' target."""
+
+    group: GroupRecord
+    ready: List[int]
+    hypers: List[AdamHyper]
+    out: Optional[Tensor]
+    out_base: int = 0  # the group element `out[0]` is (sharded weights: the rank's part starts there)
+
+
+@dataclass(frozen=True)
+class UpdateJob:
+    """A block's AdamW update, captured on the training thread when it is scheduled (which parameters have
+    gradients, the hyperparameters, where new weights go: nothing that may change before it runs).
+    `check_finite`: skip groups with inf/NaN gradients (no clipping); `step`: the optimizer step it belongs to
+    (for the non-finite warning)."""
+
+    record: "BlockRecord"
+    parts: List[GroupUpdate]
+    grad_scale: float
+    check_finite: bool
+    step: int
+
+    def __call__(self) -> None:
+        self.record.run_update(self)
+
+
+@dataclass(frozen=True)
+class ParkJob:
+    """A block's gradients are complete for this backward and wait for later: on the worker, their norms when
+    `norms` (clipping: taken before they leave memory), then each group's gradient home parks them (a disk
+    parking writes them to the swap file; the others keep them)."""
+
+    record: "BlockRecord"
+    norms: bool
+
+    def __call__(self) -> None:
+        self.record.run_park(self.norms)
+
+
+class BlockRecord:
     """One block during training. Its residency is `block.residency`; its pending update is the worker's,
     found by `block.index`."""
 
-    def __init__(self, block: Block, groups: List[GroupRuntime], streamed: bool, services: BlockServices) -> None:
+    def __init__(self, block: Block, groups: List[GroupRecord], streamed: bool, services: BlockServices) -> None:
         self.block = block
         self.groups = groups
         self.streamed = streamed
@@ -44,18 +87,12 @@ class BlockRuntime:
         self.norms: Optional[List[Tuple[nn.Parameter, float]]] = None  # gradient norms computed for clipping
         self.shard_sumsq: Optional[float] = None  # data-parallel: sum of squares of this rank's averaged part
         self.lost_write: Optional[str] = None  # a parameter written while its update ran (overlap_step)
+        # the optimizer state of each flat group that has trainable parameters
+        self.states: List[GroupState] = [g.state for g in groups if g.state is not None]
+        # whether an update writes somewhere the device must then be fed from
+        self.pushes = any(g.home.pushes for g in groups if g.state is not None)
         for state in self.states:
-            state.grads.owner = self  # told of torch's ops on its held gradients (grads/held_grad.py)
-
-    @property
-    def states(self) -> List[GroupState]:
-        """The optimizer state of each flat group that has trainable parameters."""
-        return [g.state for g in self.groups if g.state is not None]
-
-    @property
-    def pushes(self) -> bool:
-        """Whether an update writes somewhere the device must then be fed from."""
-        return any(g.home.pushes for g in self.groups if g.state is not None)
+            state.grads.owner = self  # told of torch's ops on its held gradients (held_grad.py)
 
     @property
     def partitioned(self) -> bool:
@@ -119,10 +156,10 @@ class BlockRuntime:
             return
         for part in parts:
             if part.ready:
-                assert part.runtime.state is not None
-                part.runtime.state.store.announce()  # its reads (disk) start now, ahead of the worker reaching it
+                assert part.group.state is not None
+                part.group.state.store.announce()  # its reads (disk) start now, ahead of the worker reaching it
         services.streamer.invalidate(self.block)  # disk reads a prefetch started would be stale
-        job = UpdateJob(self, parts, grad_scale, check_finite, services.counters.steps, services.jobs)
+        job = UpdateJob(self, parts, grad_scale, check_finite, services.counters.steps)
         services.worker.submit(self.block.index, job, self.priority())
         services.counters.block_updates += 1
         services.order.known = True
@@ -137,8 +174,38 @@ class BlockRuntime:
 
     def park_grads(self, norms: bool) -> None:
         """The block's gradients are complete for this backward and wait for a later use: queue, on the worker,
-        their norms (`norms`: clipping) and their parking (to disk, for a spilling gradient home)."""
-        self.services.worker.submit(self.block.index, ParkJob(self, norms, self.services.jobs), self.priority())
+        their norms (`norms`: clipping) and their parking (to disk, for a disk parking)."""
+        self.services.worker.submit(self.block.index, ParkJob(self, norms), self.priority())
+
+    # ----- on the worker ------------------------------------------------------------------------------
+    def run_update(self, job: UpdateJob) -> None:
+        """AdamW over each group of the block: the reduction says which parameters of each group step (None:
+        the group is skipped, its announced reads dropped), the groups step, the reduction shares the new
+        weights; a write through a parameter meanwhile is noted."""
+        services = self.services
+        start = time.perf_counter()
+        with services.tracer.span("update", self.block.name):
+            readies = services.reduction.ready_to_step(self, job)
+            for part, ready in zip(job.parts, readies):
+                state = part.group.state
+                assert state is not None
+                if ready:
+                    part.group.home.release_source()  # the last upload of `out` has read it
+                    state.update(ready, part.hypers, job.grad_scale, part.out, services.num_threads, part.out_base)
+                    part.group.note_writes_during_update(self)
+                    part.group.home.share_update(services.reduction, state, part.out)
+                elif ready is None:
+                    state.store.discard()  # skipped: its announced reads would otherwise hold ring slots
+                state.grads.release()  # the gradient window (nvme) gets its bytes back
+            self.forget_averages()
+        services.counters.update_seconds += time.perf_counter() - start
+
+    def run_park(self, norms: bool) -> None:
+        """Its norms (clipping), then each group's gradient parks."""
+        if norms:
+            self.services.reduction.norms(self, self.services.counters.steps)
+        for state in self.states:
+            state.grads.park()
 
     @property
     def spills(self) -> bool:
@@ -240,23 +307,28 @@ class BlockRuntime:
                 "was moved or converted after offload.wrap() (model.to(), .double(), .half(), .cuda()), so "
                 "training would not reach them; convert the model first, then wrap it (engine.close() first)")
 
-    def make_resident(self, following: Optional[Block], in_backward: bool) -> None:
+    def make_resident(self, following: Optional["BlockRecord"], in_backward: bool) -> None:
         """A streamed block made resident and pinned for its module's forward (its parameters plain for it),
         the one after it prefetched when its weights are final; in a backward's recompute it stays pinned
         until that backward ends ([Note: weight streaming])."""
         if not self.streamed:
             return
         streamer = self.services.streamer
-        if following is not None and following.runtime is not None and following.runtime.partitioned:
-            # sharded weights: its update in first, so the gather ahead brings the new weights and the push after
-            # the update has nothing left to gather (one gather a use; the same wait on every rank)
-            following.runtime.settle(counted=True)
-        settled = following is None or following.runtime is None or following.runtime.is_settled()
-        streamer.ensure(self.block, pin=True, prefetch=following, settled=settled)
+        settled = following is None or following.ready_to_prefetch()
+        streamer.ensure(self.block, pin=True, prefetch=None if following is None else following.block,
+                        settled=settled)
         if in_backward:
             streamer.pin(self.block.index)
             after_backward(self.unpin)
         streamer.enter_forward(self.block)
+
+    def ready_to_prefetch(self) -> bool:
+        """Whether its weights at home are final, so the block before it in the forward may fetch them ahead; a
+        home whose fetch gathers (sharded weights) waits for the update first, so the gather ahead brings the new
+        weights and the push after the update has nothing left to gather (one gather a use)."""
+        for group in self.groups:
+            group.home.before_prefetch(self)
+        return self.is_settled()
 
     def leave_forward(self) -> None:
         """The module is done with the block (also after an exception)."""

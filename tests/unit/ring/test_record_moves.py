@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from offload.planner.ring import min_ring_bytes
-from offload.scheduler.ring.weight_io import KEEP_FOR_CHUNKS
+from offload.scheduler.ring.record_moves import KEEP_FOR_CHUNKS
 from tests.unit.ring.gated_swap import check_no_slot_reused_in_flight, gated_ring
 
 
@@ -24,9 +24,9 @@ def test_weights_round_trip_through_the_slots_in_several_pieces(tmp_path):
         with gated_ring(directory, model, min_ring_bytes(), weights_on_disk=True, dtype=dtype) as (ring, swap, groups):
             group = groups[0]
             weights = torch.randn(group.numel).to(dtype)
-            ring.weights.write_weights(group, weights)
+            ring.weights.write_from(group, weights)
             back = torch.empty_like(weights)
-            ring.weights.read_weights(group, back, _copy)
+            ring.weights.read_into(group, back, _copy)
             assert torch.equal(back, weights)
             writes = [e for e in swap.events if e[0] == "write weights"]
             reads = [e for e in swap.events if e[0] == "read weights"]
@@ -40,12 +40,12 @@ def test_a_weight_read_starts_after_the_chunk_writes_of_its_group(tmp_path):
     with gated_ring(tmp_path, nn.Sequential(nn.Linear(64, 100)), min_ring_bytes(), weights_on_disk=True) as (
             ring, swap, groups):
         group = groups[0]
-        ring.weights.write_weights(group, torch.zeros(group.numel))
+        ring.weights.write_from(group, torch.zeros(group.numel))
         swap.hold_writes = True
         ring.write_fresh(group, lambda a, b, sections: [t.fill_(1.0) for t in sections])  # weights ride along
-        assert ring.weights.start_weights_read(group, 4) is None, "a prefetch while a write of the group is in flight"
+        assert ring.weights.start_read(group, 4) is None, "a prefetch while a write of the group is in flight"
         weights = torch.empty(group.numel)
-        ring.weights.read_weights(group, weights, _copy)
+        ring.weights.read_into(group, weights, _copy)
         events = swap.events
         first_read = next(i for i, e in enumerate(events) if e[0] == "read weights")
         for start, _stop in ring.chunks(group):
@@ -59,14 +59,14 @@ def test_a_prefetch_reads_ahead_and_gives_its_slots_back(tmp_path):
             ring, _swap, groups):
         group = groups[0]
         weights = torch.randn(group.numel)
-        ring.weights.write_weights(group, weights)
-        handle = ring.weights.start_weights_read(group, 4)
+        ring.weights.write_from(group, weights)
+        handle = ring.weights.start_read(group, 4)
         assert handle is not None and len(ring._slots.free) == ring.depth - len(handle)
         back = torch.empty_like(weights)
-        ring.weights.finish_weights_read(handle, back, _copy)
+        ring.weights.finish_read(handle, back, _copy)
         assert torch.equal(back, weights) and len(ring._slots.free) == ring.depth
-        handle = ring.weights.start_weights_read(group, 4)
-        ring.weights.cancel_weights_read(handle)
+        handle = ring.weights.start_read(group, 4)
+        ring.weights.cancel_read(handle)
         assert not handle and len(ring._slots.free) == ring.depth
 
 
@@ -76,8 +76,8 @@ def test_a_prefetch_leaves_the_chunk_path_its_slots(tmp_path):
         small, large = groups
         pieces = -(-large.numel // (ring.chunk_numel * 4))
         assert pieces + KEEP_FOR_CHUNKS > ring.depth
-        assert ring.weights.start_weights_read(large, 4) is None, "would take the slots the worker needs"
+        assert ring.weights.start_read(large, 4) is None, "would take the slots the worker needs"
         assert len(ring._slots.free) == ring.depth
-        handle = ring.weights.start_weights_read(small, 4)  # one piece: leaves KEEP_FOR_CHUNKS free
+        handle = ring.weights.start_read(small, 4)  # one piece: leaves KEEP_FOR_CHUNKS free
         assert handle is not None and len(ring._slots.free) >= KEEP_FOR_CHUNKS
-        ring.weights.cancel_weights_read(handle)
+        ring.weights.cancel_read(handle)

@@ -1,6 +1,6 @@
-"""`BlockJobs` with `LocalReduction` on its own (worker/block_jobs.py, modes/reduction.py): an `UpdateJob` and a
-`ParkJob` (norms) of one block built with its records (records/: block runtime, group runtimes, group states with a
-`MemoryStore` and a `GradAccumulator`), run by a real `StepWorker` through the block's `BlockServices`.
+"""A block's record with `LocalReduction` on its own (records/block_record.py, modes/reduction.py): an `UpdateJob`
+and a `ParkJob` (norms) of one block built with its records (records/: the block record, group records, group states
+with a `MemoryStore` and a `GradHome`), run by a real `StepWorker` through the block's `BlockServices`.
 
 The block: a bf16 linear and an fp32 LayerNorm (kept fp32, [Note: compute dtypes]), so two flat groups."""
 
@@ -13,22 +13,20 @@ import pytest
 import torch
 from torch import nn
 
-from offload.scheduler.blocks.block import Block, FlatGroup, build_blocks
+from offload.scheduler.blocks.block import Block, build_blocks
 from offload.scheduler.blocks.forward_order import ForwardOrder
-from offload.scheduler.grads.grad_home import GradAccumulator
 from offload.scheduler.modes.reduction import LocalReduction
-from offload.scheduler.phases.step_stats import StepCounters
-from offload.scheduler.records.block_runtime import BlockRuntime
-from offload.scheduler.records.group_runtime import GroupRuntime
-from offload.scheduler.records.group_state import GroupState
+from offload.scheduler.records.block_record import BlockRecord, GroupUpdate, ParkJob, UpdateJob
+from offload.scheduler.records.grad_home import GradHome
+from offload.scheduler.records.group import GroupRecord, GroupState
+from offload.scheduler.records.nonfinite import NonFiniteSkips
 from offload.scheduler.records.services import BlockServices
 from offload.scheduler.state.adamw import AdamHyper
 from offload.scheduler.state.state_store import MemoryStore
 from offload.scheduler.weights.pending_guard import PendingGuard
 from offload.scheduler.weights.streamer import WeightStreamer
 from offload.scheduler.weights.weight_home import DeviceHome
-from offload.scheduler.worker.block_jobs import BlockJobs
-from offload.scheduler.worker.jobs import GroupUpdate, ParkJob, UpdateJob
+from offload.scheduler.worker.counters import StepCounters
 from offload.scheduler.worker.step_worker import StepWorker
 from offload.tiers.copies import CopyContext
 from offload.tiers.device import DeviceTier
@@ -86,10 +84,10 @@ class OneBlock:
         self.worker = StepWorker(1)
         copies = CopyContext(CPU)
         tracer, counters, reduction = Tracer(), StepCounters(), LocalReduction()
-        self.jobs = BlockJobs(tracer, counters, 1, reduction)
+        self.nonfinite = NonFiniteSkips()
         streamer = WeightStreamer(DeviceTier(CPU, None), copies)
-        self.services = BlockServices(self.worker, streamer, tracer, counters, ForwardOrder(1), reduction, self.jobs,
-                                      PendingGuard(streamer.read_through))
+        self.services = BlockServices(self.worker, streamer, tracer, counters, ForwardOrder(1), reduction,
+                                      PendingGuard(streamer.read_through), self.nonfinite, 1)
         self.stores: Dict[torch.dtype, Logged] = {}
         groups = []
         for group in self.block.groups:
@@ -99,34 +97,32 @@ class OneBlock:
             group.device_buffer = buffer
             group.point_params_at(buffer)
             store = self.stores[group.dtype] = Logged(MemoryStore(group, CPU, on_host=True))
-            grads = GradAccumulator(group, CPU, copies, off_device=False)
+            grads = GradHome(group, CPU, copies, off_device=False)
             state = GroupState(group, store, grads, [0] * len(group.trainable_slots))  # type: ignore[arg-type]
-            group.runtime = GroupRuntime(self.block, group, DeviceHome(group), state)
-            groups.append(group.runtime)
-        self.record = BlockRuntime(self.block, groups, False, self.services)
-        self.block.runtime = self.record
+            groups.append(GroupRecord(self.block, group, DeviceHome(group), state))
+        self.record = BlockRecord(self.block, groups, False, self.services)
 
-    def group(self, dtype: torch.dtype) -> FlatGroup:
-        return next(g for g in self.block.groups if g.dtype == dtype)
+    def group(self, dtype: torch.dtype) -> GroupRecord:
+        return next(g for g in self.record.groups if g.group.dtype == dtype)
 
     def give_grad(self, name: str, grad: torch.Tensor) -> None:
         """A parameter's gradient into its group's gradient home, as the backward's `on_grad` puts it."""
-        for group in self.block.groups:
-            for index, slot in enumerate(group.trainable_slots):
+        for group in self.record.groups:
+            for index, slot in enumerate(group.group.trainable_slots):
                 if slot.name == f"layers.0.{name}":
-                    assert group.runtime is not None and group.runtime.state is not None
-                    group.runtime.state.grads.accumulate(index, grad.to(group.dtype))
+                    assert group.state is not None
+                    group.state.grads.accumulate(index, grad.to(group.group.dtype))
                     return
         raise KeyError(name)
 
     def run_update(self, check_finite: bool = True) -> UpdateJob:
         parts = []
-        for runtime in self.record.groups:
-            state = runtime.state
+        for group in self.record.groups:
+            state = group.state
             assert state is not None
-            parts.append(GroupUpdate(runtime, state.grads.ready_indices(), state.hypers_of((HYPER,)),
-                                     runtime.home.update_target()))
-        job = UpdateJob(self.record, parts, 1.0, check_finite, 0, self.jobs)
+            parts.append(GroupUpdate(group, state.grads.ready_indices(), state.hypers_of((HYPER,)),
+                                     group.home.update_target()))
+        job = UpdateJob(self.record, parts, 1.0, check_finite, 0)
         self.worker.submit(self.block.index, job)
         self.worker.wait(self.block.index)
         return job
@@ -166,16 +162,16 @@ def test_an_update_changes_exactly_the_parameters_with_a_gradient(one_block):
         torch.testing.assert_close(param.detach(), want, atol=0, rtol=rtol)
         assert not torch.equal(param.detach(), before[name])
     for dtype in (torch.bfloat16, torch.float32):
-        runtime = one_block.group(dtype).runtime
-        assert runtime is not None and runtime.state is not None
-        names = [slot.name.removeprefix("layers.0.") for slot in runtime.group.trainable_slots]
-        assert runtime.state.steps == [1 if n in grads else 0 for n in names], "only ready parameters count a step"
-        store = runtime.state.store
-        for slot in runtime.group.trainable_slots:  # the moments of a parameter without gradient stay zero
+        group = one_block.group(dtype)
+        assert group.state is not None
+        names = [slot.name.removeprefix("layers.0.") for slot in group.group.trainable_slots]
+        assert group.state.steps == [1 if n in grads else 0 for n in names], "only ready parameters count a step"
+        store = group.state.store
+        for slot in group.group.trainable_slots:  # the moments of a parameter without gradient stay zero
             moments = store.inner.exp_avg[slot.offset:slot.offset + slot.numel]
             assert bool((moments != 0).any()) == (slot.name.removeprefix("layers.0.") in grads), slot.name
     counters = one_block.services.counters
-    assert counters.update_seconds > 0 and one_block.jobs.nonfinite.block_skips == 0
+    assert counters.update_seconds > 0 and one_block.nonfinite.block_skips == 0
 
 
 def test_a_group_with_a_nan_gradient_is_skipped_when_checked_and_counted(one_block):
@@ -186,11 +182,11 @@ def test_a_group_with_a_nan_gradient_is_skipped_when_checked_and_counted(one_blo
         one_block.run_update(check_finite=True)
     assert torch.equal(one_block.model.norm.weight.detach(), before["norm.weight"]), "the NaN group keeps its weights"
     assert not torch.equal(one_block.model.fc.weight.detach(), before["fc.weight"]), "the finite group steps"
-    nan_group = one_block.group(torch.float32).runtime
-    assert nan_group is not None and nan_group.state is not None and nan_group.state.steps == [0, 0]
+    nan_group = one_block.group(torch.float32)
+    assert nan_group.state is not None and nan_group.state.steps == [0, 0]
     assert one_block.stores[torch.float32].calls == ["discard"], "skipped: its reads dropped, never loaded"
     assert one_block.stores[torch.bfloat16].calls == ["load"]
-    nonfinite = one_block.jobs.nonfinite
+    nonfinite = one_block.nonfinite
     assert nonfinite.block_skips == 1 and nonfinite.steps == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per step: the second skip of step 1 is counted, not warned
@@ -202,7 +198,7 @@ def test_unchecked_a_nan_gradient_is_stepped_on(one_block):
     one_block.give_grad("norm.weight", torch.full((5,), float("nan")))
     one_block.run_update(check_finite=False)
     assert bool(one_block.model.norm.weight.detach().isnan().all())
-    assert one_block.jobs.nonfinite.block_skips == 0
+    assert one_block.nonfinite.block_skips == 0
 
 
 def test_an_update_with_no_ready_gradient_never_touches_a_store(one_block):
@@ -217,7 +213,7 @@ def test_a_norm_job_fills_the_blocks_norms_in_slot_order(one_block):
     for name, grad in grads.items():
         one_block.give_grad(name, grad)
     assert one_block.record.norms is None
-    one_block.worker.submit(one_block.block.index, ParkJob(one_block.record, True, one_block.jobs))
+    one_block.worker.submit(one_block.block.index, ParkJob(one_block.record, True))
     one_block.worker.wait(one_block.block.index)
     norms = one_block.record.norms
     assert norms is not None

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from offload.errors import OffloadError
-from offload.scheduler.grads.grad_window import GradPool
-from offload.scheduler.grads.held_grad import is_held
-from tests.unit.grads.groups import grad_of, make_group, make_home, piece
+from offload.scheduler.records.held_grad import is_held
+from offload.tiers.grad_window import GradPool
+from tests.unit.records.groups import grad_of, make_group, make_home, piece
 
 GROUP_BYTES = 23 * 4  # the test group's trainable range, fp32
 

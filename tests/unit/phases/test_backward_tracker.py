@@ -12,8 +12,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 from offload.errors import OffloadError
-from offload.scheduler.grads.backward_tracker import BackwardTracker
-from offload.scheduler.grads.nonfinite import NonFiniteSkips
+from offload.scheduler.phases.backward_tracker import BackwardTracker
+from offload.scheduler.records.nonfinite import NonFiniteSkips
 from offload.scheduler.torch_internals import graph_task_id
 
 

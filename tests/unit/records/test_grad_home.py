@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.scheduler.grads.held_grad import HeldGrad, is_held
-from tests.unit.grads.groups import HOME_KINDS, grad_of, make_group, make_home, piece
+from offload.scheduler.records.held_grad import HeldGrad, is_held
+from tests.unit.records.groups import HOME_KINDS, grad_of, make_group, make_home, piece
 
 
 @pytest.mark.parametrize("kind", HOME_KINDS)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from offload.errors import OffloadError
-from offload.scheduler.grads.held_grad import HeldGrad, is_held
+from offload.scheduler.records.held_grad import HeldGrad, is_held
 
 NAME = r"'layer\.weight'"
 
