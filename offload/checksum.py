@@ -9,7 +9,7 @@ either, so a checkpoint written without `_C` is verified with the algorithm its 
 from __future__ import annotations
 
 import zlib
-from typing import Union
+from typing import List, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -70,6 +70,11 @@ def crc32c(data: Data, seed: int = 0) -> int:
 def preferred_algorithm() -> str:
     """The checksum new files record: fast CRC-32C with the native core, else zlib's CRC-32."""
     return "crc32c" if _native._C is not None else "crc32"
+
+
+def checksums(datas: Sequence[Tensor], algorithm: str) -> List[int]:
+    """`checksum` of each tensor (the pieces of one chunk of a swap record: one call for all of them)."""
+    return [checksum(data, algorithm) for data in datas]
 
 
 def checksum(data: Data, algorithm: str, seed: int = 0) -> int:

@@ -34,7 +34,7 @@ def _groups(model):
 def _ring(tmp_path, model, ring_bytes):
     """(ring, flat groups) over a swap file for `model`'s blocks; everything closed after."""
     blocks, groups = _groups(model)
-    records, size = plan_swap_layout(blocks)
+    records, size = plan_swap_layout([g.shape(b.name) for b in blocks for g in b.groups])
     store = SwapStore(str(tmp_path), records, size)
     pool = StagingPool(ring_bytes)
     try:

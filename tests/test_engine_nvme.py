@@ -117,27 +117,26 @@ def test_nvme_path_on_tmpfs_works_with_one_warning():
         os.rmdir(directory)
 
 
-def test_whole_record_read_write_round_trip_and_short_buffer_refused(tmp_path):
+def test_a_whole_record_round_trips_as_one_request_and_a_range_past_it_is_refused(tmp_path):
     from torch import nn
 
     from offload.scheduler.blocks.block import build_blocks
-    from offload.tiers.disk import SwapStore, state_views
+    from offload.tiers.disk import RecordKind, SwapStore, state_views
     from offload.tiers.swap_layout import plan_swap_layout
 
     blocks = build_blocks(nn.Linear(30, 50), torch.float32)
     group = blocks[0].groups[0]
-    group.device_buffer = torch.zeros(group.numel)
-    records, size = plan_swap_layout(blocks)
+    records, size = plan_swap_layout([g.shape(b.name) for b in blocks for g in b.groups])
     store = SwapStore(str(tmp_path), records, size)
     try:
         record = records[group.key]
         assert record.section_bytes % 4096 == 0 and record.nbytes == 3 * record.section_bytes
         source = torch.arange(record.nbytes // 4, dtype=torch.float32)
-        store.write(group, source)
+        store.write(RecordKind.STATE, group.key, 0, state_views(source, group.numel)).result()
         back = torch.zeros_like(source)
-        store.read(group, back)
+        store.read(RecordKind.STATE, group.key, 0, state_views(back, group.numel)).result()
         assert all(a.equal(b) for a, b in zip(state_views(source, group.numel), state_views(back, group.numel)))
-        with pytest.raises(ValueError, match="needs"):
-            store.read(group, torch.zeros(3 * group.numel))
+        with pytest.raises(ValueError, match="holds"):
+            store.read(RecordKind.STATE, group.key, 1, state_views(back, group.numel))
     finally:
         store.close()

@@ -1,6 +1,6 @@
 """ForwardOrder: the first step's block order drives prefetch, update priority and read-ahead."""
 
-from offload.scheduler.blocks.forward_order import ForwardOrder
+from offload.scheduler.records.forward_order import ForwardOrder
 
 
 def test_first_use_order_positions_and_blocks_never_seen():

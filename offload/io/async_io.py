@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from typing import Any, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from offload import _native
 from offload.errors import OffloadConfigError
@@ -184,17 +184,37 @@ class AsyncIO:
         """Fill the tensor with bytes of `file` from byte `offset`; a short file raises at result()."""
         return self._submit(False, tensor, file, offset)
 
+    def pwritev(self, pieces: Sequence[Tuple[Any, int]], file: Union[SwapFile, PathLike]) -> IOFuture:
+        """Write each (tensor, offset) of `pieces` to `file`, as one request with one IOFuture (a chunk of a
+        swap record and its sections: one call, one wait)."""
+        return self._submit_pieces(True, pieces, file)
+
+    def preadv(self, pieces: Sequence[Tuple[Any, int]], file: Union[SwapFile, PathLike]) -> IOFuture:
+        """Fill each (tensor, offset) of `pieces` from `file`, as one request with one IOFuture."""
+        return self._submit_pieces(False, pieces, file)
+
     def _submit(self, write: bool, tensor: Any, file: Union[SwapFile, PathLike], offset: int) -> IOFuture:
-        op = "pwrite" if write else "pread"
-        size = _check_tensor(tensor, op)
-        _check_int("offset", offset, 0)
+        return self._submit_pieces(write, ((tensor, offset),), file)
+
+    def _submit_pieces(self, write: bool, pieces: Sequence[Tuple[Any, int]], file: Union[SwapFile, PathLike]
+                       ) -> IOFuture:
+        op = ("pwrite" if write else "pread") + ("v" if len(pieces) > 1 else "")
         swap = self._resolve(file, write)
         self._ensure_engine(os.path.dirname(swap.path))
-        if size == 0:
-            return IOFuture(DoneRequest(), tensor, swap.path, offset, 0, op)
-        segments = split_request(swap, tensor.data_ptr(), size, offset)
+        segments: List[Segment] = []
+        tensors, size = [], 0
+        for tensor, offset in pieces:
+            nbytes = _check_tensor(tensor, op)
+            _check_int("offset", offset, 0)
+            if nbytes:
+                segments.extend(split_request(swap, tensor.data_ptr(), nbytes, offset))
+                tensors.append(tensor)
+                size += nbytes
+        first = pieces[0][1] if pieces else 0
+        if not segments:
+            return IOFuture(DoneRequest(), tensors, swap.path, first, 0, op)
         request = self._engine.submit(write, segments, self._chunk_bytes)
-        future = IOFuture(request, tensor, swap.path, offset, size, op)
+        future = IOFuture(request, tensors, swap.path, first, size, op)
         with self._in_flight_lock:
             if len(self._in_flight) >= 64:
                 self._in_flight = [f for f in self._in_flight if not f.done()]

@@ -1,4 +1,5 @@
-"""IOFuture: the handle pwrite/pread return. It keeps the tensor alive until the I/O is done."""
+"""IOFuture: the handle pwrite/pread (and pwritev/preadv) return. It keeps the tensors alive until the I/O is
+done."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ _EXPLAIN = {
 
 
 class IOFuture:
-    """Result of one AsyncIO.pwrite/pread: `result()` waits (GIL released) and returns bytes moved."""
+    """Result of one AsyncIO.pwrite/pread (or pwritev/preadv, several pieces as one request): `result()` waits
+    (GIL released) and returns bytes moved."""
 
     def __init__(self, request: Any, tensor: Any, path: str, offset: int, size: int, op: str) -> None:
         self._request = request
-        self._tensor = tensor  # the engine writes into/reads from its memory: keep it alive until done
+        self._tensor = tensor  # the engine writes into/reads from its memory (one tensor or a list): alive until done
         self.path = path
         self.offset = offset
         self.size = size

@@ -150,10 +150,6 @@ class CopyContext:
             self.async_copies += 1
         return event
 
-    def count_to_host(self, nbytes: int) -> None:
-        """Account a download done by a caller that reduces while copying (gradient accumulation)."""
-        self.bytes_to_host += nbytes
-
     def synchronize(self) -> None:
         """Wait for every copy issued on a side stream (before host reads or frees of anything they touch)."""
         if self._streams is not None:

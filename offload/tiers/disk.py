@@ -1,33 +1,40 @@
 """The disk tier: optimizer state of every block in one preallocated swap file, laid out by name.
 
-Each flat group with trainable parameters owns one record: three sections, its fp32 master weights, then
-`exp_avg`, then `exp_avg_sq`, each 4 x numel bytes padded to a multiple of 4 KiB (`section_bytes`), the
-record starting at a 4 KiB-aligned offset: any element range of any section is one O_DIRECT request when
-the range starts at a multiple of 1024 elements, so the step pipeline can read and write records in chunks. The layout is a pure function of the blocks and is written next to the swap file as
-`layout.json`, keyed by block and fully-qualified parameter names, never by object ids, so a later process
-(checkpoint resume, issue 4) can find every parameter's state again. See docs/design.md
-[Note: the swap-file layout].
+Each flat group with trainable parameters owns a state record: three sections, its fp32 master weights, then
+`exp_avg`, then `exp_avg_sq` (swap_layout.py), each padded to a multiple of 4 KiB, the record starting at a
+4 KiB-aligned offset, so any element range of any section is one O_DIRECT request when the range starts at a
+multiple of 1024 elements and the step pipeline reads and writes records in chunks. A group may also keep its
+compute weights (a weights record) and its waiting gradient (a grads record). The layout is a pure function of
+the groups' shapes and is written next to the swap file as `layout.json`, keyed by block and fully-qualified
+parameter names, never by object ids, so a later process can find every parameter's state again. See
+docs/design.md [Note: the swap-file layout].
+
+One verb per direction: `read(kind, key, start, data)` and `write(...)` move elements [start, ...) of one
+record (`RecordKind`: a state chunk's sections, or a stretch of the weights or gradient array) as one request
+with one future, its pieces sealed on write and verified on read (disk_checksums.py); the blocking forms are
+`read(...).result()`.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import shutil
 import uuid
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from offload.errors import OffloadConfigError
 from offload.io import AsyncIO, SwapFile
-from offload.io.future import IOFuture, wait_all
+from offload.io.future import IOFuture
 from offload.io.swap_file import file_system_of
-from offload.optim.moment_format import INT8_BLOCK, Moment, MomentFormat, QuantizedMoment, code_nbytes, slice_moment
-from offload.tiers.disk_checksums import ReadPiece, RecordChecksums, VerifiedRead
+from offload.optim.moment_format import INT8_BLOCK, Moment, QuantizedMoment
+from offload.tiers.disk_checksums import Piece, RecordChecksums, VerifiedRead
 from offload.tiers.swap_layout import (
     ALIGNMENT,
     GRADS,
@@ -37,15 +44,20 @@ from offload.tiers.swap_layout import (
     WEIGHTS,
     SwapRecord,
     WeightRecord,
-    round_up,
     section_bytes,
 )
 from offload.tiers.swap_leftovers import hold_lock, remove_leftovers
 
-if TYPE_CHECKING:  # descriptions only: the tiers never call into the scheduler
-    from offload.scheduler.blocks.block import FlatGroup
+# a chunk of master weights and the two moments, in their format (a section None: not moved)
+StateSections = Tuple[Optional[Tensor], Optional[Moment], Optional[Moment]]
 
-StateSections = Tuple[Tensor, Moment, Moment]  # a chunk of master weights and the two moments, in their format
+
+class RecordKind(enum.Enum):
+    """Which record of a group a move is of."""
+
+    STATE = "state"  # its optimizer state: a chunk's three sections
+    WEIGHTS = WEIGHTS  # its compute weights (the blocks the plan puts on disk)
+    GRADS = GRADS  # its gradient, waiting on disk (gradients on disk)
 
 
 def check_room(directory: str, needed: int) -> None:
@@ -74,7 +86,8 @@ def warn_if_ram_backed(directory: str) -> bool:
 
 
 class SwapStore:
-    """The swap file of one engine: created at wrap(), preallocated, removed at close()."""
+    """The swap file of one engine: created at wrap(), preallocated, removed at close(). Records are keyed by
+    their group's layout key (`GroupShape.key`)."""
 
     def __init__(self, directory: str, records: Dict[str, SwapRecord], size: int,
                  weights: Optional[Dict[str, WeightRecord]] = None,
@@ -82,7 +95,7 @@ class SwapStore:
         remove_leftovers(directory)  # of crashed runs: before the room check, so their space counts
         check_room(directory, size)
         self.directory = directory
-        self.records = records  # by the group's layout key (`FlatGroup.key`), as `weights` and the checksums
+        self.records = records  # state records by the group's layout key, as `weights`, `grads` and the seals
         self.weights: Dict[str, WeightRecord] = weights or {}
         self.grads: Dict[str, WeightRecord] = grads or {}  # spilled gradients (plan.grads_on_disk)
         self.path = os.path.join(directory, f"offload-{os.getpid()}-{uuid.uuid4().hex[:8]}.swap")
@@ -101,151 +114,58 @@ class SwapStore:
         self._write_layout(size)
 
     def _write_layout(self, size: int) -> None:
-        records = [dict(r.__dict__, section_bytes=r.section_bytes, section_sizes=r.section_sizes)
-                   for r in self.records.values()]
         layout = {"version": LAYOUT_VERSION, "swap_file": os.path.basename(self.path), "size": size,
-                  "tensors": list(STATE_TENSORS), "records": records,
-                  "weights": [r.__dict__ for r in self.weights.values()],
-                  "grads": [r.__dict__ for r in self.grads.values()]}
+                  "tensors": list(STATE_TENSORS), "records": [r.as_json() for r in self.records.values()],
+                  "weights": [r.as_json() for r in self.weights.values()],
+                  "grads": [r.as_json() for r in self.grads.values()]}
         tmp = self.layout_path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(layout, f, indent=1)
         os.replace(tmp, self.layout_path)
 
-    def read(self, group: "FlatGroup", into: Tensor) -> None:
-        """Fill `into` (a record-sized buffer, see `state_views`) with the group's state; raises on a short or
-        failed read."""
-        numel = _check_record_buffer(self.records[group.key], into)
-        for future in self.read_chunk(group, 0, numel, state_views(into, numel)):
-            future.result()
+    # ----- the one read and the one write ----------------------------------------------------------------
+    def read(self, kind: RecordKind, key: str, start: int, data: Union[StateSections, Tensor]) -> IOFuture:
+        """Start reading elements [start, ...) of the group's record of `kind` into `data` (a state chunk's
+        sections, each the chunk's size; or a tensor in the record's dtype): one request, verified against its
+        seals when its result is taken. The caller keeps the tensors alive until it is done and orders a read
+        after any write of the same range (the ring: ring_slots.WriteOrder)."""
+        pieces, block = self._pieces(kind, key, start, data)
+        self.bytes_read += sum(p.data.nbytes for p in pieces)
+        future = self._io.preadv([(p.data, p.offset) for p in pieces], self._file)
+        return VerifiedRead(future, self.checksums, pieces, self.path, block)
 
-    def write(self, group: "FlatGroup", source: Tensor) -> None:
-        numel = _check_record_buffer(self.records[group.key], source)
-        for future in self.write_chunk(group, 0, numel, state_views(source, numel)):
-            future.result()
+    def write(self, kind: RecordKind, key: str, start: int, data: Union[StateSections, Tensor]) -> IOFuture:
+        """Start writing `data` to elements [start, ...) of the group's record of `kind`, sealed first (no
+        reader ever checks new bytes against an old seal): one request."""
+        pieces, _block = self._pieces(kind, key, start, data)
+        self.checksums.seal(pieces)
+        self.bytes_written += sum(p.data.nbytes for p in pieces)
+        return self._io.pwritev([(p.data, p.offset) for p in pieces], self._file)
 
-    # The read_/write_ pairs below start I/O and return its futures without waiting (`read` and `write`
-    # above are the blocking whole-record moves). The caller keeps the tensors alive until the futures are
-    # done and orders a read after any write of the same range (the ring: ring_slots.WriteOrder).
-    def read_chunk(self, group: "FlatGroup", start: int, stop: int, sections: StateSections,
-                   weights: Optional[Tensor] = None) -> List[IOFuture]:
-        """Start reading elements [start, stop) of the group's three sections into the given fp32 tensors,
-        and of its compute weights into `weights` when given and the weights are on disk; one future per
-        piece."""
-        return self._chunk(self.read_section, self.read_weights, group, start, stop, sections, weights)
+    def adopt(self, key: str, section: int, start: int, tensor: Tensor) -> None:
+        """The file already holds `tensor` at elements [start, ...) of a state section (a checkpoint cloned it
+        there copy-on-write): seal it as if it had been written, so later reads of the piece are verified."""
+        record = self.records[key]
+        self.checksums.seal([Piece((key, section), start, tensor, record.section_offset(section))])
 
-    def write_chunk(self, group: "FlatGroup", start: int, stop: int, sections: StateSections,
-                    weights: Optional[Tensor] = None) -> List[IOFuture]:
-        """Start writing elements [start, stop) of the group's three sections from the given fp32 tensors,
-        and of its compute weights from `weights` when given and the weights are on disk; one future per
-        piece."""
-        return self._chunk(self.write_section, self.write_weights, group, start, stop, sections, weights)
+    def _pieces(self, kind: RecordKind, key: str, start: int,
+                data: Union[StateSections, Tensor]) -> Tuple[List[Piece], str]:
+        """The file's byte ranges `data` covers, each with its seal's key and first element; the block's name."""
+        if kind is RecordKind.STATE:
+            assert isinstance(data, tuple)
+            record = self.records[key]
+            return _state_pieces(record, key, start, data), record.block
+        assert isinstance(data, Tensor)
+        array = (self.weights if kind is RecordKind.WEIGHTS else self.grads)[key]
+        if start < 0 or start + data.numel() > array.numel:
+            raise ValueError(f"elements [{start}, {start + data.numel()}) of the {kind.value} record of block "
+                             f"{array.block!r}, which holds {array.numel}")
+        return [Piece((key, kind.value), start, data, array.offset + start * array.itemsize)], array.block
 
-    def _chunk(self, section_io: Callable[..., IOFuture], weights_io: Callable[..., IOFuture], group: "FlatGroup",
-               start: int, stop: int, sections: StateSections,
-               weights: Optional[Tensor]) -> List[IOFuture]:
-        """The body of `read_chunk` and `write_chunk`, given the direction's section and weights methods."""
-        futures: List = []
-        fmt = self.records[group.key].moment_format
-        try:
-            if weights is not None and group.key in self.weights:
-                futures.append(weights_io(group, start, weights[:stop - start]))
-            for index, section in enumerate(sections):
-                if index and fmt is not MomentFormat.FP32:
-                    futures.extend(self._moment_pieces(section_io, group, index, start,
-                                                       slice_moment(section, fmt, 0, stop - start)))
-                else:
-                    futures.append(section_io(group, index, start, section[:stop - start]))
-        except BaseException:
-            try:  # the pieces already started use the caller's buffers: finish them before it reuses them
-                wait_all(futures)
-            except BaseException:  # noqa: B902 - the submission error is the one to report
-                pass
-            raise
-        return futures
-
-    def _moment_pieces(self, section_io: Callable[..., IOFuture], group: "FlatGroup", index: int, start: int,
-                       moment: Moment) -> List[IOFuture]:
-        """A compressed moment's chunk moves as its codes (values) and, for int8, its scales: two pieces of the
-        section, each sealed and verified on its own."""
-        if not isinstance(moment, QuantizedMoment):
-            return [section_io(group, index, start, moment)]
-        codes = section_io(group, index, start, moment.codes)
-        try:
-            return [codes, section_io(group, (index, SCALES), start, moment.scales)]
-        except BaseException:
-            wait_all([codes])
-            raise
-
-    def read_section(self, group: "FlatGroup", index: Union[int, Tuple[int, str]], start: int,
-                     tensor: Tensor) -> IOFuture:
-        """Start reading elements [start, start + numel) of one section (0 master, 1 exp_avg, 2 exp_avg_sq)
-        into the fp32 `tensor`; verified against its seals once read (`_read`)."""
-        return self._read(*self._section_piece(group, index, start), tensor)
-
-    def write_section(self, group: "FlatGroup", index: Union[int, Tuple[int, str]], start: int,
-                      tensor: Tensor) -> IOFuture:
-        """Start writing the fp32 `tensor` to elements [start, start + numel) of one section (0 master,
-        1 exp_avg, 2 exp_avg_sq); sealed before it is written (`_write`)."""
-        return self._write(*self._section_piece(group, index, start), tensor)
-
-    def _section_piece(self, group: "FlatGroup", index: Union[int, Tuple[int, str]], start: int,
-                       ) -> Tuple[tuple, int, str, int]:
-        """(checksum key, file offset, block, first element for the seals) of a section's piece from element
-        `start`; `index` (i, SCALES) is the scales of moment section i, from its block of element `start`."""
-        record = self.records[group.key]
-        if isinstance(index, tuple):
-            section, _ = index
-            fmt = record.moment_format
-            codes = round_up(code_nbytes(fmt, record.numel), ALIGNMENT)
-            block = start // INT8_BLOCK
-            return (group.key, section, SCALES), record.section_offset(section) + codes + 4 * block, record.block, block
-        itemsize = 4 if index == 0 else code_nbytes(record.moment_format, 1)
-        return (group.key, index), record.section_offset(index) + itemsize * start, record.block, start
-
-    def adopt(self, group: "FlatGroup", index: int, start: int, tensor: Tensor) -> None:
-        """The file already holds `tensor` at elements [start, ...) of a section (a checkpoint cloned it there
-        copy-on-write): seal it as if it had been written, so later reads of the piece are verified."""
-        self.checksums.seal((group.key, index), start, tensor)
-
-    def read_weights(self, group: "FlatGroup", start: int, tensor: Tensor) -> IOFuture:
-        """Start reading the group's compute weights from element `start` into `tensor` (its dtype)."""
-        return self._read(*self._array_piece(WEIGHTS, group, start), start, tensor)
-
-    def write_weights(self, group: "FlatGroup", start: int, tensor: Tensor) -> IOFuture:
-        """Start writing `tensor` (the group's compute dtype) to the group's compute weights from element
-        `start`."""
-        return self._write(*self._array_piece(WEIGHTS, group, start), start, tensor)
-
-    def read_grads(self, group: "FlatGroup", start: int, tensor: Tensor) -> IOFuture:
-        """Start reading the group's spilled gradient from element `start` into `tensor` (its dtype)."""
-        return self._read(*self._array_piece(GRADS, group, start), start, tensor)
-
-    def write_grads(self, group: "FlatGroup", start: int, tensor: Tensor) -> IOFuture:
-        """Start writing `tensor` to the group's gradient record from element `start`."""
-        return self._write(*self._array_piece(GRADS, group, start), start, tensor)
-
-    def _array_piece(self, kind: str, group: "FlatGroup", start: int) -> Tuple[tuple, int, str]:
-        record = (self.weights if kind == WEIGHTS else self.grads)[group.key]
-        return (group.key, kind), record.offset + start * record.itemsize, record.block
-
-    def _read(self, key: tuple, offset: int, block: str, start: int, tensor: Tensor):
-        """One piece of a record, verified after it is read (disk_checksums.py)."""
-        self.bytes_read += tensor.numel() * tensor.element_size()
-        future = self._io.pread(tensor, self._file, offset)
-        return VerifiedRead(future, ReadPiece(self.checksums, key, start, tensor, self.path, block, offset))
-
-    def _write(self, key: tuple, offset: int, block: str, start: int, tensor: Tensor):
-        """One piece of a record, sealed before it is written (disk_checksums.py): no reader ever checks new
-        bytes against an old seal."""
-        self.checksums.seal(key, start, tensor)
-        self.bytes_written += tensor.numel() * tensor.element_size()
-        return self._io.pwrite(tensor, self._file, offset)
-
-    def section_spans(self, group: "FlatGroup") -> Tuple[int, Tuple[int, int, int], int]:
+    def section_spans(self, key: str) -> Tuple[int, Tuple[int, int, int], int]:
         """(file descriptor, file offset of each of the three sections, data bytes per section = 4 x numel),
         for copy-on-write clones of a record section by section (each section starts 4 KiB-aligned)."""
-        record = self.records[group.key]
+        record = self.records[key]
         offsets = tuple(record.offset + index * record.section_bytes for index in range(3))
         return self._file.buffered_fd, offsets, 4 * record.numel  # type: ignore[return-value]
 
@@ -258,6 +178,30 @@ class SwapStore:
             _remove_files((self.path, self.layout_path), os.getpid())
 
 
+def _state_pieces(record: SwapRecord, key: str, start: int, sections: Sequence[Optional[Moment]]) -> List[Piece]:
+    """A state chunk's pieces: the master weights, and each moment as its values, or as its int8 codes and
+    scales (two pieces, each sealed on its own), from element `start` of each given section."""
+    pieces: List[Piece] = []
+    for index, section in enumerate(sections):
+        if section is None:
+            continue
+        numel = section.codes.numel() if isinstance(section, QuantizedMoment) else section.numel()
+        if start < 0 or start + numel > record.numel:
+            raise ValueError(f"elements [{start}, {start + numel}) of section {index} of the state record of block "
+                             f"{record.block!r}, which holds {record.numel}")
+        at = record.section_offsets[index]
+        if index == 0:
+            assert isinstance(section, Tensor)
+            pieces.append(Piece((key, 0), start, section, at + 4 * start))
+        elif isinstance(section, QuantizedMoment):
+            block = start // INT8_BLOCK
+            pieces.append(Piece((key, index), start, section.codes, at + start))
+            pieces.append(Piece((key, index, SCALES), block, section.scales, at + record.scales_at + 4 * block))
+        else:
+            pieces.append(Piece((key, index), start, section, at + record.code_itemsize * start))
+    return pieces
+
+
 def _remove_files(paths: Tuple[str, ...], owner_pid: int) -> None:
     """Delete this process's swap files (never a forked child's copy of the store: the parent owns them)."""
     if os.getpid() != owner_pid:
@@ -267,18 +211,6 @@ def _remove_files(paths: Tuple[str, ...], owner_pid: int) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
-
-
-def _check_record_buffer(record: SwapRecord, buffer: Tensor) -> int:
-    """A whole-record buffer must hold the padded sections (layout v2), or a section would be cut short; its three
-    fp32 views (`state_views`) describe fp32 moments only."""
-    if record.moment_format is not MomentFormat.FP32:
-        raise ValueError(f"the record of block {record.block!r} keeps {record.moments} moments: move it chunk by chunk "
-                         "(read_chunk / write_chunk with its moments), not as three fp32 sections")
-    if buffer.numel() * buffer.element_size() < record.nbytes:
-        raise ValueError(f"buffer of {buffer.numel() * buffer.element_size()} bytes for the record of block "
-                         f"{record.block!r}, which needs {record.nbytes} (3 sections of {record.section_bytes})")
-    return record.numel
 
 
 def state_views(buffer: Tensor, numel: int) -> Tuple[Tensor, Tensor, Tensor]:

@@ -4,20 +4,30 @@ The nvme pipeline moves records in chunks, and other readers (weight fetches) ma
 checksums cover written *pieces*: (section, first element, element count). Checkpoints read and write
 records along the ring's chunks, so they verify, and seal, exactly the pieces the ring uses. A write drops the
 seals it overlaps and seals its own piece; a read verifies every sealed piece it covers entirely. A range
-never written by this process (fresh preallocated zeros) has no seal and is not checked.
+never written by this process (fresh preallocated zeros) has no seal and is not checked. The pieces of one
+chunk are sealed, and verified, together: one checksum call for all of them.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Dict, Hashable, NamedTuple, Tuple
+from typing import Dict, Hashable, List, NamedTuple, Optional, Sequence, Tuple
 
 from torch import Tensor
 
-from offload.checksum import checksum, preferred_algorithm
+from offload.checksum import checksums, preferred_algorithm
 from offload.errors import OffloadIntegrityError
+from offload.io.future import IOFuture
 
-Piece = Tuple[int, int]  # (first element, element count)
+
+class Piece(NamedTuple):
+    """One contiguous range of a record in the swap file: what `key` seals, from element `start`, held by `data`
+    (to write, or to read into) at byte `offset` of the file."""
+
+    key: Hashable
+    start: int
+    data: Tensor
+    offset: int
 
 
 class RecordChecksums:
@@ -28,60 +38,57 @@ class RecordChecksums:
         self._lock = threading.Lock()
         self.algorithm = preferred_algorithm()  # crc32c with the native core, else zlib's crc32 (both fast)
 
-    def seal(self, key: Hashable, start: int, data: Tensor) -> None:
-        """Record the checksum of `data`, about to be written as elements [start, start + numel) of `key`."""
-        count = data.numel()
-        crc = checksum(data, self.algorithm)
+    def seal(self, pieces: Sequence[Piece]) -> None:
+        """Record the checksum of each piece's data, about to be written as elements [start, start + numel)."""
+        crcs = checksums([p.data for p in pieces], self.algorithm)
         with self._lock:
-            pieces = self._pieces.setdefault(key, {})
-            for s in [s for s, (n, _c) in pieces.items() if s < start + count and start < s + n]:
-                del pieces[s]  # overlapped by this write: stale
-            pieces[start] = (count, crc)
+            for piece, crc in zip(pieces, crcs):
+                count = piece.data.numel()
+                sealed = self._pieces.setdefault(piece.key, {})
+                for s in [s for s, (n, _c) in sealed.items() if s < piece.start + count and piece.start < s + n]:
+                    del sealed[s]  # overlapped by this write: stale
+                sealed[piece.start] = (count, crc)
 
-    def verify(self, key: Hashable, start: int, data: Tensor, path: str, block: str, offset: int) -> None:
-        """Check every sealed piece inside elements [start, start + numel) of `key` against `data`."""
-        stop = start + data.numel()
+    def verify(self, pieces: Sequence[Piece], path: str, block: str) -> None:
+        """Check every sealed piece inside each read piece against the bytes read."""
+        checks: List[Tuple[Piece, int, int, int]] = []  # (read piece, sealed start, count, crc)
         with self._lock:
-            inside = [(s, n, c) for s, (n, c) in self._pieces.get(key, {}).items() if s >= start and s + n <= stop]
-        itemsize = data.element_size()
-        for s, n, expected in inside:
-            if checksum(data[s - start:s - start + n], self.algorithm) != expected:
+            for piece in pieces:
+                stop = piece.start + piece.data.numel()
+                checks.extend((piece, s, n, c) for s, (n, c) in self._pieces.get(piece.key, {}).items()
+                              if s >= piece.start and s + n <= stop)
+        if not checks:
+            return
+        found = checksums([p.data[s - p.start:s - p.start + n] for p, s, n, _c in checks], self.algorithm)
+        for (piece, s, n, expected), crc in zip(checks, found):
+            if crc != expected:
+                itemsize = piece.data.element_size()
                 raise OffloadIntegrityError(
                     f"swap file {path!r}: block {block!r}, {n * itemsize} bytes at file offset "
-                    f"{offset + (s - start) * itemsize} do not match their checksum: the file was changed or "
-                    "damaged under the running engine", path)
+                    f"{piece.offset + (s - piece.start) * itemsize} do not match their checksum: the file was changed "
+                    "or damaged under the running engine", path)
 
 
-class ReadPiece(NamedTuple):
-    """What a read's data is checked against once it has arrived: the seals of `key` inside
-    [start, start + numel) (`path`, `block` and `offset` for the error)."""
+class VerifiedRead(IOFuture):
+    """A chunk's read (one request for its pieces) that checks the data against its seals once it has arrived:
+    an `IOFuture` whose `result()` also verifies."""
 
-    checksums: RecordChecksums
-    key: Hashable
-    start: int
-    data: Tensor
-    path: str
-    block: str
-    offset: int
-
-    def verify(self) -> None:
-        self.checksums.verify(self.key, self.start, self.data, self.path, self.block, self.offset)
-
-
-class VerifiedRead:
-    """A read's future that checks the data against its seals once the read has completed."""
-
-    def __init__(self, future, piece: ReadPiece) -> None:
+    def __init__(self, future: IOFuture, checksums_: RecordChecksums, pieces: Sequence[Piece], path: str,
+                 block: str) -> None:
+        super().__init__(future._request, None, future.path, future.offset, future.size, future.op)
         self._future = future
-        self._piece = piece
+        self._checksums = checksums_
+        self._pieces = pieces
+        self._path = path
+        self._block = block
         self._checked = False
 
     def done(self) -> bool:
         return self._future.done()
 
-    def result(self, timeout=None) -> int:
+    def result(self, timeout: Optional[float] = None) -> int:
         nbytes = self._future.result(timeout)
         if not self._checked:
-            self._piece.verify()
+            self._checksums.verify(self._pieces, self._path, self._block)
             self._checked = True
         return nbytes

@@ -21,6 +21,7 @@ from offload.planner.place import spec_of
 from offload.planner.plan import BlockSpec
 from offload.policy import Tier
 from offload.scheduler.torch_internals import own_parameters
+from offload.tiers.swap_layout import GroupShape
 
 # The attribute a wrapped model carries: a weak reference to its engine (`wrap()` refuses a model that has one
 # alive; `close()` and a deepcopy of the model remove it).
@@ -79,6 +80,12 @@ class FlatGroup:
     @property
     def nbytes(self) -> int:
         return self.numel * _itemsize(self.dtype)
+
+    def shape(self, block: str) -> GroupShape:
+        """What the swap file's layout needs of the group (tiers/swap_layout.py): `block` is its block's name."""
+        params = tuple((s.name, tuple(s.shape), s.offset) for s in self.slots)
+        return GroupShape(self.key, block, self.dtype, self.numel, self.trainable_numel, params,
+                          params[:len(self.trainable_slots)])
 
     def params_in_place(self) -> bool:
         """Whether the first parameter still is a view of the device buffer (model.to(), .double(), .cuda()

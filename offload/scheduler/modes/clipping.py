@@ -103,7 +103,8 @@ def global_norm(blocks: List[BlockRecord], slots: SlotTable, max_norm: float) ->
     """(total L2 norm, gradient scale), the per-parameter norms reduced in torch's order (`model.parameters()`)
     in fp32, as clip_grad_norm_ does; a block's norms computed on the worker during backward are used."""
     per_param = [n for b in blocks for n in _norms_of(b)]
-    per_param.sort(key=lambda pn: slots[pn[0]].position)
+    by_id = slots.by_id
+    per_param.sort(key=lambda pn: by_id[id(pn[0])].position)
     return clip_scale([n for _p, n in per_param], max_norm)
 
 

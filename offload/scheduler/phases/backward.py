@@ -44,7 +44,7 @@ class BackwardPhase:
     @eager
     def on_grad(self, param: nn.Parameter) -> None:
         """A parameter's gradient is complete for this backward."""
-        ref = self._slots[param]
+        ref = self._slots.by_id[id(param)]
         tracker = self._tracker
         tracker.accumulating(graph_task_id())
         tracker.fire(id(param))
@@ -61,5 +61,5 @@ class BackwardPhase:
     def collect_grads(self) -> None:
         """Before the step reads the gradients: take those still in `.grad` (fewer backward calls than
         declared, or a `.grad` the user set), and forget those cleared outside the engine (model.zero_grad())."""
-        for ref in self._slots.refs():
-            ref.block.take_leftover_grad(ref, ref.param)
+        for record, refs in self._slots.per_record:
+            record.take_leftover_grads(refs)

@@ -16,11 +16,11 @@ from torch import nn
 from offload.distributed.guard import refuse_outer_data_parallel
 from offload.scheduler.activations.meter import RootSavedTensors
 from offload.scheduler.blocks.block import Block
-from offload.scheduler.blocks.forward_order import ForwardOrder
 from offload.scheduler.modes.selection import Modes
 from offload.scheduler.phases.backward_tracker import BackwardTracker
 from offload.scheduler.phases.phase_clock import PhaseClock
 from offload.scheduler.records.block_record import BlockRecord
+from offload.scheduler.records.forward_order import ForwardOrder
 from offload.scheduler.torch_internals import eager, is_backward
 from offload.scheduler.weights.streamer import WeightStreamer
 

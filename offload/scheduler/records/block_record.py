@@ -91,6 +91,8 @@ class BlockRecord:
         self.states: List[GroupState] = [g.state for g in groups if g.state is not None]
         # whether an update writes somewhere the device must then be fed from
         self.pushes = any(g.home.pushes for g in groups if g.state is not None)
+        # whether its gradients go to disk when they must wait (docs/design.md [Note: gradients on disk])
+        self.spills = any(state.grads.parks for state in self.states)
         for state in self.states:
             state.grads.owner = self  # told of torch's ops on its held gradients (held_grad.py)
 
@@ -112,15 +114,9 @@ class BlockRecord:
     def wait_for_update(self, counted: bool) -> None:
         """Wait for the block's pending update (an update that finished with an error raises here).
         `counted`: the wait is the forward's, reported as waiting time."""
-        worker = self.services.worker
-        if not worker.is_pending(self.block.index):
-            worker.wait(self.block.index)  # surfaces an exception of a finished update
-            return
-        start = time.perf_counter()
-        with self.services.tracer.span("wait for update", self.block.name):
-            worker.wait(self.block.index)
+        blocked = self.services.worker.wait(self.block.index, self.block.name)  # an error of the update raises
         if counted:
-            self.services.counters.wait_seconds += time.perf_counter() - start
+            self.services.counters.wait_seconds += blocked
 
     def push(self) -> None:
         """Send the block's updated weights from their homes to the device (a released block fetches them
@@ -207,11 +203,6 @@ class BlockRecord:
         for state in self.states:
             state.grads.park()
 
-    @property
-    def spills(self) -> bool:
-        """Whether its gradients go to disk when they must wait (docs/design.md [Note: gradients on disk])."""
-        return any(state.grads.parks for state in self.states)
-
     def priority(self) -> int:
         """The worker runs the block needed soonest by the next forward first (data-parallel: in submission
         order, the same on every rank)."""
@@ -249,19 +240,22 @@ class BlockRecord:
         self.services.reduction.check_arrival(self)
         self.norms = None  # of a sum this gradient changes
 
-    def take_leftover_grad(self, ref: "SlotRef", param: nn.Parameter) -> None:
-        """Before the step reads the gradients: take one still in `.grad` (fewer backward calls than
-        declared, or a `.grad` the user set), and forget one cleared outside the engine (model.zero_grad())."""
-        grad, grads = param.grad, ref.state.grads
-        if grad is not None and not (isinstance(grad, HeldGrad) and grad.pending is None):
-            self.offload_grad(ref, param)
-        elif grad is not None and ref.index in grads.lost and not self.updated_early:
-            # held since an update of an earlier step gave its bytes back (nvme gradient window)
-            raise released_gradient(ref.state.group.trainable_slots[ref.index].name)
-        elif grad is None and grads.has_grad[ref.index]:
-            if self.updated_early:
-                raise zeroed_after_early_update(self.block.name)
-            grads.forget(ref.index)
+    def take_leftover_grads(self, refs: List["SlotRef"]) -> None:
+        """Before the step reads the gradients (`refs`: its trainable parameters): take those still in `.grad`
+        (fewer backward calls than declared, or a `.grad` the user set), and forget those cleared outside the
+        engine (model.zero_grad())."""
+        for ref in refs:
+            param = ref.param
+            grad, grads = param.grad, ref.state.grads
+            if grad is not None and not (isinstance(grad, HeldGrad) and grad.pending is None):
+                self.offload_grad(ref, param)
+            elif grad is not None and ref.index in grads.lost and not self.updated_early:
+                # held since an update of an earlier step gave its bytes back (nvme gradient window)
+                raise released_gradient(ref.state.group.trainable_slots[ref.index].name)
+            elif grad is None and grads.has_grad[ref.index]:
+                if self.updated_early:
+                    raise zeroed_after_early_update(self.block.name)
+                grads.forget(ref.index)
 
     def check_grads_for_torch(self) -> None:
         """Torch code (clip_grad_norm_, clip_grad_value_) reads or changes the block's held gradients: refused

@@ -396,7 +396,7 @@ class GradHome:
         self.has_grad[index] = True
         nbytes = source.numel() * source.element_size()
         if self._counted_at is not None:
-            self._counted_at.count_to_host(nbytes)
+            self._counted_at.bytes_to_host += nbytes  # a download done while adding (no copy of its own)
         return nbytes
 
     def finish_downloads(self) -> None:

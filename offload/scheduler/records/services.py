@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, List, Optional, Protocol, Tuple
 
 from torch import Tensor
 
-from offload.scheduler.blocks.forward_order import ForwardOrder
+from offload.scheduler.records.forward_order import ForwardOrder
 from offload.scheduler.records.nonfinite import NonFiniteSkips
 from offload.scheduler.weights.pending_guard import PendingGuard
 from offload.scheduler.weights.streamer import WeightStreamer

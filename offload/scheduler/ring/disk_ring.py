@@ -18,17 +18,18 @@ file keeps what only chunks have: announcements, reads ahead and the chunks chec
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Tuple
 
 from torch import Tensor
 
+from offload.io.future import wait_all
 from offload.optim.moment_format import MomentFormat
 from offload.planner.ring import (
     MIN_DEPTH,
 )
 from offload.scheduler.ring.record_moves import RecordMoves
 from offload.scheduler.ring.ring_slots import InFlight, Slot, SlotPool, SlotSections, WriteOrder
-from offload.tiers.swap_layout import GRADS, WEIGHTS
+from offload.tiers.disk import RecordKind
 from offload.trace import Tracer
 
 if TYPE_CHECKING:
@@ -55,8 +56,8 @@ class DiskRing:
         self._slots = SlotPool(pool, ring_bytes, depth, moments)
         self._order = WriteOrder(self._slots, tracer)  # every wait for the disk is a "disk wait" span
         self._store = store
-        self._weights = RecordMoves(self._slots, self._order, store, WEIGHTS)
-        self._grads = RecordMoves(self._slots, self._order, store, GRADS)
+        self._weights = RecordMoves(self._slots, self._order, store, RecordKind.WEIGHTS)
+        self._grads = RecordMoves(self._slots, self._order, store, RecordKind.GRADS)
         self._reads: Dict[ChunkKey, InFlight] = {}  # reads issued ahead, not yet loaded
         self._checked_out: Dict[ChunkKey, Optional[Slot]] = {}  # chunks being updated: from `load` to `store`
         self._announced: Dict[ChunkKey, Tuple["FlatGroup", int, int]] = {}  # to read ahead, in this order
@@ -260,12 +261,24 @@ class DiskRing:
 
     # ----- internals ---------------------------------------------------------------------------------
     def _read_chunk(self, slot: Slot, group: "FlatGroup", start: int, stop: int) -> List["IOFuture"]:
-        weights = self._weight_area(slot, group, start, stop)
-        return self._store.read_chunk(group, start, stop, slot.cut(stop - start), weights)
+        return self._chunk_io(self._store.read, slot, group, start, stop)
 
     def _write_chunk(self, slot: Slot, group: "FlatGroup", start: int, stop: int) -> List["IOFuture"]:
+        return self._chunk_io(self._store.write, slot, group, start, stop)
+
+    def _chunk_io(self, move: Callable[..., "IOFuture"], slot: Slot, group: "FlatGroup", start: int,
+                  stop: int) -> List["IOFuture"]:
+        """A chunk's state in one request, and its compute weights in another when they live on disk (they
+        move with the chunk); the first's I/O is finished before an error of the second's submission leaves."""
+        futures = [move(RecordKind.STATE, group.key, start, slot.cut(stop - start))]
         weights = self._weight_area(slot, group, start, stop)
-        return self._store.write_chunk(group, start, stop, slot.cut(stop - start), weights)
+        if weights is not None:
+            try:
+                futures.append(move(RecordKind.WEIGHTS, group.key, start, weights))
+            except BaseException:
+                wait_all(futures)
+                raise
+        return futures
 
     def _weight_area(self, slot: Slot, group: "FlatGroup", start: int, stop: int) -> Optional[Tensor]:
         """The slot's room for the chunk's compute weights when they live on disk (they move with the chunk)."""

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from offload.planner.ring import SLOT_BYTES_PER_ELEMENT
 from offload.scheduler.ring.ring_slots import KEEP_FOR_LOAD
-from offload.tiers.swap_layout import GRADS, WEIGHTS
+from offload.tiers.disk import RecordKind
 
 if TYPE_CHECKING:
     from offload.io.future import IOFuture
@@ -47,29 +47,19 @@ class PieceRead(NamedTuple):
 
 
 class RecordMoves:
-    """The moves of one kind of array (`WEIGHTS` or `GRADS`) over `slots`, ordered after the state's writes by
-    `order`."""
+    """The moves of one kind of array record (`RecordKind.WEIGHTS` or `GRADS`) over `slots`, ordered after the
+    state's writes by `order`."""
 
-    def __init__(self, slots: "SlotPool", order: "WriteOrder", store: "SwapStore", kind: str = WEIGHTS) -> None:
-        assert kind in (WEIGHTS, GRADS)
+    def __init__(self, slots: "SlotPool", order: "WriteOrder", store: "SwapStore", kind: RecordKind) -> None:
+        assert kind is not RecordKind.STATE
         self._slots = slots
         self._order = order
         self._store = store
         self._kind = kind
 
-    def _submit_read(self, group: "FlatGroup", start: int, tensor: Tensor) -> "IOFuture":
-        if self._kind == WEIGHTS:
-            return self._store.read_weights(group, start, tensor)
-        return self._store.read_grads(group, start, tensor)
-
-    def _submit_write(self, group: "FlatGroup", start: int, tensor: Tensor) -> "IOFuture":
-        if self._kind == WEIGHTS:
-            return self._store.write_weights(group, start, tensor)
-        return self._store.write_grads(group, start, tensor)
-
     def _numel(self, group: "FlatGroup") -> int:
         """The array's elements: the whole group's weights, or its (padded, data-parallel) trainable range."""
-        records = self._store.weights if self._kind == WEIGHTS else self._store.grads
+        records = self._store.weights if self._kind is RecordKind.WEIGHTS else self._store.grads
         return records[group.key].numel
 
     def read_into(self, group: "FlatGroup", dst: Tensor, copy: Callable[[Tensor, Tensor], None]) -> None:
@@ -80,7 +70,7 @@ class RecordMoves:
             slot = self._order.take()
             try:
                 staged = _staged(slot, start, stop, dst)
-                self._order.wait([self._submit_read(group, start, staged)])
+                self._order.wait([self._store.read(self._kind, group.key, start, staged)])
                 copy(dst[start:stop], staged)
             finally:
                 self._slots.give_back(slot)
@@ -94,7 +84,7 @@ class RecordMoves:
             try:
                 staged = _staged(slot, start, stop, src)
                 staged.copy_(src[start:stop])
-                self._order.wait([self._submit_write(group, start, staged)])
+                self._order.wait([self._store.write(self._kind, group.key, start, staged)])
             finally:
                 self._slots.give_back(slot)
 
@@ -113,7 +103,7 @@ class RecordMoves:
             try:
                 for slot, (start, stop) in zip(slots, pieces):
                     staged = slot.raw[:(stop - start) * itemsize].view(group.dtype)
-                    taken.append(PieceRead(slot, start, stop, staged, self._submit_read(group, start, staged)))
+                    taken.append(PieceRead(slot, start, stop, staged, self._store.read(self._kind, group.key, start, staged)))
             except BaseException:
                 for slot in slots[len(taken):]:  # no read targets these
                     self._slots.give_back_locked(slot)

@@ -34,8 +34,8 @@ import collections
 import contextlib
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Deque, Iterator, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -72,6 +72,7 @@ class Slot:
     sections: SlotSections  # `chunk_numel` elements each
     moments: MomentFormat
     weights_offset: int  # where the compute-weight area starts (after the sections, 4 KiB-aligned)
+    cuts: Dict[int, SlotSections] = field(default_factory=dict)  # `cut`'s views, by chunk size
 
     def weights(self, dtype: torch.dtype, numel: int) -> Tensor:
         """The slot's compute-weight area (after the three sections) as `numel` elements of `dtype`."""
@@ -80,10 +81,14 @@ class Slot:
         return self.raw[start:start + numel * itemsize].view(dtype)
 
     def cut(self, numel: int) -> SlotSections:
-        """The three sections' first `numel` elements: a chunk of that many elements in this slot."""
-        master, exp_avg, exp_avg_sq = self.sections
-        return (master[:numel], slice_moment(exp_avg, self.moments, 0, numel),
-                slice_moment(exp_avg_sq, self.moments, 0, numel))
+        """The three sections' first `numel` elements: a chunk of that many elements in this slot (the cuts of
+        the sizes a record's chunks have are made once)."""
+        cut = self.cuts.get(numel)
+        if cut is None:
+            master, exp_avg, exp_avg_sq = self.sections
+            cut = self.cuts[numel] = (master[:numel], slice_moment(exp_avg, self.moments, 0, numel),
+                                      slice_moment(exp_avg_sq, self.moments, 0, numel))
+        return cut
 
 
 def slot_layout(moments: MomentFormat, chunk: int) -> Tuple[Tuple[int, int, int, int], int]:

@@ -18,7 +18,6 @@ from offload.policy import Activations, OffloadPolicy
 from offload.scheduler.activations.meter import RootSavedTensors
 from offload.scheduler.activations.spill import STAGING_SLOT_BYTES, STAGING_SLOTS, ActivationSpill, storage_keeper
 from offload.scheduler.blocks.block import Block
-from offload.scheduler.blocks.forward_order import ForwardOrder
 from offload.scheduler.modes.selection import Modes, clipping_for, disk_traffic_for, reduction_for
 from offload.scheduler.phases.backward import BackwardPhase
 from offload.scheduler.phases.backward_tracker import BackwardTracker
@@ -29,6 +28,7 @@ from offload.scheduler.phases.pipeline import StepPipeline
 from offload.scheduler.phases.step import StepPhase
 from offload.scheduler.phases.sync import Synchronizer
 from offload.scheduler.records.block_record import BlockRecord
+from offload.scheduler.records.forward_order import ForwardOrder
 from offload.scheduler.records.module_weights import ModuleWeights
 from offload.scheduler.records.nonfinite import NonFiniteSkips
 from offload.scheduler.records.services import BlockServices
@@ -49,7 +49,7 @@ def assemble(blocks: List[Block], module: nn.Module, policy: OffloadPolicy, plan
              dp: Optional[DataParallel] = None) -> StepPipeline:
     """Materialize `blocks` into their tiers and build the step over them (see the module docstring)."""
     disk = disk_traffic_for(tiers.ring)
-    worker = StepWorker(num_threads, observer=disk)
+    worker = StepWorker(num_threads, observer=disk, tracer=tracer)
     try:
         if tiers.grad_pool is not None:
             tiers.grad_pool.bind(worker)  # an update running or queued will give bytes back

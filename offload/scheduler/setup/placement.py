@@ -43,7 +43,14 @@ from offload.tiers.device import DeviceTier
 from offload.tiers.disk import SwapStore
 from offload.tiers.grad_window import GradPool
 from offload.tiers.host import StagingPool
-from offload.tiers.swap_layout import WeightRecord, plan_grad_layout, plan_swap_layout, plan_weight_layout, round_up
+from offload.tiers.swap_layout import (
+    GroupShape,
+    WeightRecord,
+    plan_grad_layout,
+    plan_swap_layout,
+    plan_weight_layout,
+    round_up,
+)
 from offload.trace import Tracer
 
 
@@ -54,7 +61,8 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
     sharded = _shards_weights(blocks, policy, dp)
     numel_of = None if dp is None else (
         lambda group: dp.state_shard(group.trainable_numel, group.numel, sharded).numel)
-    records, swap_size = plan_swap_layout(blocks, numel_of, policy.moments) if policy.tier is Tier.NVME else ({}, 0)
+    shapes = [g.shape(b.name) for b in blocks for g in b.groups]
+    records, swap_size = plan_swap_layout(shapes, numel_of, policy.moments) if policy.tier is Tier.NVME else ({}, 0)
     largest_record = _largest_part(blocks, dp, sharded)
     ring = ring_size_for(largest_record, policy.moments) if records else None
     plan = dataclasses.replace(_make_plan(blocks, policy, ring, dp, sharded), precision=_precision(policy))
@@ -81,11 +89,12 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
                 "is no state to keep; use tier='cpu' (weights still stream under device_memory), or unfreeze the "
                 "parameters to train before offload.wrap()")
         part_of = None if not sharded else (lambda group: dp.weight_part(group.numel).numel)  # type: ignore[union-attr]
-        weights, swap_size = plan_weight_layout(blocks, plan.disk_weight_blocks, swap_size, part_of)
+        on_disk = set(plan.disk_weight_blocks)
+        weights, swap_size = plan_weight_layout([s for s in shapes if s.block in on_disk], swap_size, part_of)
         grads: Dict[str, WeightRecord] = {}
         if plan.grads_on_disk:
             padded = None if dp is None else _grad_record_numel(dp, sharded, policy.max_grad_norm is not None)
-            grads, swap_size = plan_grad_layout(blocks, swap_size, padded)
+            grads, swap_size = plan_grad_layout(shapes, swap_size, padded)
         directory = policy.nvme_path
         if dp is not None:
             directory = os.path.join(directory, f"rank-{dp.rank}")
@@ -270,11 +279,11 @@ def _partitioned_home(block: Block, group: FlatGroup, tiers: Tiers, on_disk: set
     return PartitionedHome(group, part, state_shard, dp, keeper)
 
 
-def _grad_record_numel(dp: DataParallel, sharded: bool, clipping: bool) -> Callable[[FlatGroup], int]:
+def _grad_record_numel(dp: DataParallel, sharded: bool, clipping: bool) -> Callable[[GroupShape], int]:
     """A data-parallel rank's gradient record of a group: its averaged part with clipping (a gradient parks only
     after its block's reduce-scatter, for the global norm), else the whole trainable range padded to whole
     shards (a micro-batch's sum parks before any average)."""
-    def numel(group: FlatGroup) -> int:
+    def numel(group: GroupShape) -> int:
         shard = dp.state_shard(group.trainable_numel, group.numel, sharded)
         return shard.numel if clipping else shard.padded
     return numel

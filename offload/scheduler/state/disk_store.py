@@ -20,6 +20,7 @@ from offload.optim.moment_format import EXP_AVG, EXP_AVG_SQ, MomentFormat, Quant
 from offload.optim.moments import encode_moment
 from offload.scheduler.blocks.block import FlatGroup
 from offload.scheduler.state.state_store import Cloned, Fill, Span, StateChunk, SwapSections, Views, decode_views
+from offload.tiers.disk import RecordKind
 
 if TYPE_CHECKING:
     from offload.scheduler.ring.disk_ring import DiskRing
@@ -101,7 +102,7 @@ class DiskStore:
         if self.moments is not MomentFormat.FP32:
             return None
         self.drain()
-        fd, offsets, nbytes = self._ring.swap.section_spans(self.group)
+        fd, offsets, nbytes = self._ring.swap.section_spans(self.group.key)
         return SwapSections(fd, offsets, nbytes)
 
     @contextlib.contextmanager
@@ -125,7 +126,7 @@ class DiskStore:
         def read(i: int):
             start, stop = chunks[i]
             views = _cut(slots[i % len(slots)], self.moments, stop - start)
-            return views, swap.read_chunk(self.group, start, stop, views)
+            return views, [swap.read(RecordKind.STATE, self.group.key, start, views)]
 
         pending = read(0) if chunks else None
         try:
@@ -165,7 +166,7 @@ class DiskStore:
                         in_flight.append(self._store_chunk(start, stop, views, cloned))  # type: ignore[arg-type]
                         continue
                     _fill_encoded(fill, start, stop, views, self.moments)
-                    futures = self._ring.swap.write_chunk(self.group, start, stop, views)
+                    futures = [self._ring.swap.write(RecordKind.STATE, self.group.key, start, views)]
                     in_flight.append(functools.partial(wait_all, futures))
                 while in_flight:
                     in_flight.pop(0)()
@@ -182,18 +183,21 @@ class DiskStore:
         it back as one)."""
         swap, group = self._ring.swap, self.group
         futures, adopted = [], []
+        written = tuple(view if below <= start else None for view, below in zip(views, cloned))
+        if any(view is not None for view in written):
+            futures.append(swap.write(RecordKind.STATE, group.key, start, written))  # type: ignore[arg-type]
         for index, (view, below) in enumerate(zip(views, cloned)):
             if below <= start:
-                futures.append(swap.write_section(group, index, start, view))
                 continue
             if below < stop:  # the unaligned tail of a cloned section
-                futures.append(swap.write_section(group, index, below, view[below - start:]))
+                tail = tuple(view[below - start:] if i == index else None for i in range(3))
+                futures.append(swap.write(RecordKind.STATE, group.key, below, tail))  # type: ignore[arg-type]
             adopted.append((index, view))
 
         def finish() -> None:
             wait_all(futures)
             for index, view in adopted:  # after the tail's write: one seal replaces the tail's
-                swap.adopt(group, index, start, view)
+                swap.adopt(group.key, index, start, view)
 
         return finish
 

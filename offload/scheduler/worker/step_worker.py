@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import weakref
 from concurrent.futures import Future
 from typing import Callable, Dict, List, Optional, Protocol, Tuple
@@ -20,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Protocol, Tuple
 import torch
 
 from offload.errors import OffloadError
+from offload.trace import Tracer
 
 Job = Tuple[float, int, int, Callable[[], object], Future]  # (priority, sequence, block index, work, future)
 
@@ -42,8 +44,10 @@ class StepWorker:
     some blocks were updated and some not, so training on would silently use inconsistent state.
     [Note: a failed update poisons the engine]"""
 
-    def __init__(self, num_threads: int, observer: Optional[QueueObserver] = None) -> None:
+    def __init__(self, num_threads: int, observer: Optional[QueueObserver] = None,
+                 tracer: Optional[Tracer] = None) -> None:
         self.num_threads = num_threads
+        self._tracer = tracer if tracer is not None else Tracer()
         self._queue: List[Job] = []
         self._pending: Dict[int, Future] = {}
         self._sequence = 0
@@ -84,15 +88,22 @@ class StepWorker:
         future = self._pending.get(block_index)
         return future is not None and not future.done()
 
-    def wait(self, block_index: int) -> None:
+    def wait(self, block_index: int, detail: str = "") -> float:
         """Block until the block's last submitted work is done; re-raise its exception here. After any update
-        has failed, every wait raises (OffloadError naming the first failure) until `clear_failure`."""
+        has failed, every wait raises (OffloadError naming the first failure) until `clear_failure`. Returns the
+        seconds it blocked (a "wait for update" span, about `detail`, when it did)."""
         with self._lock:
             future = self._pending.pop(block_index, None)
+        blocked = 0.0
         if future is not None:
             try:
                 if future.cancelled():
                     raise OffloadError("this block's update was dropped when the interpreter began to exit")
+                if not future.done():
+                    start = time.perf_counter()
+                    with self._tracer.span("wait for update", detail):
+                        future.result()
+                    blocked = time.perf_counter() - start
                 future.result()
             except BaseException as exc:
                 if not _update_raised(future, exc):  # [Note: Ctrl-C in a wait] the update itself runs on
@@ -104,6 +115,7 @@ class StepWorker:
                     raise
                 # a later failure: reported as the consequence of the first, below
         self.raise_if_failed()
+        return blocked
 
     def raise_if_failed(self) -> None:
         """Raise OffloadError naming the first failed update, if any update has failed."""

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from offload.scheduler.blocks.block import Block, build_blocks
-from offload.scheduler.blocks.forward_order import ForwardOrder
 from offload.scheduler.modes.reduction import LocalReduction
 from offload.scheduler.records.block_record import BlockRecord, GroupUpdate, ParkJob, UpdateJob
+from offload.scheduler.records.forward_order import ForwardOrder
 from offload.scheduler.records.grad_home import GradHome
 from offload.scheduler.records.group import GroupRecord, GroupState
 from offload.scheduler.records.nonfinite import NonFiniteSkips

@@ -15,7 +15,7 @@ from torch import nn
 
 from offload.scheduler.blocks.block import FlatGroup, build_blocks
 from offload.scheduler.ring.disk_ring import DiskRing
-from offload.tiers.disk import SwapStore
+from offload.tiers.disk import RecordKind, SwapStore
 from offload.tiers.host import StagingPool
 from offload.tiers.swap_layout import plan_swap_layout, plan_weight_layout
 
@@ -85,21 +85,19 @@ class GatedSwap:
             request.finished = True
         self._held.clear()
 
-    def read_chunk(self, group: FlatGroup, start: int, stop: int, sections, weights=None):
-        self.events.append(("read", group.key, start, sections[0].data_ptr()))
-        return self.swap.read_chunk(group, start, stop, sections, weights)
+    def read(self, kind: RecordKind, key: str, start: int, data):
+        if kind is RecordKind.STATE:
+            self.events.append(("read", key, start, data[0].data_ptr()))
+        elif kind is RecordKind.WEIGHTS:
+            self.events.append(("read weights", key, start, data.data_ptr()))
+        return self.swap.read(kind, key, start, data)
 
-    def write_chunk(self, group: FlatGroup, start: int, stop: int, sections, weights=None):
-        event = ("write", group.key, start, sections[0].data_ptr())
-        return self._written(event, self.swap.write_chunk(group, start, stop, sections, weights))
-
-    def read_weights(self, group: FlatGroup, start: int, tensor):
-        self.events.append(("read weights", group.key, start, tensor.data_ptr()))
-        return self.swap.read_weights(group, start, tensor)
-
-    def write_weights(self, group: FlatGroup, start: int, tensor):
-        event = ("write weights", group.key, start, tensor.data_ptr())
-        return self._written(event, [self.swap.write_weights(group, start, tensor)])[0]
+    def write(self, kind: RecordKind, key: str, start: int, data):
+        if kind is RecordKind.STATE:
+            event: Event = ("write", key, start, data[0].data_ptr())
+        else:
+            event = ("write weights" if kind is RecordKind.WEIGHTS else "write grads", key, start, data.data_ptr())
+        return self._written(event, [self.swap.write(kind, key, start, data)])[0]
 
     def _written(self, event: Event, futures: list) -> list:
         self.events.append(event)
@@ -130,10 +128,11 @@ def gated_ring(tmp_path, model: nn.Module, ring_bytes: int, depth: int = 4, weig
     """(ring, its GatedSwap, the model's flat groups) over a real swap file in `tmp_path`; the compute weights
     on disk too when `weights_on_disk`. Everything is closed after."""
     blocks, groups = groups_of(model, dtype)
-    records, size = plan_swap_layout(blocks)
+    shapes = [g.shape(b.name) for b in blocks for g in b.groups]
+    records, size = plan_swap_layout(shapes)
     weights = None
     if weights_on_disk:
-        weights, size = plan_weight_layout(blocks, tuple(b.name for b in blocks), size)
+        weights, size = plan_weight_layout(shapes, size)
     swap = SwapStore(str(tmp_path), records, size, weights)
     pool = StagingPool(ring_bytes)
     gated = GatedSwap(swap)

@@ -70,7 +70,7 @@ class StoreCase:
 @contextlib.contextmanager
 def _disk(directory: str, block: Block, shard: Optional[Shard]) -> Iterator[Tuple[DiskRing, SwapStore]]:
     numel_of = None if shard is None else (lambda group: shard.numel)
-    records, size = plan_swap_layout([block], numel_of)
+    records, size = plan_swap_layout([g.shape(block.name) for g in block.groups], numel_of)
     swap = SwapStore(directory, records, size)
     pool = StagingPool(min_ring_bytes())
     ring = DiskRing(swap, pool, min_ring_bytes(), 4)
