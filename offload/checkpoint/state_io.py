@@ -1,6 +1,6 @@
 """How a checkpoint cuts a flat group's optimizer state into parameters.
 
-The state itself is read and written through the group's `StateStore` (scheduler/state_store.py:
+The state itself is read and written through the group's `StateStore` (scheduler/state/state_store.py:
 `reading()`, `write(fill)`, `swap_sections()`), which knows how its tier keeps it; this module only maps a
 chunk of the group's trainable range onto the parameters it covers.
 """
