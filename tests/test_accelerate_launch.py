@@ -140,17 +140,16 @@ def fresh_accelerate() -> Iterator[None]:
 
 def test_prepare_refuses_what_would_train_otherwise(fresh_accelerate: None) -> None:
     accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
-    with offload.wrap(TinyGPT(), tier="cpu", device="cpu", grad_accumulation_steps=4) as engine:
-        with pytest.raises(OffloadConfigError, match=r"grad_accumulation_steps=4\) but Accelerator\("
-                                                     r"gradient_accumulation_steps=2\).*leave grad_accumulation"):
-            accelerator.prepare(engine.module)
-        other_world = types.SimpleNamespace(num_processes=2, scaler=None, gradient_accumulation_steps=4)
+    with offload.wrap(TinyGPT(), tier="cpu", device="cpu") as engine:
+        other_world = types.SimpleNamespace(num_processes=2, scaler=None)
         with pytest.raises(OffloadConfigError, match=r"runs 2 processes but the engine was made by offload.wrap\(\) "
                                                      r"for 1 .*make the Accelerator first"):
             accelerate.Accelerator.prepare_model(other_world, engine.module)
-        fp16 = types.SimpleNamespace(num_processes=1, scaler=object(), gradient_accumulation_steps=4)
+        fp16 = types.SimpleNamespace(num_processes=1, scaler=object())
         with pytest.raises(OffloadConfigError, match=r"mixed_precision='fp16'.*use mixed_precision='bf16'"):
             accelerate.Accelerator.prepare_model(fp16, engine.module)
+        assert accelerator.prepare(engine.module) is engine.module  # one process: as is, registered
+        assert accelerator._models == [engine.module]
     plain = TinyGPT()
     assert accelerator.prepare(plain) is plain  # another model: accelerate's own prepare (one process: no DDP)
 

@@ -23,15 +23,16 @@ know engines' modules (once per process; every other model and every other call 
 - `prepare_model(engine.module)`: accelerate's own, so the model is registered for `save_state` and gets the
   autocast of `mixed_precision="bf16"`, but without device placement (the engine places the weights) and without
   DDP. Refused there, naming the fix: an engine made for another world size than the Accelerator's (made before
-  the Accelerator started the process group), `mixed_precision="fp16"` (its GradScaler cannot see the engine's
-  gradients), and `grad_accumulation_steps` declared in `wrap()` other than the Accelerator's.
+  the Accelerator started the process group), and `mixed_precision="fp16"` (its GradScaler cannot see the
+  engine's gradients).
 - `clip_grad_norm_(model.parameters(), max_norm)`: `engine.clip_grad_norm_(max_norm)`, torch's maths over the
   gradient averaged across the ranks (a collective, as DDP's clip over its averaged gradients); torch's own
   clip over the engine's gradients would measure this rank's only, and the engine refuses it.
 
 Nothing else needs a change: `backward` divides the loss by the accumulation steps; `accumulate(model)` enters
 the model's `no_sync`, which an engine's module does not have, and the engine's accumulation is exact without
-being told which backward is the last (it keeps each block's sum until `step()`); the wrapped optimizer steps
+being told which backward is the last (it keeps each block's sum until `step()`: leave `wrap()`'s
+`grad_accumulation_steps` unset, or equal to the Accelerator's); the wrapped optimizer steps
 and zeroes only on the last micro-batch; `gather_for_metrics` runs accelerate's collectives; `save_state` /
 `load_state` call `model.state_dict()` and `optimizer.state_dict()` on every rank (torch's AdamW format, the
 whole state on every rank: engine/torch_state.py) and write on the main process, so a state saved by 2 ranks
@@ -145,13 +146,6 @@ def _refuse_unmatched(accelerator: Any, engine: Any) -> None:
         problems.append(
             "mixed_precision='fp16' (its GradScaler scales the loss and unscales param.grad, which cannot see the "
             "engine's gradients): use mixed_precision='bf16', wrap(dtype=torch.bfloat16), or fp32")
-    declared = engine.policy.grad_accumulation_steps
-    steps = int(accelerator.gradient_accumulation_steps)
-    if declared is not None and declared != steps:
-        problems.append(
-            f"offload.wrap(grad_accumulation_steps={declared}) but Accelerator(gradient_accumulation_steps={steps}): "
-            f"the engine would update the blocks during backward {declared} while the optimizer steps after "
-            f"{steps}; leave grad_accumulation_steps unset in wrap() (exact without it) or make them equal")
     if problems:
         raise OffloadConfigError("accelerator.prepare(engine.module): " + "; ".join(problems))
 
