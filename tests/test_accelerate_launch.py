@@ -7,8 +7,8 @@ scheduler, loader)`, `accumulate(model)` over 2 micro-batches, `backward`, `clip
 `gather_for_metrics`, `save_state` at step 3), trains as that loop does under DDP: gathered losses, clip norms
 and final weights within 1e-5 on the cpu and nvme tiers with replicated and sharded weights, the ranks
 bit-identical; `load_state` of its state continues exactly on 2 ranks, and in 1 process as the torch loop does
-from DDP's state. One launch runs every case (start-up is the slow part). The refusals at `prepare` run in this
-process.
+from DDP's state. One launch runs every case (start-up is the slow part). In this process, one process: the
+refusals at `prepare`, `load_state` into streamed blocks, and `mixed_precision="bf16"` (accelerate's autocast).
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def test_clipping_part_of_a_data_parallel_engine_is_refused(runs: Path) -> None:
     assert "part of a data-parallel engine's parameters" in message and "model.parameters()" in message
 
 
-# ----- one process: what prepare refuses, and the streamed blocks' load_state ---------------------------------
+# ----- one process: what prepare refuses, the streamed blocks' load_state, bf16's autocast ----------------------
 @pytest.fixture
 def fresh_accelerate() -> Iterator[None]:
     """accelerate's process-wide state (its AcceleratorState and GradientState singletons) afresh, before and after."""
@@ -170,3 +170,20 @@ def test_streamed_blocks_save_and_load_state_exactly(tmp_path: Path, fresh_accel
     assert whole["streamed"] == ["h.0", "h.1", "h.2"]
     _assert_same(whole, plain, TOL)
     _assert_same(resumed, {**whole, "losses": whole["losses"][2 * SAVE_AT:], "norms": whole["norms"][SAVE_AT:]}, 0.0)
+
+
+def test_bf16_mixed_precision_runs_the_engine_under_accelerates_autocast(tmp_path: Path,
+                                                                        fresh_accelerate: None) -> None:
+    """`Accelerator(mixed_precision="bf16")`: prepare keeps its autocast around the engine's module (fp32 weights,
+    bf16 matmuls), as around the plain model."""
+    from tests.accelerate_launch_child import dataset, run
+
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2, mixed_precision="bf16")
+    run(accelerator, dict(name="plain", engine=False), str(tmp_path))
+    run(accelerator, _engine_case("cpu"), str(tmp_path))
+    plain, ours = _result(tmp_path, "plain"), _result(tmp_path, "cpu")
+    _assert_same(ours, plain, TOL)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        fp32 = TinyGPT()(*next(iter(torch.utils.data.DataLoader(dataset(), batch_size=4))))
+    assert abs(plain["losses"][0][0] - float(fp32)) > 1e-4  # the autocast did change the arithmetic
