@@ -45,10 +45,11 @@ MAX_CODE_MISMATCH = 1e-3
 
 
 def _supported_isas() -> list[str]:
+    """The moment kernel variants this CPU runs: "avx512" (with VBMI and AVX512_BF16 the byte-plane kernel),
+    "avx512bw" (the F/BW kernel, also listed where "avx512" is the other one), "avx2", "scalar"."""
     if _native._C is None:
         return []
-    order = ["avx512", "avx2", "scalar"]
-    return order[order.index(_native._C.adam_isa()):]
+    return list(_native._C.moment_isas())
 
 
 # --- the reference ------------------------------------------------------------------------------------------
