@@ -9,9 +9,14 @@ states are the same m and v), one step each, interleaved round by round, so they
 Bytes per parameter are what each mode must move at least: fp32 mode reads p, m, v, g (16) and writes
 p, m, v (12) = 28; engine mode reads p, m, v + a bf16 grad (14) and writes p, m, v + the bf16 copy (14) = 28;
 torch fused + copy moves 28 + 6 (re-read p, write bf16) = 34; the compressed-moment kernels (engine mode, bf16 g in,
-bf16 copy out) move p 8 + g 2 + out 2 + m and v read and written: bf16 8 (= 20), int8 4 + the scales 1/16 (= 16.06). `bound` = bytes / in-place bandwidth, where the
-bandwidth comes from scaling the p, m and v buffers in place (1 read + 1 write per element) with the same
-threads; efficiency = bound / time.
+bf16 copy out) move p 8 + g 2 + out 2 + m and v read and written: bf16 8 (= 20), int8 4 + the scales 1/16 (= 16.06).
+The "+ CRCs" rows also return the CRC-32C of each piece they write (adam_step_moments(crcs=...), the swap file's
+seals): computed from caches in the same pass, no DRAM bytes added, so their bound is the same. The "avx512bw" rows
+run the AVX-512 F/BW kernel (the only AVX-512 moment kernel before the VBMI one) on CPUs that have both. `bound` =
+bytes / in-place bandwidth, where the bandwidth comes from the fp32 step's traffic (read p, m, v, g; write p, m, v)
+in one pass with the same threads; efficiency = bound / time.
+
+    python benchmarks/bench_adam.py --rivals moments,fused --sizes 500e6 --threads all --rounds 8
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ from benchmarks.common import append_csv, machine_header, print_table, summarize
 from offload import _native  # noqa: E402
 from offload._system import mem_available, usable_cores  # noqa: E402
 from offload.optim import CPUAdam, adam_step_flat  # noqa: E402
-from offload.optim.moment_format import zeros_moment
-from offload.optim.moments import adam_step_moments
+from offload.optim.moment_format import zeros_moment  # noqa: E402
+from offload.optim.moments import CRC_PIECES, adam_step_moments  # noqa: E402
 
 HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 BYTES_PER_PARAM = {"fp32": 28, "engine": 28, "torch+copy": 34, "bf16 moments": 20, "int8 moments": 16 + 16 / 256}
@@ -49,6 +54,7 @@ class Buffers:
         self.g16 = self.g32.to(torch.bfloat16)
         self.out16 = torch.empty(numel, dtype=torch.bfloat16)
         self.moments = {fmt: (zeros_moment(fmt, numel), zeros_moment(fmt, numel)) for fmt in ("bf16", "int8")}
+        self.crcs = torch.zeros(len(CRC_PIECES), dtype=torch.uint32)
         self.params: list[torch.nn.Parameter] = []
         offset = 0
         for shape in _layout(numel, big):
@@ -113,11 +119,28 @@ def _rivals(buf: Buffers, threads: int, with_deepspeed: bool) -> tuple[dict[str,
         step["n"] += 1
         adam_step_flat(buf.p, buf.g16, buf.m, buf.v, step=step["n"], out=buf.out16, **flat)
 
-    def ours_moments(fmt):
+    def ours_moments(fmt, crcs=False):
         def run():
             step["n"] += 1
             m, v = buf.moments[fmt]
-            adam_step_moments(buf.p, buf.g16, m, v, fmt, step=step["n"], out=buf.out16, **flat)
+            adam_step_moments(buf.p, buf.g16, m, v, fmt, step=step["n"], out=buf.out16,
+                              crcs=buf.crcs if crcs else None, **flat)
+        return run
+
+    native = _native._C
+
+    def ours_moments_isa(fmt, isa):
+        """The native step of one kernel variant, called as adam_step_moments calls the best one for this CPU."""
+        def addresses(m):
+            return (m.codes.data_ptr(), m.scales.data_ptr()) if fmt == "int8" else (m.data_ptr(), 0)
+
+        def run():
+            step["n"] += 1
+            (mc, ms), (vc, vs) = (addresses(m) for m in buf.moments[fmt])
+            native.adam_moments_step(
+                buf.p.data_ptr(), buf.g16.data_ptr(), 1, mc, ms, vc, vs, 1 if fmt == "bf16" else 2, buf.p.numel(),
+                buf.out16.data_ptr(), 1, step["n"], flat["lr"], flat["beta1"], flat["beta2"], flat["eps"],
+                flat["weight_decay"], True, 1.0, threads, None, isa)
         return run
 
     cpu_adam = CPUAdam(buf.params, num_threads=threads, **HP)
@@ -135,12 +158,17 @@ def _rivals(buf: Buffers, threads: int, with_deepspeed: bool) -> tuple[dict[str,
         "offload flat, fp32 grads": ours_fp32,
         "offload flat, engine (bf16 g in, bf16 copy out)": ours_engine,
         "offload bf16 moments, engine": ours_moments("bf16"),
+        "offload bf16 moments + CRCs, engine": ours_moments("bf16", crcs=True),
         "offload int8 moments, engine": ours_moments("int8"),
+        "offload int8 moments + CRCs, engine": ours_moments("int8", crcs=True),
         "offload CPUAdam (per tensor, fp32)": cpu_adam.step,
         "torch AdamW foreach": foreach.step,
         "torch AdamW fused": fused.step,
         "torch AdamW fused + bf16 copy": fused_and_copy,
     }
+    if native is not None and "avx512bw" in native.moment_isas() and native.moment_isas()[0] != "avx512bw":
+        rivals["offload bf16 moments, engine, avx512bw kernel"] = ours_moments_isa("bf16", "avx512bw")
+        rivals["offload int8 moments, engine, avx512bw kernel"] = ours_moments_isa("int8", "avx512bw")
     missing = {}
     if with_deepspeed:
         ds, why = _deepspeed_adam(buf.params)
@@ -181,10 +209,17 @@ def _mode(name: str) -> str:
     return "fp32"
 
 
-def run_size(numel: int, big: int, threads: int, rounds: int, with_deepspeed: bool) -> list[dict]:
+ALWAYS = ("torch AdamW fused", "torch AdamW fused + bf16 copy")  # the baselines every row is compared with
+
+
+def run_size(numel: int, big: int, threads: int, rounds: int, with_deepspeed: bool,
+             only: tuple[str, ...] = ()) -> list[dict]:
     torch.set_num_threads(threads)
     buf = Buffers(numel, big)
     rivals, missing = _rivals(buf, threads, with_deepspeed)
+    if only:
+        rivals = {k: f for k, f in rivals.items() if k in ALWAYS or any(word in k for word in only)}
+        missing = {k: why for k, why in missing.items() if any(word in k for word in only)}
     timed = {"in-place bandwidth probe": _bandwidth_probe(buf, threads), **rivals}
     samples: dict[str, list[float]] = {name: [] for name in timed}
     names = list(timed)
@@ -234,7 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--no-deepspeed", action="store_true")
     parser.add_argument("--no-csv", action="store_true")
+    parser.add_argument("--rivals", default="", help="comma-separated words: only the rows whose name holds one (and "
+                                                      "torch fused, fused + copy), e.g. 'moments'")
     args = parser.parse_args(argv)
+    only = tuple(w.strip() for w in args.rivals.split(",") if w.strip())
     sizes = [int(float(s)) for s in args.sizes.split(",")]
     big, rounds, with_ds = 4096, args.rounds, not args.no_deepspeed
     if args.quick:
@@ -252,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{avail / 2**30:.1f} GiB available")
             continue
         for t in threads:
-            rows += run_size(numel, big, t, rounds, with_ds)
+            rows += run_size(numel, big, t, rounds, with_ds, only)
     print_table(rows, ["size", "threads", "rival", "ms", "p20_p80", "Gparams_s", "GB_s", "B_param", "bound_ms", "vs_torch",
                        "bound_eff"])
     if not args.no_csv and not args.quick:

@@ -33,7 +33,10 @@ def adam_moments_step(param: int, grad: int, grad_dtype: int, exp_avg: int, exp_
                       exp_avg_sq_scales: int, format: int, numel: int, out: int, out_dtype: int, step: int,
                       lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, adamw: bool,
                       grad_scale: float, num_threads: int, pool: Optional[ThreadPool] = None,
-                      isa: str = "") -> None: ...  # format: 1 bf16, 2 int8 (scales 0 for bf16)
+                      isa: str = "", crcs: int = 0) -> None: ...  # format: 1 bf16, 2 int8 (scales 0 for bf16);
+# crcs: 0 or the address of 6 uint32, the CRC-32C of each piece written, in MOMENT_CRC_PIECES order
+MOMENT_CRC_PIECES: tuple[str, ...]
+def moment_isas() -> list[str]: ...  # the moment kernel variants this CPU runs, best first
 def moments_encode(src: int, codes: int, scales: int, format: int, which: int, numel: int, num_threads: int,
                    pool: Optional[ThreadPool] = None, isa: str = "") -> None: ...
 def moments_decode(codes: int, scales: int, format: int, which: int, numel: int, out: int, num_threads: int,
@@ -43,6 +46,7 @@ def moments_decode(codes: int, scales: int, format: int, which: int, numel: int,
 def crc32c(ptr: int, nbytes: int, seed: int = 0) -> int: ...
 def crc32c_portable(ptr: int, nbytes: int, seed: int = 0) -> int: ...
 def crc32c_path() -> str: ...  # 'vpclmulqdq-avx512' | 'pclmulqdq' | 'sse4.2' | 'table'
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int: ...  # the CRC of A + B from crc(A), crc(B), len(B)
 def crc32c_paths() -> list[str]: ...  # those this CPU runs, preferred first
 def crc32c_with(path: str, ptr: int, nbytes: int, seed: int = 0) -> int: ...  # ValueError if not runnable here
 

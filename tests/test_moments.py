@@ -24,6 +24,7 @@ from offload.optim.moment_format import (
     code_nbytes,
     moment_from_bytes,
     moment_nbytes,
+    moment_numel,
     scale_count,
     slice_moment,
     zeros_moment,
@@ -43,10 +44,11 @@ MAX_CODE_MISMATCH = 1e-3
 
 
 def _supported_isas() -> list[str]:
+    """The moment kernel variants this CPU runs: "avx512" (with VBMI and AVX512_BF16 the byte-plane kernel),
+    "avx512bw" (the F/BW kernel, also listed where "avx512" is the other one), "avx2", "scalar"."""
     if _native._C is None:
         return []
-    order = ["avx512", "avx2", "scalar"]
-    return order[order.index(_native._C.adam_isa()):]
+    return list(_native._C.moment_isas())
 
 
 # --- the reference ------------------------------------------------------------------------------------------
@@ -150,7 +152,7 @@ def _state(fmt, n, seed=0, scale=1e-3):
 
 
 def _decoded(m, fmt, which):
-    out = torch.empty(M.moment_numel(m))
+    out = torch.empty(moment_numel(m))
     decode_moment(m, fmt, which, out)
     return out
 

@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "adam/adam_kernels.h"
 #include "common/thread_pool.h"
@@ -69,29 +70,60 @@ using MomentEncodeFn = void (*)(const float* src, void* codes, float* scales, Mo
 using MomentDecodeFn = void (*)(const void* codes, const float* scales, MomentFormat format, int which, float* out,
                                 int64_t begin, int64_t end);
 
+// The CRC-32C of each piece a step writes, the pieces the swap file seals one by one (offload/tiers/disk.py):
+// `crcs[k]` for k below; an absent piece (bf16 scales, no out) has the CRC of no bytes, 0.
+enum MomentCrc : int {
+  kCrcParam = 0,           // p: 4 n bytes
+  kCrcExpAvg = 1,          // m's codes (int8: n bytes) or values (bf16: 2 n bytes)
+  kCrcExpAvgScales = 2,    // m's scales (int8: 4 ceil(n / kInt8Block) bytes)
+  kCrcExpAvgSq = 3,        // v's codes or values
+  kCrcExpAvgSqScales = 4,  // v's scales
+  kCrcOut = 5,             // out: n elements of out_dtype
+  kCrcCount = 6,
+};
+
+// A range kernel that also continues the CRCs of what it writes: crcs[kCrcCount] hold the CRC-32C of the pieces
+// before `begin` (0 at the start of a piece) and receive those up to `end`. Every variant steps spans of a few
+// thousand elements and checksums each span's pieces right after, while they are in L1/L2 (adam_moments_dispatch.cpp):
+// one pass over DRAM.
+using MomentStepCrcFn = void (*)(const MomentBuffers&, const AdamConstants&, int64_t begin, int64_t end,
+                                 uint32_t* crcs);
+
 struct MomentKernels {
   MomentStepFn step;
   MomentEncodeFn encode;
   MomentDecodeFn decode;
+  MomentStepCrcFn step_crc;
   const char* name;
 };
 
 #define OFFLOAD_MOMENT_KERNELS(isa)                                                                        \
   void moment_step_##isa(const MomentBuffers&, const AdamConstants&, int64_t, int64_t);                   \
   void moment_encode_##isa(const float*, void*, float*, MomentFormat, int, int64_t, int64_t);             \
-  void moment_decode_##isa(const void*, const float*, MomentFormat, int, float*, int64_t, int64_t);
+  void moment_decode_##isa(const void*, const float*, MomentFormat, int, float*, int64_t, int64_t);       \
+  void moment_step_crc_##isa(const MomentBuffers&, const AdamConstants&, int64_t, int64_t, uint32_t*);
 OFFLOAD_MOMENT_KERNELS(scalar)
-OFFLOAD_MOMENT_KERNELS(avx2)    // the scalar loops compiled for AVX2 + FMA + F16C
-OFFLOAD_MOMENT_KERNELS(avx512)  // 16 lanes; the int8 maps and midpoints are looked up in registers
+OFFLOAD_MOMENT_KERNELS(avx2)      // the scalar loops compiled for AVX2 + FMA + F16C
+OFFLOAD_MOMENT_KERNELS(avx512bw)  // AVX-512 F/BW: the int8 maps and midpoints in registers as 16-bit planes
+OFFLOAD_MOMENT_KERNELS(avx512)    // + VBMI and AVX512_BF16: byte planes, 64 codes a lookup
 #undef OFFLOAD_MOMENT_KERNELS
 
-// The kernels of one named variant ("avx512", "avx2", "scalar"; "" = the best for this CPU, as for adam_step).
-// Throws std::invalid_argument for an unknown or unsupported name.
+// The CRCs of the pieces of [begin, end) (appended to crcs), read back from memory: the portable kernels' way.
+void moment_crcs_after(const MomentBuffers& b, int64_t begin, int64_t end, uint32_t* crcs);
+
+// The kernels of one named variant: "avx512" (the VBMI kernel where the CPU has AVX512_VBMI and AVX512_BF16, else
+// the F/BW one), "avx512bw", "avx2", "scalar"; "" = the best for this CPU, as for adam_step. Throws
+// std::invalid_argument for an unknown or unsupported name.
 const MomentKernels& moment_kernels_for(const std::string& isa);
 
+// The variants this CPU runs, best first ("avx512" and "avx512bw" name two kernels only where it has VBMI and BF16).
+std::vector<std::string> moment_isas();
+
 // Whole-buffer operations, threaded like adam_step (pool, or num_threads for this call; inline when small).
+// crcs: null, or kCrcCount entries that receive the CRC-32C of each piece written (MomentCrc), computed in the
+// same pass; with several threads each chunk's, joined with crc32c_combine.
 void moments_step(const MomentBuffers& buffers, const AdamConstants& constants, int64_t n, ThreadPool* pool,
-                  int num_threads, const MomentKernels& kernels);
+                  int num_threads, const MomentKernels& kernels, uint32_t* crcs = nullptr);
 void moments_encode(const float* src, void* codes, float* scales, MomentFormat format, int which, int64_t n,
                     ThreadPool* pool, int num_threads, const MomentKernels& kernels);
 void moments_decode(const void* codes, const float* scales, MomentFormat format, int which, float* out, int64_t n,

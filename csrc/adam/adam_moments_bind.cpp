@@ -70,7 +70,7 @@ void bind_adam_moments(py::module_& m) {
       [](uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_scales,
          uintptr_t exp_avg_sq, uintptr_t exp_avg_sq_scales, int format, int64_t numel, uintptr_t out, int out_dtype,
          int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
-         double grad_scale, int num_threads, ThreadPool* pool, const std::string& isa) {
+         double grad_scale, int num_threads, ThreadPool* pool, const std::string& isa, uintptr_t crcs) {
         const MomentFormat f = format_code(format);
         check_common(numel, f, exp_avg_scales, exp_avg_sq_scales);
         if (step < 1) throw std::invalid_argument("step must be >= 1");
@@ -78,15 +78,24 @@ void bind_adam_moments(py::module_& m) {
                         address<void>(exp_avg), address<float>(exp_avg_scales), address<void>(exp_avg_sq),
                         address<float>(exp_avg_sq_scales), f, address<void>(out), dtype_code(out_dtype, "out")};
         moments_step(b, make_adam_constants(step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale), numel,
-                     pool, num_threads, moment_kernels_for(isa));
+                     pool, num_threads, moment_kernels_for(isa), address<uint32_t>(crcs));
       },
       py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_scales"),
       py::arg("exp_avg_sq"), py::arg("exp_avg_sq_scales"), py::arg("format"), py::arg("numel"), py::arg("out"),
       py::arg("out_dtype"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
       py::arg("weight_decay"), py::arg("adamw"), py::arg("grad_scale"), py::arg("num_threads"),
-      py::arg("pool") = nullptr, py::arg("isa") = "", py::call_guard<py::gil_scoped_release>(),
+      py::arg("pool") = nullptr, py::arg("isa") = "", py::arg("crcs") = 0, py::call_guard<py::gil_scoped_release>(),
       "Fused Adam/AdamW step over fp32 params and bf16 (format 1) or int8 (format 2) moments, given by address\n"
-      "(scales: 0 for bf16; out=0: none). dtype codes: 0 fp32, 1 bf16, 2 fp16. isa as for adam_step.");
+      "(scales: 0 for bf16; out=0: none). dtype codes: 0 fp32, 1 bf16, 2 fp16. isa: '' (best), or one of\n"
+      "moment_isas(). crcs: 0, or the address of 6 uint32 that receive the CRC-32C of each piece written, computed\n"
+      "in the same pass: param, exp_avg codes, exp_avg scales, exp_avg_sq codes, exp_avg_sq scales, out (an absent\n"
+      "piece: 0).");
+
+  m.def("moment_isas", &moment_isas,
+        "The moment kernel variants this CPU runs, best first: 'avx512' (with VBMI and AVX512_BF16 the byte-plane\n"
+        "kernel, else the F/BW one), 'avx512bw' (the F/BW kernel, listed where it is not 'avx512'), 'avx2', 'scalar'.");
+  m.attr("MOMENT_CRC_PIECES") = py::make_tuple("param", "exp_avg", "exp_avg_scales", "exp_avg_sq",
+                                                "exp_avg_sq_scales", "out");
 
   m.def(
       "moments_encode",

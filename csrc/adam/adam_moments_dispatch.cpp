@@ -1,12 +1,15 @@
 // The int8 maps, the kernel variant for this CPU, and the whole-buffer operations spread over threads in chunks
 // of whole int8 blocks.
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <stdexcept>
+#include <vector>
 
 #include "adam/adam_moments.h"
 #include "adam/for_chunks.h"
 #include "common/cpu_features.h"
+#include "common/crc32c.h"
 
 namespace offload {
 
@@ -14,9 +17,23 @@ namespace {
 
 static_assert(kChunk % kInt8Block == 0, "chunks must hold whole blocks");
 
-constexpr MomentKernels kAvx512{moment_step_avx512, moment_encode_avx512, moment_decode_avx512, "avx512"};
-constexpr MomentKernels kAvx2{moment_step_avx2, moment_encode_avx2, moment_decode_avx2, "avx2"};
-constexpr MomentKernels kScalar{moment_step_scalar, moment_encode_scalar, moment_decode_scalar, "scalar"};
+constexpr MomentKernels kAvx512{moment_step_avx512, moment_encode_avx512, moment_decode_avx512,
+                                moment_step_crc_avx512, "avx512"};
+constexpr MomentKernels kAvx512Bw{moment_step_avx512bw, moment_encode_avx512bw, moment_decode_avx512bw,
+                                  moment_step_crc_avx512bw, "avx512bw"};
+constexpr MomentKernels kAvx2{moment_step_avx2, moment_encode_avx2, moment_decode_avx2, moment_step_crc_avx2, "avx2"};
+constexpr MomentKernels kScalar{moment_step_scalar, moment_encode_scalar, moment_decode_scalar,
+                                moment_step_crc_scalar, "scalar"};
+
+// The AVX-512 kernel with byte-plane tables needs VBMI (vpermt2b) and AVX512_BF16 (vcvtneps2bf16).
+bool has_vbmi_kernel() {
+  static const bool has = __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+// Bytes per element of one step's pieces.
+int code_bytes(MomentFormat format) { return format == MomentFormat::kBFloat16 ? 2 : 1; }
+int dtype_bytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 
 // bitsandbytes' create_dynamic_map(signed=False) over `decades` decades: 0, then decade d holds 2^(d+1) bucket
 // centres of [0.1, 1] * 10^(d - decades + 1), then 1. The same expression, in the same order, as moments.py.
@@ -52,18 +69,125 @@ const MomentMaps& moment_maps() {
 }
 
 const MomentKernels& moment_kernels_for(const std::string& isa) {
-  // Same names, same choice as adam_kernels_for: the variant adam_step would use on this CPU.
-  const std::string name = adam_kernels_for(isa).name;
   moment_maps();  // built before any thread needs them
-  if (name == "avx512") return kAvx512;
+  // "avx512bw": the F/BW kernel, also where the VBMI one runs (tests compare them).
+  const bool bw_only = isa == "avx512bw";
+  // Same names, same choice as adam_kernels_for: the variant adam_step would use on this CPU.
+  const std::string name = adam_kernels_for(bw_only ? "avx512" : isa).name;
+  if (name == "avx512") return bw_only || !has_vbmi_kernel() ? kAvx512Bw : kAvx512;
   if (name == "avx2") return kAvx2;
   return kScalar;
 }
 
+std::vector<std::string> moment_isas() {
+  std::vector<std::string> names;
+  const std::string best = adam_kernels_for("").name;
+  if (best == "avx512") {
+    names.emplace_back("avx512");
+    if (has_vbmi_kernel()) names.emplace_back("avx512bw");
+  }
+  if (best == "avx512" || best == "avx2") names.emplace_back("avx2");
+  names.emplace_back("scalar");
+  return names;
+}
+
+void moment_crcs_after(const MomentBuffers& b, int64_t begin, int64_t end, uint32_t* crcs) {
+  const int64_t count = end - begin;
+  const int cb = code_bytes(b.format);
+  crcs[kCrcParam] = crc32c(b.p + begin, 4 * count, crcs[kCrcParam]);
+  crcs[kCrcExpAvg] = crc32c(static_cast<const uint8_t*>(b.m) + cb * begin, cb * count, crcs[kCrcExpAvg]);
+  crcs[kCrcExpAvgSq] = crc32c(static_cast<const uint8_t*>(b.v) + cb * begin, cb * count, crcs[kCrcExpAvgSq]);
+  if (b.format == MomentFormat::kInt8) {
+    const int64_t first = begin / kInt8Block, blocks = (end + kInt8Block - 1) / kInt8Block - first;
+    crcs[kCrcExpAvgScales] = crc32c(b.m_scales + first, 4 * blocks, crcs[kCrcExpAvgScales]);
+    crcs[kCrcExpAvgSqScales] = crc32c(b.v_scales + first, 4 * blocks, crcs[kCrcExpAvgSqScales]);
+  }
+  if (b.out) {
+    const int ob = dtype_bytes(b.out_dtype);
+    crcs[kCrcOut] = crc32c(static_cast<const uint8_t*>(b.out) + ob * begin, ob * count, crcs[kCrcOut]);
+  }
+}
+
+namespace {
+
+// The portable kernels' CRCs: step a span small enough to stay in L1/L2 (16 KiB of p), then read its pieces back.
+constexpr int64_t kCrcSpan = 4096;
+static_assert(kCrcSpan % kInt8Block == 0, "spans hold whole blocks");
+
+template <MomentStepFn kStep>
+void step_crc_by_spans(const MomentBuffers& b, const AdamConstants& c, int64_t begin, int64_t end, uint32_t* crcs) {
+  for (int64_t start = begin; start < end; start += kCrcSpan) {
+    const int64_t stop = std::min(end, start + kCrcSpan);
+    kStep(b, c, start, stop);
+    moment_crcs_after(b, start, stop, crcs);
+  }
+}
+
+// Byte lengths of the pieces of elements [begin, end).
+void piece_lengths(const MomentBuffers& b, int64_t begin, int64_t end, size_t* len) {
+  const int64_t count = end - begin;
+  len[kCrcParam] = 4 * count;
+  len[kCrcExpAvg] = len[kCrcExpAvgSq] = code_bytes(b.format) * count;
+  const int64_t blocks = (end + kInt8Block - 1) / kInt8Block - begin / kInt8Block;
+  len[kCrcExpAvgScales] = len[kCrcExpAvgSqScales] = b.format == MomentFormat::kInt8 ? 4 * blocks : 0;
+  len[kCrcOut] = b.out ? dtype_bytes(b.out_dtype) * count : 0;
+}
+
+}  // namespace
+
+void moment_step_crc_scalar(const MomentBuffers& b, const AdamConstants& c, int64_t begin, int64_t end,
+                            uint32_t* crcs) {
+  step_crc_by_spans<moment_step_scalar>(b, c, begin, end, crcs);
+}
+void moment_step_crc_avx2(const MomentBuffers& b, const AdamConstants& c, int64_t begin, int64_t end,
+                          uint32_t* crcs) {
+  step_crc_by_spans<moment_step_avx2>(b, c, begin, end, crcs);
+}
+void moment_step_crc_avx512bw(const MomentBuffers& b, const AdamConstants& c, int64_t begin, int64_t end,
+                              uint32_t* crcs) {
+  step_crc_by_spans<moment_step_avx512bw>(b, c, begin, end, crcs);
+}
+void moment_step_crc_avx512(const MomentBuffers& b, const AdamConstants& c, int64_t begin, int64_t end,
+                            uint32_t* crcs) {
+  step_crc_by_spans<moment_step_avx512>(b, c, begin, end, crcs);
+}
+
 void moments_step(const MomentBuffers& buffers, const AdamConstants& constants, int64_t n, ThreadPool* pool,
-                  int num_threads, const MomentKernels& kernels) {
-  const MomentStepFn fn = kernels.step;
-  for_chunks(n, pool, num_threads, [&](int64_t begin, int64_t end) { fn(buffers, constants, begin, end); });
+                  int num_threads, const MomentKernels& kernels, uint32_t* crcs) {
+  if (!crcs) {
+    const MomentStepFn fn = kernels.step;
+    for_chunks(n, pool, num_threads, [&](int64_t begin, int64_t end) { fn(buffers, constants, begin, end); });
+    return;
+  }
+  // Each chunk's CRCs from 0, in the slot of its first chunk index (run inline, slot 0 covers everything), then
+  // joined in order: crc(A B) = crc32c_combine(crc(A), crc(B), len(B)).
+  struct Slot {
+    uint32_t crc[kCrcCount];
+    int64_t end;
+  };
+  std::vector<Slot> slots(static_cast<size_t>(std::max<int64_t>(1, (n + kChunk - 1) / kChunk)));
+  const MomentStepCrcFn fn = kernels.step_crc;
+  for_chunks(n, pool, num_threads, [&](int64_t begin, int64_t end) {
+    Slot& slot = slots[static_cast<size_t>(begin / kChunk)];
+    std::fill(slot.crc, slot.crc + kCrcCount, 0u);
+    slot.end = end;
+    fn(buffers, constants, begin, end, slot.crc);
+  });
+  std::copy(slots[0].crc, slots[0].crc + kCrcCount, crcs);
+  size_t full[kCrcCount];
+  piece_lengths(buffers, 0, kChunk, full);
+  uint32_t full_shift[kCrcCount];
+  for (int k = 0; k < kCrcCount; ++k) full_shift[k] = crc32c_shift(full[k]);
+  for (int64_t at = n > 0 ? slots[0].end : 0; at < n;) {
+    const Slot& slot = slots[static_cast<size_t>(at / kChunk)];
+    size_t len[kCrcCount];
+    piece_lengths(buffers, at, slot.end, len);
+    for (int k = 0; k < kCrcCount; ++k) {
+      crcs[k] = len[k] == full[k] ? crc32c_combine_shifted(crcs[k], slot.crc[k], full_shift[k])
+                                  : crc32c_combine(crcs[k], slot.crc[k], len[k]);
+    }
+    at = slot.end;
+  }
 }
 
 void moments_encode(const float* src, void* codes, float* scales, MomentFormat format, int which, int64_t n,

@@ -63,14 +63,21 @@ uint32_t mul_mod_poly(uint32_t a, uint32_t b) {
   return product;
 }
 
-// x^n modulo the polynomial, reflected.
+// x^(2^k) modulo the polynomial, reflected, k = 0..63: the squares xpow_mod multiplies together.
+struct SquarePowers {
+  uint32_t x2k[64];
+  SquarePowers() {
+    x2k[0] = 1u << 30;  // x^1
+    for (int k = 1; k < 64; ++k) x2k[k] = mul_mod_poly(x2k[k - 1], x2k[k - 1]);
+  }
+};
+
+// x^n modulo the polynomial, reflected: one product per set bit of n.
 uint32_t xpow_mod(size_t n) {
+  static const SquarePowers powers;
   uint32_t result = 1u << 31;  // x^0
-  uint32_t power = 1u << 30;   // x^1
-  while (n) {
-    if (n & 1) result = mul_mod_poly(result, power);
-    power = mul_mod_poly(power, power);
-    n >>= 1;
+  for (int k = 0; n; ++k, n >>= 1) {
+    if (n & 1) result = mul_mod_poly(result, powers.x2k[k]);
   }
   return result;
 }
@@ -316,6 +323,18 @@ uint32_t crc32c_with(const std::string& path, const void* data, size_t nbytes, u
                               "': use vpclmulqdq-avx512, pclmulqdq, sse4.2 or table");
 }
 
+uint32_t crc32c_shift(size_t len2) { return shift_operator(len2); }
+
+uint32_t crc32c_xpow(uint64_t n) { return xpow_mod(n); }
+
+uint32_t crc32c_combine_shifted(uint32_t crc1, uint32_t crc2, uint32_t shift) {
+  return mul_mod_poly(crc1, shift) ^ crc2;  // the conditioning of crc1 and crc2 cancels (zlib's crc32_combine)
+}
+
+uint32_t crc32c_combine(uint32_t crc1, uint32_t crc2, size_t len2) {
+  return len2 == 0 ? crc1 : crc32c_combine_shifted(crc1, crc2, shift_operator(len2));
+}
+
 void bind_crc32c(pybind11::module_& m) {
   namespace py = pybind11;
   m.def(
@@ -343,6 +362,8 @@ void bind_crc32c(pybind11::module_& m) {
       py::arg("path"), py::arg("ptr"), py::arg("nbytes"), py::arg("seed") = 0,
       py::call_guard<py::gil_scoped_release>(),
       "crc32c along one named path (tests, benchmarks); ValueError if unknown or unsupported on this CPU.");
+  m.def("crc32c_combine", &crc32c_combine, py::arg("crc1"), py::arg("crc2"), py::arg("len2"),
+        "The CRC-32C of A followed by B, from crc1 = crc32c(A), crc2 = crc32c(B) and len2 = len(B) in bytes.");
 }
 
 }  // namespace offload

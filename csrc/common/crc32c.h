@@ -33,4 +33,16 @@ std::vector<std::string> crc32c_paths();
 // a path or that this CPU cannot run.
 uint32_t crc32c_with(const std::string& path, const void* data, size_t nbytes, uint32_t seed = 0);
 
+// The checksum of A followed by B from crc1 = crc32c(A) and crc2 = crc32c(B), len2 = B's length in bytes
+// (zlib's crc32_combine: crc1 times x^(8 * len2) modulo the polynomial, XOR crc2). Threads that checksum adjacent
+// pieces of one buffer join their results with it. Costs about 2 us (64 products); crc32c_shift(len2) once and
+// crc32c_combine_shifted for each pair makes it one product when many pieces have the same length.
+uint32_t crc32c_combine(uint32_t crc1, uint32_t crc2, size_t len2);
+uint32_t crc32c_shift(size_t len2);
+uint32_t crc32c_combine_shifted(uint32_t crc1, uint32_t crc2, uint32_t shift);
+
+// x^n modulo the polynomial, bit-reflected as the CRCs are (for carry-less-multiply keys: a raw 32-bit CRC state c
+// times x^(8 d) is crc32_u64(0, clmul(c, crc32c_xpow(8 d - 33))), the state after d more zero bytes).
+uint32_t crc32c_xpow(uint64_t n);
+
 }  // namespace offload

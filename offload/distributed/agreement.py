@@ -7,7 +7,9 @@ all-reduce), or train other weights silently (another lr: each rank updates its 
 `wrap()`, before anything is placed, `ranks_agree_at_wrap` all-gathers one small fingerprint a rank (the options
 that must agree and a hash of the model's parameter and buffer names, shapes, dtypes and requires_grad; the
 whole list only when the hashes differ) and raises `OffloadConfigError` on every rank with the differences. A rank
-whose wrap() fails before that point still takes part, so the others raise naming it instead of waiting. The
+whose wrap() fails before that point still takes part, so the others raise naming it instead of waiting. Ranks
+that compute on one GPU (no `torch.cuda.set_device(local_rank)`) are refused the same way, naming the local rank
+each launcher gives (launchers.py). The
 placement's own check (which blocks stream or sit on disk, the budgets: setup/placement.py) compares plans the
 same way, with `refuse_differences`. See docs/design.md [Note: data-parallel mode].
 """
@@ -18,8 +20,10 @@ import contextlib
 import dataclasses
 import enum
 import hashlib
+import socket
 from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Sequence, Tuple
 
+import torch
 from torch import nn
 
 from offload.errors import OffloadConfigError
@@ -47,6 +51,7 @@ def ranks_agree_at_wrap(dp: Optional["DataParallel"], policy: "OffloadPolicy", m
         return
     rows = model_rows(module)
     settings = policy_settings(policy, module)
+    settings.update({" gpu": gpu_of(policy), " local rank": f"{dp.local_rank} ({dp.place})"})
     try:
         yield
     except Exception as exc:
@@ -76,6 +81,35 @@ def policy_settings(policy: "OffloadPolicy", module: nn.Module) -> Dict[str, str
     return out
 
 
+def gpu_of(policy: "OffloadPolicy") -> str:
+    """The GPU this rank computes on, as one identity across processes (its UUID: an index depends on each
+    process's CUDA_VISIBLE_DEVICES), or "" on another device (or where CUDA does not say the UUID)."""
+    if policy.device.type != "cuda":
+        return ""
+    index = policy.device.index if policy.device.index is not None else torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return f"{uuid} (cuda:{index} of {socket.gethostname()})" if uuid is not None else ""
+
+
+def shared_gpus(every: Sequence[Dict[str, str]]) -> Optional[str]:
+    """Why the ranks cannot train where several compute on one GPU (each rank's `gpu_of` and local rank in
+    `every`), naming the fix; None when each has its own."""
+    ranks: Dict[str, List[int]] = {}
+    for rank, theirs in enumerate(every):
+        if theirs.get(" gpu"):
+            ranks.setdefault(theirs[" gpu"], []).append(rank)
+    shared = [(gpu, where) for gpu, where in ranks.items() if len(where) > 1]
+    if not shared:
+        return None
+    gpu, where = shared[0]
+    local = "; ".join(f"rank {r}: {every[r][' local rank']}" for r in where)
+    return (f"{_ranks(where)} compute on the same GPU ({gpu}): each rank needs a GPU of its own. Call "
+            "torch.cuda.set_device(local_rank) before offload.wrap(), or pass device=f'cuda:{local_rank}', with the "
+            "local rank the launcher gives (the LOCAL_RANK variable of torchrun, accelerate launch, deepspeed and "
+            "torch.distributed.launch, or the --local-rank / --local_rank argument of the legacy launchers; local "
+            f"rank found by offload: {local})")
+
+
 def refuse_differences(dp: "DataParallel", mine: Dict[str, str], what: str) -> None:
     """All-gather `mine` (name -> value as text) and raise on every rank naming each name whose value differs,
     with the ranks of each value."""
@@ -95,6 +129,9 @@ def _compare(dp: "DataParallel", settings: Dict[str, str], rows: List[Row], fail
                                  "rank")
     if failed:
         return  # this rank raises its own error
+    crowded = shared_gpus(every)
+    if crowded is not None:
+        raise OffloadConfigError(f"offload.wrap(): {crowded}")
     differences = _differences([{k: v for k, v in theirs.items() if not k.startswith(" ")} for theirs in every])
     if len({theirs[" model"] for theirs in every}) > 1:  # every rank knows: all exchange the whole lists
         everyone: List[List[Row]] = list(dp.all_gather_object(rows))  # type: ignore[arg-type]

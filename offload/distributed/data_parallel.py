@@ -16,7 +16,6 @@ training thread's few (the clipping norm) run while the worker is idle. See [Not
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
@@ -25,6 +24,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from offload.distributed.gather_check import USE, GatherCheck
+from offload.distributed.guard import warn_launched_without_process_group
+from offload.distributed.launchers import local_place
 from offload.errors import OffloadError
 from offload.scheduler.torch_internals import default_group_timeout
 
@@ -65,10 +66,13 @@ class Shard:
 class DataParallel:
     """The process group this engine trains over, and this rank's place in it."""
 
-    def __init__(self, world: int, rank: int, local_world: int) -> None:
+    def __init__(self, world: int, rank: int, local_world: int, local_rank: Optional[int] = None,
+                 place: str = "") -> None:
         self.world = world
         self.rank = rank
-        self.local_world = local_world
+        self.local_world = local_world  # the ranks of this machine (they share its cores)
+        self.local_rank = local_rank  # this rank's place among them, as its launcher said it (None: not said)
+        self.place = place  # where the launcher said those (launchers.py), for messages
         # the engine's groups wait as long as the user's default group (init_process_group(timeout=)), not the
         # backend's default (gloo: 30 minutes), before a rank left alone in a collective fails
         timeout = default_group_timeout()
@@ -84,11 +88,20 @@ class DataParallel:
 
     @staticmethod
     def from_environment() -> Optional["DataParallel"]:
-        """A DataParallel when torch.distributed is initialized with more than one process, else None."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        """A DataParallel when torch.distributed is initialized with more than one process, else None (with a
+        warning when a launcher started this process as one of several: guard.py). The rank and world are the
+        process group's; the local rank and local world size are the launcher's, however it says them
+        (launchers.py: torchrun, accelerate launch, deepspeed, torch.distributed.launch, mpirun), the local world
+        the whole world where none says it."""
+        if not (dist.is_available() and dist.is_initialized()):
+            warn_launched_without_process_group()
             return None
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        return DataParallel(dist.get_world_size(), dist.get_rank(), max(1, local))
+        world = dist.get_world_size()
+        if world <= 1:
+            return None
+        place = local_place()
+        local_world = place.local_world if place.local_world is not None else world
+        return DataParallel(world, dist.get_rank(), max(1, local_world), place.local_rank, place.source)
 
     def shard_of(self, n: int) -> Shard:
         return Shard(n, -(-n // self.world) if n else 0, self.rank, self.world)

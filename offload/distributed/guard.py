@@ -5,26 +5,30 @@ The engine trains data-parallel itself when `torch.distributed` runs several pro
 engine moves each gradient off the device as autograd produces it, so DDP's all-reduce would see none and
 write zeros back, and DDP's start-up broadcast never reaches the optimizer's master weights. A process
 group started after `wrap()` would leave the engine training alone on each rank. Each raises at the
-moment of misuse (wrap, forward, step) with the fix.
+moment of misuse (wrap, forward, step) with the fix; a process that a launcher started as one of several but that
+never started the process group is warned at `wrap()`.
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import TYPE_CHECKING, Optional
 
 import torch.distributed as dist
 from torch import nn
 
+from offload.distributed.launchers import launched_rank_and_world
 from offload.errors import OffloadConfigError, OffloadError
 
 if TYPE_CHECKING:
     from offload.distributed.data_parallel import DataParallel
 
 _LET_THE_ENGINE = ("offload trains data-parallel itself when torch.distributed is initialized before "
-                   "offload.wrap() (torchrun / accelerate launch): wrap the plain model, without DDP or FSDP (with accelerate's "
-                   "own loop over several processes, accelerator.prepare(model) adds DDP: train with the engine's "
-                   "loop, loss = engine(batch); loss.backward(); engine.step(), or OffloadTrainer)")
+                   "offload.wrap() (torchrun / accelerate launch / deepspeed / torch.distributed.launch): wrap the "
+                   "plain model, without DDP or FSDP (accelerate's own loop: make the Accelerator first, then "
+                   "offload.wrap(), then accelerator.prepare(engine.module, engine.optimizer, ...), which leaves the "
+                   "engine's module to the engine instead of DDP)")
 _WRAPPER_NAMES = ("DistributedDataParallel", "FullyShardedDataParallel", "DataParallel")
 _FRAMES_SEARCHED = 12  # a DDP/FSDP forward reaches the module's __call__ within a few frames
 
@@ -66,6 +70,22 @@ def refuse_outer_data_parallel(module: nn.Module) -> None:
         if owner is not None and type(owner).__name__ in _WRAPPER_NAMES and getattr(owner, "module", None) is module:
             raise OffloadError(f"the engine's model runs inside {type(owner).__name__}: {_LET_THE_ENGINE} "
                                "(call the engine, or its module, directly)")
+
+
+def warn_launched_without_process_group() -> None:
+    """At wrap() without a process group: a process a launcher started as one of several (RANK / WORLD_SIZE, or
+    mpirun's) would train alone, each rank on its own data, drifting apart; say so, and what starts the group.
+    (A warning, not an error: a process group started after wrap() is refused at the first forward.)"""
+    launched = launched_rank_and_world()
+    if launched is None:
+        return
+    rank, world, said = launched
+    warnings.warn(
+        f"offload.wrap(): this process was launched as rank {rank} of {world} ({said}), but torch.distributed is not "
+        "initialized, so the engine trains this process alone and the ranks will drift apart. Call "
+        "torch.distributed.init_process_group() before offload.wrap() ('gloo' on the CPU, 'nccl' on GPUs; "
+        "accelerate's Accelerator(), deepspeed.init_distributed() and the HF Trainer's TrainingArguments start it "
+        "too): the engine then trains data-parallel", RuntimeWarning, stacklevel=5)  # at the caller of wrap()
 
 
 def _is_fsdp(module: nn.Module) -> bool:

@@ -29,6 +29,7 @@ from offload.engine.checkpoints import EngineCheckpoints
 from offload.engine.release import EngineRelease
 from offload.engine.torch_state import TorchStyleState
 from offload.errors import OffloadConfigError, OffloadError
+from offload.integrations.accelerate import adopt_accelerate
 from offload.param_groups import optimizer_groups
 from offload.planner.plan import Plan
 from offload.policy import OffloadPolicy
@@ -90,6 +91,7 @@ class Engine:
         # cost of bringing every streamed weight back into a model about to vanish.
         self._dropped = weakref.finalize(self, self._release.dropped)
         self._dropped.atexit = False
+        adopt_accelerate()  # accelerate imported: its prepare() leaves this module to the engine, not to DDP
 
     @property
     def plan(self) -> Plan:
@@ -187,7 +189,7 @@ class Engine:
 
     def add_observer(self, observer: PhaseObserver) -> Callable[[], None]:
         """Tell `observer.on_span(name, detail, start, end)` of every span the engine runs (step(), each
-        block's update and the waits for it, disk waits; scheduler/trace.py); returns its remover."""
+        block's update and the waits for it, disk waits; offload/trace.py); returns its remover."""
         return self._pipeline.add_observer(observer)
 
     # ----- checkpoints (offload.checkpoint.target.CheckpointTarget) ------------------------------------

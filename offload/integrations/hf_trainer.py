@@ -11,6 +11,7 @@ in the mixin, each calling `super()`, so it goes before any Trainer subclass:
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import warnings
@@ -65,7 +66,9 @@ class OffloadTrainerMixin(_TrainerBase):
     only the hooks that touch the optimizer, the gradients, the weights on disk and their placement, so the other
     class's own overrides (TRL's `compute_loss`, `training_step`, `log`, `_save_checkpoint`, ...) still run;
     `__init__` and the hooks that extend the Trainer's call `super()`, those that replace it (`REPLACED`) do not,
-    and a class between the mixin and the Trainer that overrides one of those gets a RuntimeWarning::
+    and a class between the mixin and the Trainer that overrides one of those gets a RuntimeWarning. TRL's SFTTrainer,
+    DPOTrainer (its reference model as TRL builds it, beside the engine) and GRPOTrainer (generation through the
+    engine's module) train as the plain ones (tests/test_trl.py, tests/test_trl_dpo_grpo.py)::
 
         class OffloadSFTTrainer(OffloadTrainerMixin, trl.SFTTrainer):
             pass
@@ -83,8 +86,8 @@ class OffloadTrainerMixin(_TrainerBase):
     Raises:
         OffloadConfigError: a Trainer option that would train differently through the engine (`optimizers=`,
             `optimizer_cls_and_kwargs=`, `model_init=`, an optimizer other than AdamW, fp16, DeepSpeed, FSDP,
-            several GPUs in one process, ...), naming what to use instead; also at class definition, a class
-            that puts the mixin after a Trainer class.
+            several GPUs in one process, TRL's `use_vllm` and continuous batching under bf16, ...), naming what to
+            use instead; also at class definition, a class that puts the mixin after a Trainer class.
     """
 
     optimizer: Optional[torch.optim.Optimizer]  # the Trainer's; here engine.optimizer, prepared by accelerate
@@ -93,18 +96,20 @@ class OffloadTrainerMixin(_TrainerBase):
         super().__init_subclass__(**kwargs)
         _check_mro(cls)
 
-    def __init__(self, model: Any = None, args: Any = None, *more: Any,
-                 offload: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, offload: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> None:
         name = type(self).__name__
         if not isinstance(self, Trainer):
             raise OffloadConfigError(f"{name} has OffloadTrainerMixin but no transformers.Trainer to mix it into: "
                                      f"class {name}(OffloadTrainerMixin, transformers.Trainer) (or a subclass of it)")
-        if isinstance(model, Engine):
+        # the Trainer class's own arguments, passed on as given (DPOTrainer's second one is ref_model, not args)
+        given = _bound(super().__init__, args, kwargs)
+        if isinstance(given.get("model"), Engine):
             raise OffloadConfigError(f"{name}(model=...) takes the model, not an engine: it wraps the model "
                                      "itself; pass offload.wrap's options as offload=dict(tier=..., ...)")
         options = _checked_options(offload, name)
+        _refuse_generation_outside_the_engine(given.get("args"), name)  # before TRL starts vLLM or builds anything
         self.engine: Optional[Engine] = None
-        super().__init__(model, args, *more, **kwargs)
+        super().__init__(*args, **kwargs)
         self._refuse_unsupported()
         self.engine = self._wrap(self.model, options)
         self.add_callback(_ZeroEngineGrads(self.engine))
@@ -342,6 +347,33 @@ class _LogPlan(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         logger.info(f"{self.engine.plan}\n{stored_where(self.engine)}")
+
+
+def _bound(init: Any, args: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The Trainer class's `__init__` arguments by name (what the call would bind; {} where it cannot bind them:
+    the class's own __init__ then raises as it would)."""
+    try:
+        return dict(inspect.signature(init).bind_partial(*args, **kwargs).arguments)
+    except TypeError:
+        return {}
+
+
+def _refuse_generation_outside_the_engine(args: Any, trainer: str) -> None:
+    """TRL's online trainers (GRPOTrainer, RLOOTrainer, ...) generate with the policy model: through the engine's
+    module with transformers' `generate` (the engine brings streamed and sharded blocks in for each forward), which
+    works. Two of their options would generate from the weights another way, refused here with what works."""
+    problems = []
+    if getattr(args, "use_vllm", False):
+        problems.append("use_vllm=True (vLLM generates from a second copy of the policy's weights on the GPU, which "
+                        "offload's device budget does not count, refilled after each step by reading every "
+                        "parameter, which is not verified through streamed or sharded blocks): use_vllm=False "
+                        "generates with transformers' generate through the engine")
+    if getattr(args, "use_transformers_continuous_batching", False) and (args.bf16 or args.fp16):
+        problems.append("use_transformers_continuous_batching=True with bf16/fp16 (TRL casts the policy model in place "
+                        "before each generation, model.to(torch.bfloat16), which would replace the engine's weights): "
+                        "use_transformers_continuous_batching=False (the default generate), or fp32")
+    if problems:
+        raise OffloadConfigError(f"{trainer} does not support " + "; ".join(problems))
 
 
 def _checked_options(offload: Optional[Mapping[str, Any]], trainer: str) -> Dict[str, Any]:

@@ -200,8 +200,19 @@ def load_checkpoint_weights(engine: Engine, model: nn.Module, checkpoint: str) -
     """The weights of `checkpoint` (the Trainer's files: `model.safetensors` or shards, or a PEFT adapter)
     into the engine, as the Trainer's `model.load_state_dict` / `load_adapter` would load them, on every tier
     and with streamed blocks; the Adam state stays (`load_weights`). Returns how many entries were loaded."""
+    return _load(engine, model, checkpoint, adapter=_is_peft(model))
+
+
+def load_state_dict_file(engine: Engine, model: nn.Module, path: str) -> int:
+    """`model.state_dict()` saved in one safetensors file (accelerate's `save_state`: a PEFT model's whole state
+    too, by its state-dict names) into the engine, on every tier and with streamed blocks, the Adam state kept;
+    a tied weight may be there under one of its names. Returns how many entries were loaded."""
+    return _load(engine, model, path, adapter=False)
+
+
+def _load(engine: Engine, model: nn.Module, checkpoint: str, adapter: bool) -> int:
     with engine.reading_module_state():
-        reads, required = (_adapter_reads(model, checkpoint) if _is_peft(model) else _model_reads(model, checkpoint))
+        reads, required = (_adapter_reads(model, checkpoint) if adapter else _model_reads(model, checkpoint))
         missing = [name for name in required if name not in reads]
         if missing:
             raise OffloadConfigError(f"checkpoint {checkpoint!r} has no weights for {len(missing)} entries of the "

@@ -61,6 +61,17 @@ Measured choices (torch implementations of each variant, 200 AdamW steps, lr 1e-
   some problems, all within seed noise), and nearest is deterministic, which the checkpoint round trip needs.
 
 BF16 moments round to nearest even, like `tensor.to(torch.bfloat16)`.
+
+[Note: step CRCs]
+`adam_step_moments(..., crcs=t)` also fills `t` (torch.uint32, CRC_PIECES order) with the CRC-32C
+(`offload.checksum.crc32c`) of each piece the step wrote: the param (its fp32 bytes), exp_avg's codes (int8), values
+(bf16) or fp32 values, exp_avg's scales (int8; 0 otherwise, the CRC of no bytes), the same two of exp_avg_sq, and out
+(0 when there is none). Those are the pieces the swap file seals one by one (offload/tiers/disk.py: a chunk's master,
+each moment's codes and scales, its compute weights when they are on disk), so a caller that steps a chunk and then
+writes it can seal it without reading it again. bf16 and int8 on the CPU with `offload._C`: computed in the same pass
+by the native kernel (it steps a few thousand elements at a time and checksums them while they are in L1/L2; with
+several threads each chunk's CRCs are joined with crc32c_combine). fp32, and the torch fallback without `_C`: read
+back after the step (crc32c of each piece). A CUDA step refuses `crcs`: checksums read host memory.
 """
 
 from __future__ import annotations
@@ -72,6 +83,7 @@ import torch
 from torch import Tensor
 
 from offload import _native
+from offload.checksum import crc32c
 from offload.errors import OffloadConfigError
 from offload.optim.functional import (
     _DTYPE_CODES,
@@ -93,6 +105,9 @@ from offload.optim.moment_format import (
     scale_count,
     slice_moment,
 )
+
+# The pieces a step writes, in the order of `adam_step_moments(..., crcs=)` ([Note: step CRCs]).
+CRC_PIECES = ("param", "exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales", "out")
 
 # --- the int8 maps --------------------------------------------------------------------------------------
 
@@ -341,6 +356,7 @@ def adam_step_moments(
     grad_scale: float = 1.0,
     out: Optional[Tensor] = None,
     num_threads: Optional[int] = None,
+    crcs: Optional[Tensor] = None,
 ) -> None:
     """One Adam/AdamW update of fp32 `param` and the moments `exp_avg`, `exp_avg_sq` (stored as `fmt`) in place.
 
@@ -349,7 +365,8 @@ def adam_step_moments(
     new fp32 m and v, then m and v are encoded again; one fused pass on the CPU with `offload._C`, torch operations
     otherwise (also on a CUDA device). `grad` may be fp32, bf16 or fp16; `out` (fp32/bf16/fp16) receives the new
     weights; `step` is the 1-based count after this update. INT8 moments must start at a block boundary: whole
-    moments or `slice_moment` views.
+    moments or `slice_moment` views. `crcs` (torch.uint32, len(CRC_PIECES) elements, CPU) receives the CRC-32C of each
+    piece written, in CRC_PIECES order ([Note: step CRCs]).
     """
     fmt = MomentFormat.parse(fmt)
     check_tensor("param", param, (torch.float32,), None, None)
@@ -363,6 +380,8 @@ def adam_step_moments(
         raise OffloadConfigError(f"step must be >= 1 (the count after this update), got {step}")
     if num_threads is not None:
         _resolve_threads(num_threads)  # validated on every path
+    if crcs is not None:
+        _check_crcs(crcs, device)
     hp: dict[str, Any] = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
               grad_scale=grad_scale, out=out)
     if fmt is MomentFormat.FP32:
@@ -372,17 +391,39 @@ def adam_step_moments(
         else:
             adam_step_torch(param, grad, exp_avg, exp_avg_sq, step, float(lr), beta1, beta2, eps, weight_decay,
                             adamw, grad_scale, out)
+        if crcs is not None:
+            _crcs_after(crcs, param, exp_avg, exp_avg_sq, out)
         return
     native = _native_for(param)
     if native is None:
         _adam_step_moments_torch(param, grad, exp_avg, exp_avg_sq, fmt, **hp)
+        if crcs is not None:
+            _crcs_after(crcs, param, exp_avg, exp_avg_sq, out)
         return
     (m_codes, m_scales), (v_codes, v_scales) = _parts(exp_avg), _parts(exp_avg_sq)
     native.adam_moments_step(
         param.data_ptr(), grad.data_ptr(), _DTYPE_CODES[grad.dtype], m_codes.data_ptr(), _addr(m_scales),
         v_codes.data_ptr(), _addr(v_scales), _FORMAT_CODES[fmt], n, _addr(out),
         0 if out is None else _DTYPE_CODES[out.dtype], int(step), float(lr), float(beta1), float(beta2), float(eps),
-        float(weight_decay), bool(adamw), float(grad_scale), _threads(n, num_threads))
+        float(weight_decay), bool(adamw), float(grad_scale), _threads(n, num_threads), None, "", _addr(crcs))
 
 
-__all__ = ["adam_step_moments", "code_map", "decode_moment", "encode_moment", "inf_code"]
+def _check_crcs(crcs: object, device: torch.device) -> None:
+    if device.type != "cpu":
+        raise OffloadConfigError(f"crcs: the step's CRCs checksum host memory, but param is on {device}; step on the "
+                                 "CPU or drop crcs")
+    check_tensor("crcs", crcs, (torch.uint32,), None, device)
+    assert isinstance(crcs, Tensor)
+    if crcs.numel() != len(CRC_PIECES):
+        raise OffloadConfigError(f"crcs has {crcs.numel()} elements; it needs {len(CRC_PIECES)}, one per piece "
+                                 f"({', '.join(CRC_PIECES)}): torch.zeros({len(CRC_PIECES)}, dtype=torch.uint32)")
+
+
+def _crcs_after(crcs: Tensor, param: Tensor, exp_avg: Moment, exp_avg_sq: Moment, out: Optional[Tensor]) -> None:
+    """The step CRCs read back from the written pieces (fp32 moments, the torch fallback)."""
+    (m_codes, m_scales), (v_codes, v_scales) = _parts(exp_avg), _parts(exp_avg_sq)
+    pieces = (param, m_codes, m_scales, v_codes, v_scales, out)
+    crcs.copy_(torch.tensor([0 if t is None else crc32c(t) for t in pieces], dtype=torch.int64).to(torch.uint32))
+
+
+__all__ = ["CRC_PIECES", "adam_step_moments", "code_map", "decode_moment", "encode_moment", "inf_code"]
