@@ -13,6 +13,7 @@ from torch import nn
 from offload.checkpoint.weight_source import WeightSource
 from offload.engine.engine import Engine
 from offload.errors import OffloadConfigError
+from offload.integrations.accelerate import adopt_accelerate
 from offload.optim.moment_format import MomentFormat
 from offload.param_groups import parse_param_groups
 from offload.policy import COMPUTE_DTYPES, Activations, OffloadPolicy, ShardWeights, Tier, parse_bytes, resolve_device
@@ -125,7 +126,9 @@ def wrap(
     if not isinstance(model, nn.Module):
         raise OffloadConfigError(f"offload.wrap needs a torch.nn.Module, got {type(model).__name__}")
     source = WeightSource(weights) if weights is not None else None
-    return Engine(model, policy, choose(model, source, init))
+    engine = Engine(model, policy, choose(model, source, init))
+    adopt_accelerate()  # accelerate imported: its prepare() leaves this module to the engine, not to DDP
+    return engine
 
 
 def model_dtype(model: nn.Module) -> torch.dtype:

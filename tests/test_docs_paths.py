@@ -33,19 +33,7 @@ NOT_REPOSITORY_FILES = {
 
 # Stale names in files another change is rewriting now (issue 34, items 1-3: offload/scheduler/, offload/tiers/,
 # offload/planner.py, offload/ring_sizes.py). That change fixes them and empties this list; it may only shrink.
-KNOWN_STALE: Set[Tuple[str, str]] = {
-    ("offload/ring_sizes.py", "offload/scheduler/disk_ring.py"),
-    ("offload/scheduler/blocks/block.py", "runtime.py"),
-    ("offload/scheduler/blocks/block.py", "streams.py"),
-    ("offload/scheduler/grads/held_grad.py", "grad_accumulator.py"),
-    ("offload/scheduler/state/adamw.py", "runtime.py"),
-    ("offload/scheduler/state/state_store.py", "update.py"),
-    ("offload/scheduler/torch_internals.py", "tests/unit/test_torch_internals.py"),
-    ("offload/scheduler/weights/read_through.py", "streaming.py"),
-    ("offload/scheduler/weights/tiers.py", "grad_pool.py"),
-    ("offload/scheduler/weights/weight_home.py", "streaming.py"),
-    ("offload/scheduler/weights/weight_home.py", "streams.py"),
-}
+KNOWN_STALE: Set[Tuple[str, str]] = set()
 
 
 def _repository_files() -> Tuple[Set[str], Set[str]]:

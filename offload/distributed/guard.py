@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import TYPE_CHECKING, Optional
 
 import torch.distributed as dist
 from torch import nn
 
 from offload.distributed.launchers import launched_rank_and_world
 from offload.errors import OffloadConfigError, OffloadError
-
-if TYPE_CHECKING:
-    from offload.distributed.data_parallel import DataParallel
 
 _LET_THE_ENGINE = ("offload trains data-parallel itself when torch.distributed is initialized before "
                    "offload.wrap() (torchrun / accelerate launch / deepspeed / torch.distributed.launch): wrap the "
@@ -44,11 +40,10 @@ def refuse_data_parallel_wrapper(module: nn.Module) -> None:
                 f"sub-module {name!r} is sharded by FSDP ({type(sub).__name__}): {_LET_THE_ENGINE}")
 
 
-def refuse_ranks_unknown_at_wrap(dp: "Optional[DataParallel]") -> None:
-    """At forward and step(): several processes now, but the engine was made for another world size (a
-    process group started after wrap(), e.g. to apply DDP), would train each rank alone."""
+def refuse_ranks_unknown_at_wrap(made_for: int) -> None:
+    """At forward and step(): several processes now, but the engine was made for another world size (`made_for`;
+    a process group started after wrap(), e.g. to apply DDP), would train each rank alone."""
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    made_for = 1 if dp is None else dp.world
     if world > 1 and world != made_for:
         raise OffloadError(
             f"torch.distributed runs {world} processes, but this engine was made by offload.wrap() for "

@@ -14,13 +14,14 @@ import dataclasses
 import gc
 import os
 import weakref
-from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Mapping, Optional
 
 import torch
 from torch import nn
 
 from offload._system import usable_cores
 from offload.checkpoint import load_checkpoint, save_checkpoint
+from offload.checkpoint.load_weights import Read, load_weights
 from offload.checkpoint.sharded import save_parts
 from offload.distributed.agreement import ranks_agree_at_wrap
 from offload.distributed.data_parallel import DataParallel
@@ -29,7 +30,6 @@ from offload.engine.checkpoints import EngineCheckpoints
 from offload.engine.release import EngineRelease
 from offload.engine.torch_state import TorchStyleState
 from offload.errors import OffloadConfigError, OffloadError
-from offload.integrations.accelerate import adopt_accelerate
 from offload.param_groups import optimizer_groups
 from offload.planner.plan import Plan
 from offload.policy import OffloadPolicy
@@ -91,7 +91,6 @@ class Engine:
         # cost of bringing every streamed weight back into a model about to vanish.
         self._dropped = weakref.finalize(self, self._release.dropped)
         self._dropped.atexit = False
-        adopt_accelerate()  # accelerate imported: its prepare() leaves this module to the engine, not to DDP
 
     @property
     def plan(self) -> Plan:
@@ -173,6 +172,21 @@ class Engine:
                     streamed[id(slot.param)] = host[slot.offset:slot.offset + slot.numel].view(slot.shape)
         return {k: (streamed[id(v)] if id(v) in streamed else v.detach()).to("cpu", copy=True)
                 for k, v in entries.items()}
+
+    def load_weights(self, reads: Mapping[str, Read]) -> int:
+        """New weights for the entries named (state-dict name -> (source, name in it): a checkpoint file's, read
+        block by block) on every tier and with streamed blocks, the Adam state kept, as `model.load_state_dict`
+        keeps torch AdamW's; returns how many entries were loaded (checkpoint/load_weights.py). For integrations
+        that load a format of their own (the Trainer's `checkpoint-N`, accelerate's `save_state`)."""
+        return load_weights(self._checkpoints, reads)
+
+    def step_counts(self) -> Dict[str, int]:
+        """`steps` and `skipped_steps` as a checkpoint keeps them."""
+        return self._checkpoints.checkpoint_counters()
+
+    def restore_step_counts(self, steps: int, skipped_steps: int) -> None:
+        """A checkpoint's step counts (an integration's own format: `engine.load` restores them itself)."""
+        self._checkpoints.restore_counters({"steps": steps, "skipped_steps": skipped_steps})
 
     def reading_module_state(self) -> ContextManager[None]:
         """Within it, `module.state_dict()` returns the parameters' views as they are, without the copies it

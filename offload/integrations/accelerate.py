@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from offload.errors import OffloadConfigError, OffloadError
-from offload.scheduler.blocks.wrapped_mark import MARKER
+from offload.scheduler.blocks.block import MARKER
 
 _ADOPTED = "_offload_adopted"  # set on accelerate.Accelerator once its two methods know engines' modules
 _LOADS_ENGINES = "_offload_loads_engines"  # set on an Accelerator once its load_state loads engines' weights

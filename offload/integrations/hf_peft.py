@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from offload.engine.engine import Engine
-from offload.integrations.transformers import _require
+from offload.integrations.requirements import require_transformers
 
-transformers, _accelerate = _require()
+transformers, _accelerate = require_transformers()
 
 
 def is_peft_model(model: nn.Module) -> bool:

@@ -24,6 +24,7 @@ from offload.api import wrap
 from offload.engine.engine import Engine
 from offload.errors import OffloadConfigError, OffloadError
 from offload.integrations.hf_peft import engine_reads, is_peft_model, peft_state_dict
+from offload.integrations.requirements import require_transformers
 from offload.integrations.trainer_checkpoint import (
     is_engine_checkpoint,
     load_checkpoint_weights,
@@ -32,10 +33,9 @@ from offload.integrations.trainer_checkpoint import (
     stored_where,
     without_optimizer_files,
 )
-from offload.integrations.transformers import _require
 
-transformers, _accelerate = _require()  # MissingDependencyError naming the install command when either is missing
-# The bases, from the module _require returned: Any to mypy, so the overrides are not tied to one release's
+transformers, _accelerate = require_transformers()  # MissingDependencyError naming the install command when either is missing
+# The bases, from the module require_transformers returned: Any to mypy, so the overrides are not tied to one release's
 # annotations (the tests run them against the installed transformers)
 Trainer: Any = transformers.Trainer
 TrainerCallback: Any = transformers.TrainerCallback

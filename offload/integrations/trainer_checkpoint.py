@@ -33,7 +33,7 @@ from torch import nn
 
 from offload._system import mem_available
 from offload.checkpoint.atomic import fsync_dir, publish
-from offload.checkpoint.load_weights import Read, load_weights
+from offload.checkpoint.load_weights import Read
 from offload.checkpoint.manifest import MANIFEST
 from offload.checkpoint.weight_source import WeightSource
 from offload.engine.engine import Engine
@@ -97,7 +97,7 @@ def save_optimizer_state(engine: Engine, output_dir: str, scheduler: Any, writes
     del state
     if scheduler is not None:
         _torch_save(scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
-    counters = engine._checkpoints.checkpoint_counters()
+    counters = engine.step_counts()
     record = {"format": FORMAT, "version": VERSION, "tier": engine.policy.tier.value,
               "compute_dtype": str(engine.policy.dtype).replace("torch.", ""), "moments": engine.policy.moments.value,
               "step": counters["steps"], "skipped_steps": counters["skipped_steps"],
@@ -217,7 +217,7 @@ def _load(engine: Engine, model: nn.Module, checkpoint: str, adapter: bool) -> i
         if missing:
             raise OffloadConfigError(f"checkpoint {checkpoint!r} has no weights for {len(missing)} entries of the "
                                      f"model (first: {missing[0]!r}): it was saved from another model")
-        return load_weights(engine._checkpoints, reads)  # the engine's CheckpointTarget: no public face yet
+        return engine.load_weights(reads)
 
 
 def _model_reads(model: nn.Module, checkpoint: str) -> Tuple[Dict[str, Read], List[str]]:
@@ -294,7 +294,7 @@ def load_optimizer_state(engine: Engine, checkpoint: str, scheduler: Any) -> boo
     engine.optimizer.load_state_dict(state)
     del state
     if record is not None:
-        engine._checkpoints.restore_counters({"steps": record["step"], "skipped_steps": record["skipped_steps"]})
+        engine.restore_step_counts(record["step"], record["skipped_steps"])
     schedule = os.path.join(checkpoint, SCHEDULER_FILE)
     if scheduler is not None and os.path.isfile(schedule):
         with warnings.catch_warnings():

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -27,17 +27,13 @@ from offload._system import unmap_large_allocations
 from offload.api import wrap
 from offload.engine.engine import Engine
 from offload.errors import OffloadConfigError
+from offload.integrations.requirements import require_transformers
 from offload.policy import Tier, bounds_host_memory
 from offload.scheduler.torch_internals import own_parameters
 
 if TYPE_CHECKING:  # at run time transformers comes from _require, which names the install command when missing
     from transformers import PreTrainedModel
 
-INSTALL = 'pip install transformers accelerate  (or pip install "offload[hf]")'
-
-
-class MissingDependencyError(OffloadConfigError, ImportError):
-    """transformers or accelerate is not installed: an OffloadConfigError that is also an ImportError."""
 
 
 def __getattr__(name: str) -> Any:
@@ -79,7 +75,7 @@ def from_pretrained(
         OffloadConfigError: no config or weights at `path`, or names/shapes that do not match the model (listed,
             before any memory or swap file is allocated).
     """
-    transformers, accelerate = _require()
+    transformers, accelerate = require_transformers()
     if init is not None and wrap_options.get("weights") is not None:
         raise OffloadConfigError("pass init= (train from the config) or weights= (a checkpoint), not both")
     directory = _local_directory(path) if config is None or init is None else None
@@ -110,7 +106,7 @@ def from_pretrained(
 def build_empty(config: Any, model_class: Optional[Any] = None) -> nn.Module:
     """The model `config` describes, its parameters on the meta device in float32, its buffers real, tied
     weights tied (`lm_head.weight is model.embed_tokens.weight` when `config.tie_word_embeddings`)."""
-    transformers, accelerate = _require()
+    transformers, accelerate = require_transformers()
     cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
     make = getattr(cls, "from_config", None)  # the Auto classes
     if make is None:
@@ -133,16 +129,6 @@ def _call_with_dtype(make: Callable[..., PreTrainedModel], config: Any, dtype: t
         if "dtype" not in str(error):
             raise
         return make(config, torch_dtype=dtype)  # older releases
-
-
-def _require() -> Tuple[Any, Any]:
-    try:
-        import accelerate
-        import transformers
-    except ImportError as error:
-        raise MissingDependencyError(f"offload.integrations.transformers needs transformers and accelerate "
-                                     f"({error}): {INSTALL}") from error
-    return transformers, accelerate
 
 
 def _local_directory(path: Union[str, "os.PathLike[str]"]) -> str:

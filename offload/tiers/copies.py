@@ -164,7 +164,7 @@ class GradDownloads:
 
     The first gradient of a range since `zero_grad` is copied straight into the group's accumulator; a later
     one into the same range of a pinned staging buffer (allocated at the first accumulation), to be added
-    into the accumulator by `settle`. `settle` (any thread; GradAccumulator.settle calls it before every read of its
+    into the accumulator by `settle`. `settle` (any thread; GradHome.finish_downloads calls it before every read of its
     gradient) waits for the copies in the order they were issued and runs the adds. A staging range is not
     written again while its add is pending (a parameter firing twice settles first)."""
 

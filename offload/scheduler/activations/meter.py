@@ -1,5 +1,5 @@
 """`SavedTensorMeter`: counts what a training forward saves for its backward, per block call, for the plan
-(`engine.plan`'s activation lines, offload/scheduler/activations/use.py).
+(`engine.plan`'s activation lines, offload/planner/activations.py).
 
 It sits around the root forward's pack hook (the spill's or the weight streamer's), so it sees every saved tensor
 and what became of it: a streamed weight's handle and the model's own parameters are weights, not activations; a

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from offload.scheduler.records.block_record import BlockRecord
-from offload.scheduler.records.services import GradReduction
 from offload.scheduler.records.slot_table import SlotTable
 from offload.scheduler.state.hypers import StepHypers
 from offload.scheduler.worker.step_worker import StepWorker
@@ -40,6 +39,12 @@ class Clipping(Protocol):
 
     def scale_for_step(self, blocks: List[BlockRecord], slots: SlotTable, step: int) -> Optional[float]:
         """The gradient scale of this step's updates, or None: skip the step."""
+
+
+class NormSource(Protocol):
+    """Where the global norm comes from: the reduction mode (reduction.py), across the ranks in data-parallel."""
+
+    def global_norm(self, blocks: List[BlockRecord], slots: SlotTable, max_norm: float) -> Tuple[float, float]: ...
 
 
 class NoClipping:
@@ -66,7 +71,7 @@ class NormClipping:
     updates_during_backward = False
     checks_each_block = False
 
-    def __init__(self, max_norm: float, worker: StepWorker, reduction: GradReduction) -> None:
+    def __init__(self, max_norm: float, worker: StepWorker, reduction: NormSource) -> None:
         self.max_norm = max_norm
         self._worker = worker
         self._reduction = reduction

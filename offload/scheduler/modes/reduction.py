@@ -12,7 +12,7 @@ the records never ask which one runs.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, Optional, Protocol, Tuple
 
 from torch import Tensor
 
@@ -21,10 +21,20 @@ from offload.distributed.guard import refuse_ranks_unknown_at_wrap
 from offload.errors import OffloadError
 from offload.scheduler.modes.clipping import clip_scale_of, global_norm
 from offload.scheduler.modes.grad_sync import GradSync
-from offload.scheduler.records.block_record import BlockRecord, UpdateJob
+from offload.scheduler.records.block_record import BlockRecord, GradReduction, UpdateJob
 from offload.scheduler.records.group import GroupState
 from offload.scheduler.records.slot_table import SlotTable
 from offload.scheduler.worker.step_worker import StepWorker
+
+
+class Reduction(GradReduction, Protocol):
+    """What the phases and the clipping mode ask of the reduction, besides what the records ask."""
+
+    def refuse_unknown_ranks(self) -> None:
+        """At forward and step(): a process group that is not the one the engine was made for is refused."""
+
+    def global_norm(self, blocks: List[BlockRecord], slots: SlotTable, max_norm: float) -> Tuple[float, float]:
+        """(total norm, gradient scale) over every rank's gradients (the worker is idle)."""
 
 
 class LocalReduction:
@@ -33,7 +43,7 @@ class LocalReduction:
     zero_waits = False
 
     def refuse_unknown_ranks(self) -> None:
-        refuse_ranks_unknown_at_wrap(None)
+        refuse_ranks_unknown_at_wrap(1)
 
     def priority(self, forward_position: int) -> int:
         return forward_position  # the block the next forward needs first runs first (step_worker.py)
@@ -83,7 +93,7 @@ class DataParallelReduction:
         self._worker = worker
 
     def refuse_unknown_ranks(self) -> None:
-        refuse_ranks_unknown_at_wrap(self.dp)
+        refuse_ranks_unknown_at_wrap(self.dp.world)
 
     def priority(self, forward_position: int) -> int:
         return 0  # submission order: every rank runs the collectives of the same blocks in the same order

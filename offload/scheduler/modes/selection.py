@@ -8,8 +8,7 @@ from typing import Optional
 from offload.distributed.data_parallel import DataParallel
 from offload.scheduler.modes.clipping import Clipping, NoClipping, NormClipping
 from offload.scheduler.modes.disk_traffic import DiskTraffic, NoDiskTraffic, RingTraffic
-from offload.scheduler.modes.reduction import DataParallelReduction, LocalReduction
-from offload.scheduler.records.services import GradReduction
+from offload.scheduler.modes.reduction import DataParallelReduction, LocalReduction, Reduction
 from offload.scheduler.ring.disk_ring import DiskRing
 from offload.scheduler.worker.step_worker import StepWorker
 
@@ -17,7 +16,7 @@ from offload.scheduler.worker.step_worker import StepWorker
 @dataclass(frozen=True)
 class Modes:
     disk: DiskTraffic  # none, or the nvme ring's reads ahead and writes
-    reduction: GradReduction  # local, or across the data-parallel ranks
+    reduction: Reduction  # local, or across the data-parallel ranks
     clipping: Clipping  # none, or by the global norm
 
 
@@ -25,9 +24,9 @@ def disk_traffic_for(ring: Optional[DiskRing]) -> DiskTraffic:
     return NoDiskTraffic() if ring is None else RingTraffic(ring)
 
 
-def reduction_for(dp: Optional[DataParallel], worker: StepWorker, num_threads: int) -> GradReduction:
+def reduction_for(dp: Optional[DataParallel], worker: StepWorker, num_threads: int) -> Reduction:
     return LocalReduction() if dp is None else DataParallelReduction(dp, worker, num_threads)
 
 
-def clipping_for(max_grad_norm: Optional[float], worker: StepWorker, reduction: GradReduction) -> Clipping:
+def clipping_for(max_grad_norm: Optional[float], worker: StepWorker, reduction: Reduction) -> Clipping:
     return NoClipping() if max_grad_norm is None else NormClipping(max_grad_norm, worker, reduction)

@@ -24,10 +24,9 @@ from offload.scheduler.phases.optimizer_view import EngineOptimizer
 from offload.scheduler.phases.phase_clock import PhaseClock
 from offload.scheduler.phases.step import StepPhase
 from offload.scheduler.phases.sync import Synchronizer
-from offload.scheduler.records.block_record import BlockRecord
+from offload.scheduler.records.block_record import BlockRecord, BlockServices
 from offload.scheduler.records.group import GroupRecord
 from offload.scheduler.records.module_weights import ModuleWeights
-from offload.scheduler.records.services import BlockServices
 from offload.scheduler.weights.tiers import Tiers
 from offload.trace import PhaseObserver
 

@@ -16,13 +16,13 @@ from offload._interrupts import deferred_keyboard_interrupt
 from offload._system import return_freed_memory
 from offload.errors import OffloadError
 from offload.policy import OffloadPolicy
-from offload.scheduler.modes.clipping import Clipping, clip_in_place
+from offload.scheduler.modes.clipping import clip_in_place
+from offload.scheduler.modes.selection import Modes
 from offload.scheduler.phases.backward import BackwardPhase
 from offload.scheduler.phases.backward_tracker import BackwardTracker
 from offload.scheduler.phases.sync import Synchronizer
-from offload.scheduler.records.block_record import BlockRecord, zeroed_after_early_update
+from offload.scheduler.records.block_record import BlockRecord, BlockServices, zeroed_after_early_update
 from offload.scheduler.records.module_weights import ModuleWeights
-from offload.scheduler.records.services import BlockServices
 from offload.scheduler.records.slot_table import SlotTable
 from offload.scheduler.state.hypers import StepHypers
 
@@ -31,14 +31,15 @@ HEAP_SLACK_BYTES = 16 << 20  # freed heap bytes a step keeps before trimming (ha
 
 class StepPhase:
     def __init__(self, records: List[BlockRecord], slots: SlotTable, services: BlockServices, tracker: BackwardTracker,
-                 hypers: StepHypers, clipping: Clipping, backward: BackwardPhase, writes: ModuleWeights,
+                 hypers: StepHypers, modes: Modes, backward: BackwardPhase, writes: ModuleWeights,
                  sync: Synchronizer, policy: OffloadPolicy) -> None:
         self._records = records  # by block index
         self._slots = slots
         self._services = services
         self._tracker = tracker
         self._hypers = hypers
-        self._clipping = clipping
+        self._clipping = modes.clipping
+        self._reduction = modes.reduction
         self._backward = backward
         self._writes = writes
         self._sync = sync
@@ -50,7 +51,7 @@ class StepPhase:
         in the wait after that, it reaches the user and the updates run on ([Note: Ctrl-C in a wait])."""
         self._sync.check_open()
         self._services.worker.raise_if_failed()
-        self._services.reduction.refuse_unknown_ranks()  # a process group started after wrap(), e.g. for DDP
+        self._reduction.refuse_unknown_ranks()  # a process group started after wrap(), e.g. for DDP
         early = self._policy.step_returns_early
         with self._services.tracer.span("step()"), deferred_keyboard_interrupt():
             self.schedule_step()
@@ -126,7 +127,7 @@ class StepPhase:
         self._backward.collect_grads()
         self._services.worker.wait_all()  # norm jobs, and (overlap_step) updates that still read the gradients
         in_order = self._in_update_order()
-        norm = self._services.reduction.global_norm(in_order, self._slots, max_norm)
+        norm = self._reduction.global_norm(in_order, self._slots, max_norm)
         return clip_in_place(in_order, norm, error_if_nonfinite)
 
     def _in_update_order(self) -> List[BlockRecord]:

@@ -14,21 +14,35 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Protocol, Tuple
 
 from torch import Tensor, nn
 
 from offload.errors import OffloadError
 from offload.scheduler.blocks.block import Block, Residency
+from offload.scheduler.records.forward_order import ForwardOrder
 from offload.scheduler.records.grad_home import released_gradient
 from offload.scheduler.records.group import GroupRecord, GroupState
 from offload.scheduler.records.held_grad import HeldGrad
-from offload.scheduler.records.services import BlockServices
+from offload.scheduler.records.nonfinite import NonFiniteSkips
 from offload.scheduler.state.adamw import AdamHyper
 from offload.scheduler.torch_internals import after_backward
+from offload.scheduler.weights.pending_guard import PendingGuard
+from offload.scheduler.weights.streamer import WeightStreamer
+from offload.scheduler.worker.counters import StepCounters
+from offload.scheduler.worker.step_worker import StepWorker
+from offload.trace import Tracer
 
-if TYPE_CHECKING:
-    from offload.scheduler.records.slot_table import SlotRef
+
+class SlotRef(NamedTuple):
+    """Where one trainable parameter lives: its block's record, its flat group's state, its slot index there,
+    and its position in `module.parameters()` (the order torch reduces gradient norms in)."""
+
+    block: "BlockRecord"
+    state: GroupState
+    index: int  # type: ignore[assignment]  # the slot's index in its group (shadows tuple.index, unused here)
+    position: int
+    param: nn.Parameter
 
 
 @dataclass(frozen=True)
@@ -70,6 +84,49 @@ class ParkJob:
 
     def __call__(self) -> None:
         self.record.run_park(self.norms)
+
+
+class GradReduction(Protocol):
+    """How a block's gradients become the ones it steps on: as they are (one process), or averaged across the
+    data-parallel ranks into this rank's part (modes/reduction.py). The record runs its update's loop itself;
+    the reduction answers what steps and how the new weights reach the other ranks."""
+
+    zero_waits: bool  # zero_grad() waits for each block's pending job (it reads the gradients)
+
+    def priority(self, forward_position: int) -> int:
+        """The worker's priority of a block's job, from its position in the forward."""
+
+    def runs_every_update(self, has_trainable: bool) -> bool:
+        """Whether a block's update runs even when no parameter of it has a gradient here."""
+
+    def check_arrival(self, block: BlockRecord) -> None:
+        """A gradient of the block arrives (its step's average, if taken, is taken back or refused)."""
+
+    def check_torch_reads(self, block: BlockRecord) -> None:
+        """Torch code reads the block's held gradients (a clip): refused where they are not what it expects."""
+
+    def ready_to_step(self, block: BlockRecord, job: UpdateJob) -> List[Optional[List[int]]]:
+        """On the worker, before the update: per group of the job, the parameters to step (None: skip the group;
+        a skip for non-finite gradients is counted here)."""
+
+    def send_new_weights(self, state: GroupState, out: Optional[Tensor]) -> None:
+        """On the worker, after a group stepped: its new weights to every rank (nothing in one process)."""
+
+    def norms(self, block: BlockRecord, step: int) -> None:
+        """On the worker: what clipping needs of the block's gradients."""
+
+
+@dataclass(frozen=True)
+class BlockServices:
+    worker: StepWorker  # runs the updates (and, with clipping, the norms) in the background
+    streamer: WeightStreamer  # the device budget's LRU of streamed blocks
+    tracer: Tracer
+    counters: StepCounters
+    order: ForwardOrder  # the forward's block order: prefetch, update priority
+    reduction: GradReduction  # local, or averaged across data-parallel ranks (modes/reduction.py)
+    guard: PendingGuard  # resident parameters read through while their update is pending (step() returned)
+    nonfinite: NonFiniteSkips  # blocks skipped for non-finite gradients (no clipping)
+    num_threads: Optional[int]  # the CPU Adam's threads
 
 
 class BlockRecord:
@@ -188,7 +245,7 @@ class BlockRecord:
                 if ready:
                     part.group.home.release_source()  # the last upload of `out` has read it
                     state.update(ready, part.hypers, job.grad_scale, part.out, services.num_threads, part.out_base)
-                    part.group.note_writes_during_update(self)
+                    self.lost_write = part.group.writes_during_update() or self.lost_write
                     part.group.home.share_update(services.reduction, state, part.out)
                 elif ready is None:
                     state.store.discard()  # skipped: its announced reads would otherwise hold ring slots
@@ -209,7 +266,7 @@ class BlockRecord:
         return self.services.reduction.priority(self.services.order.priority(self.block.index))
 
     # ----- its gradients ------------------------------------------------------------------------------
-    def receive_grad(self, ref: "SlotRef", param: nn.Parameter) -> None:
+    def receive_grad(self, ref: SlotRef, param: nn.Parameter) -> None:
         """A gradient of one of its parameters is complete for this backward (the autograd hook)."""
         if self.updated_early:
             raise OffloadError(
@@ -218,7 +275,7 @@ class BlockRecord:
                 "(e.g. reentrant checkpointing of a module used twice); leave grad_accumulation_steps unset")
         self.offload_grad(ref, param)
 
-    def offload_grad(self, ref: "SlotRef", param: nn.Parameter) -> None:
+    def offload_grad(self, ref: SlotRef, param: nn.Parameter) -> None:
         """Move `param.grad` into its group's gradient home and leave the stand-in there ([Note: where a
         gradient is after backward]): a plain tensor means `.grad` was None before autograd wrote it (cleared
         since the engine took the last one), a HeldGrad with `pending` that autograd accumulated into it."""
@@ -240,7 +297,7 @@ class BlockRecord:
         self.services.reduction.check_arrival(self)
         self.norms = None  # of a sum this gradient changes
 
-    def take_leftover_grads(self, refs: List["SlotRef"]) -> None:
+    def take_leftover_grads(self, refs: List[SlotRef]) -> None:
         """Before the step reads the gradients (`refs`: its trainable parameters): take those still in `.grad`
         (fewer backward calls than declared, or a `.grad` the user set), and forget those cleared outside the
         engine (model.zero_grad())."""
@@ -353,7 +410,7 @@ class BlockRecord:
 
     def keep_writes_before_release(self) -> None:
         """A resident streamed block about to be released: what was written through its parameters since the
-        engine last looked is kept (`GroupRuntime.keep_writes`), unless an update was scheduled since (its
+        engine last looked is kept (`GroupRecord.keep_writes`), unless an update was scheduled since (its
         weights would overwrite the write, or the write the update's): then the next use of the block
         raises (`lost_write`)."""
         for group in self.groups:

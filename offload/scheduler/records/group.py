@@ -10,7 +10,7 @@ loop (state/adamw.py). The checkpoint code sees a group through the `GroupStateV
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from torch import Tensor
 
@@ -22,9 +22,6 @@ from offload.scheduler.state.adamw import AdamHyper, UpdateSpan, adamw
 from offload.scheduler.state.state_store import StateStore, overwrite_master
 from offload.scheduler.torch_internals import versions_of
 from offload.scheduler.weights.weight_home import WeightHome
-
-if TYPE_CHECKING:
-    from offload.scheduler.records.block_record import BlockRecord
 
 
 class GroupState:
@@ -158,10 +155,11 @@ class GroupRecord:
             self.home.replace(weights.to("cpu"), resident=True)
         self.mark_seen()
 
-    def note_writes_during_update(self, block: "BlockRecord") -> None:
+    def writes_during_update(self) -> Optional[str]:
         """On the worker, after the group's update: a parameter written meanwhile (overlap_step: after step()
-        returned) was overwritten by the update; the block's next use says so."""
+        returned) was overwritten by the update, whose name the block's next use says."""
         edited = self.edited_slots()
-        if edited:
-            block.lost_write = self.group.trainable_slots[edited[0]].name
-            self.mark_seen()
+        if not edited:
+            return None
+        self.mark_seen()
+        return self.group.trainable_slots[edited[0]].name

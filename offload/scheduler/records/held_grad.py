@@ -2,7 +2,7 @@
 
 Torch code around a model reads `.grad` (torch.nn.utils.clip_grad_norm_, GradScaler, gradient logging) and
 clears it (`model.zero_grad()`, HF Trainer's way, `p.grad = None`). The engine keeps gradients in its own
-accumulators (grad_accumulator.py), so with `.grad` left None every reader would silently see "no gradient"
+homes (grad_home.py), so with `.grad` left None every reader would silently see "no gradient"
 (clip_grad_norm_ returned 0.0 and clipped nothing) and a clear through the model would not reach the engine.
 A HeldGrad is a tensor with the parameter's shape, dtype and device and no storage:
 
@@ -38,7 +38,7 @@ _FOREACH_CLIP_OPS = frozenset({_aten._foreach_norm.Scalar, _aten._foreach_mul_.T
 
 
 class HeldGradSource(Protocol):
-    """Where a held gradient is (grads/grad_home.py's gradient homes): `apply` runs a torch op on it."""
+    """Where a held gradient is (grad_home.py's `GradHome`): `apply` runs a torch op on it."""
 
     def apply(self, index: int, func: Any, args: Sequence[Any], kwargs: dict) -> Any:
         """`func(gradient of slot `index`, *args, **kwargs)`: an in-place op changes the held gradient."""

@@ -4,7 +4,7 @@ Without `max_grad_norm` blocks update during backward, before the other blocks' 
 check is per block: each block with a non-finite gradient keeps its weights, moments and step counts
 (counted and warned once per step). A NaN or inf loss makes every gradient non-finite, so then every block
 is skipped: the whole step is skipped. With clipping the global norm decides for the whole step instead
-(StepPipeline.schedule_step). The check itself is GradAccumulator.all_finite.
+(StepPipeline.schedule_step). The check itself is GradHome.all_finite.
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
-"""`SlotTable`: trainable parameter -> where it lives (its block record, group state, slot, position)."""
+"""`SlotTable`: trainable parameter -> where it lives (its `SlotRef`: block record, group state, slot, position)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Iterator, List, NamedTuple, Sequence, Tuple
+from typing import Dict, Iterator, List, Sequence, Tuple
 
 from torch import nn
 
-from offload.scheduler.records.group import GroupState
-
-if TYPE_CHECKING:
-    from offload.scheduler.records.block_record import BlockRecord
-
-
-class SlotRef(NamedTuple):
-    """Where one trainable parameter lives: its block, its flat group's state, its slot index there, and
-    its position in `module.parameters()` (the order torch reduces gradient norms in)."""
-
-    block: "BlockRecord"
-    state: GroupState
-    index: int  # type: ignore[assignment]  # the slot's index in its group (shadows tuple.index, unused here)
-    position: int
-    param: nn.Parameter
+from offload.scheduler.records.block_record import BlockRecord, SlotRef
 
 
 class SlotTable:
@@ -28,7 +14,7 @@ class SlotTable:
     records. Keyed by `id(param)` inside (the parameters are alive as long as the table: the blocks hold
     them): a lookup runs per gradient, and `Tensor.__hash__` is a Python call several times slower."""
 
-    def __init__(self, records: Sequence["BlockRecord"], module: nn.Module) -> None:
+    def __init__(self, records: Sequence[BlockRecord], module: nn.Module) -> None:
         position = {p: i for i, p in enumerate(module.parameters())}
         self.by_id: Dict[int, SlotRef] = {}  # `id(param)` -> its ref: what the hot paths look up (no call)
         self._refs = self.by_id
@@ -39,7 +25,7 @@ class SlotTable:
                         self._refs[id(slot.param)] = SlotRef(record, group.state, index, position[slot.param],
                                                              slot.param)
         # each record's refs, in its groups' slot order: the records' own loops over their parameters
-        self.per_record: List[Tuple["BlockRecord", List[SlotRef]]] = [
+        self.per_record: List[Tuple[BlockRecord, List[SlotRef]]] = [
             (record, [ref for ref in self._refs.values() if ref.block is record]) for record in records]
 
     def __getitem__(self, param: nn.Parameter) -> SlotRef:

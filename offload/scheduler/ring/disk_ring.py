@@ -143,7 +143,7 @@ class DiskRing:
             # see this chunk without its write in flight, or it would read the old bytes (submitting never blocks)
             try:
                 futures = self._write_chunk(slot, group, start, stop)
-            except BaseException:  # nothing of it is in flight (SwapStore.write_chunk waits what it started)
+            except BaseException:  # nothing of it is in flight (`_chunk_io` waits what it started)
                 self._checked_out.pop((group.key, start), None)
                 self._slots.give_back_locked(slot)
                 raise

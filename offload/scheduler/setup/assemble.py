@@ -27,11 +27,10 @@ from offload.scheduler.phases.phase_clock import PhaseClock
 from offload.scheduler.phases.pipeline import StepPipeline
 from offload.scheduler.phases.step import StepPhase
 from offload.scheduler.phases.sync import Synchronizer
-from offload.scheduler.records.block_record import BlockRecord
+from offload.scheduler.records.block_record import BlockRecord, BlockServices
 from offload.scheduler.records.forward_order import ForwardOrder
 from offload.scheduler.records.module_weights import ModuleWeights
 from offload.scheduler.records.nonfinite import NonFiniteSkips
-from offload.scheduler.records.services import BlockServices
 from offload.scheduler.records.slot_table import SlotTable
 from offload.scheduler.setup.initial_weights import InitialWeights
 from offload.scheduler.setup.placement import materialize
@@ -84,7 +83,7 @@ def _phases(blocks: List[Block], records: List[BlockRecord], module: nn.Module, 
     forward = ForwardPhase(records, module, tracker, clock, services.order, tiers.streamer, modes,
                            _root_saved_tensors(blocks, tiers))
     backward = BackwardPhase(slots, tracker, clock, forward, modes.clipping, hypers)
-    step = StepPhase(records, slots, services, tracker, hypers, modes.clipping, backward, weights, sync, policy)
+    step = StepPhase(records, slots, services, tracker, hypers, modes, backward, weights, sync, policy)
     optimizer.drive_with(step)
     tiers.streamer.read_through.serve(sync)  # streamed parameters read outside their forward open their block
     return StepPipeline(blocks, records, forward, backward, step, sync, weights, services, tiers, tracker, clock,

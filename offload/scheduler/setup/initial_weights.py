@@ -17,7 +17,6 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Set, Tupl
 import torch
 from torch import Tensor, nn
 
-from offload.checkpoint.weight_source import WeightSource
 from offload.errors import OffloadConfigError
 from offload.scheduler.blocks.block import Block
 from offload.scheduler.torch_internals import own_buffers, own_parameters
@@ -65,11 +64,33 @@ class FromModule:
         pass
 
 
+class Tensors(Protocol):
+    """Named tensors to start from (checkpoint/weight_source.py's `WeightSource`: a safetensors file, Hugging Face
+    shards or an offload checkpoint), an input the scheduler reads without knowing its format."""
+
+    path: str
+    shapes: Dict[str, Tuple[int, ...]]
+    dtypes: Dict[str, torch.dtype]
+    @property
+    def verifies(self) -> bool:
+        """Whether each read is checked against a checksum (a part of a tensor then cannot be)."""
+
+    def names(self) -> List[str]: ...
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def read(self, name: str) -> Tensor: ...
+
+    def read_into(self, name: str, out: Tensor) -> None: ...
+
+    def read_range_into(self, name: str, start: int, out: Tensor) -> None: ...
+
+
 class FromSource:
     """A checkpoint's tensors, matched by name as `load_state_dict(strict=True)` matches them (a tie stored
     once under any of its names is fine), converted to each parameter's compute dtype on the fly."""
 
-    def __init__(self, source: WeightSource) -> None:
+    def __init__(self, source: Tensors) -> None:
         self.source = source
         self._names_of: Dict[int, List[str]] = {}  # id(param) -> every name of it in the module
 
@@ -203,7 +224,7 @@ class ByInit:
         pass
 
 
-def choose(module: nn.Module, weights: Optional[WeightSource], init: Optional[Init]) -> InitialWeights:
+def choose(module: nn.Module, weights: Optional[Tensors], init: Optional[Init]) -> InitialWeights:
     """A checkpoint when given; else `init`, or reset_parameters() for a model with meta parameters; else
     the model's own parameters."""
     if weights is not None:

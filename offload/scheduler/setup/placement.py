@@ -24,10 +24,9 @@ from offload.planner.plan import GradFlow, Plan
 from offload.planner.ring import RingSize, ring_depth_for, ring_size_for
 from offload.policy import OffloadPolicy, ShardWeights, Tier
 from offload.scheduler.blocks.block import Block, FlatGroup
-from offload.scheduler.records.block_record import BlockRecord
+from offload.scheduler.records.block_record import BlockRecord, BlockServices
 from offload.scheduler.records.grad_home import DiskParking, GradHome
 from offload.scheduler.records.group import GroupRecord, GroupState
-from offload.scheduler.records.services import BlockServices
 from offload.scheduler.ring.disk_ring import DiskRing
 from offload.scheduler.setup.initial_weights import InitialWeights
 from offload.scheduler.state.disk_store import DiskStore

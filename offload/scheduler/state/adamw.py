@@ -3,7 +3,7 @@
 The maths is torch.optim.AdamW's, per parameter: a parameter that received no gradient since the last
 `zero_grad` is skipped (no decay, no step count), exactly as AdamW skips `grad is None`. Spans say which
 element ranges to update at which step with which group's hyperparameters: one span for the whole group
-in the usual case (runtime.py, `GroupState.advance_steps`), one per parameter otherwise.
+in the usual case (records/group.py, `GroupState.advance_steps`), one per parameter otherwise.
 """
 
 from __future__ import annotations

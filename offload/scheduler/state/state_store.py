@@ -1,6 +1,6 @@
 """Where one flat group's optimizer state lives: the `StateStore` protocol every tier implements.
 
-The update loop (update.py) and the checkpoint code see only this protocol: they ask for the state chunk
+The update loop (adamw.py) and the checkpoint code see only this protocol: they ask for the state chunk
 by chunk and hand each chunk back. A memory store (this file: host memory for the cpu tier, the compute
 device for the gpu tier) has one chunk, the tensors themselves; the disk store (disk_store.py, the nvme
 tier) streams a swap-file record through the staging ring. A new place for the state (a rank's shard, a

@@ -1,7 +1,7 @@
 """Streamed parameters read and written outside the modules that own them, exactly as plain PyTorch.
 
 A streamed block's parameters point into its device buffer only while it is resident, and at a NaN
-placeholder while it is released (streaming.py); a resident block may be released at any later fetch.
+placeholder while it is released (streamer.py); a resident block may be released at any later fetch.
 Code outside the owning modules' forward (an EMA after `step()`, a callback summing `|w|`, `nn.init` after
 `wrap()`, `torch.save(param)`, a tied head written by hand) would read the placeholder, or hold a view of
 a buffer about to be freed, and a write would be lost at the next release.

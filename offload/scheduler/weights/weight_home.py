@@ -11,7 +11,7 @@
 Callers need only these operations: where the update writes (`update_target`), bring the updated weights
 to the device (`push`) or all of them into a regrown buffer (`fetch`), read the current ones on the host
 (`host_weights`), replace them (`replace`, a checkpoint load). Residency, the budget and the LRU are the
-streamer's (streaming.py); CUDA events are the copy context's (streams.py).
+streamer's (streamer.py); CUDA events are the copy context's (tiers/copies.py).
 """
 
 from __future__ import annotations

@@ -15,12 +15,11 @@ from torch import nn
 
 from offload.scheduler.blocks.block import Block, build_blocks
 from offload.scheduler.modes.reduction import LocalReduction
-from offload.scheduler.records.block_record import BlockRecord, GroupUpdate, ParkJob, UpdateJob
+from offload.scheduler.records.block_record import BlockRecord, BlockServices, GroupUpdate, ParkJob, UpdateJob
 from offload.scheduler.records.forward_order import ForwardOrder
 from offload.scheduler.records.grad_home import GradHome
 from offload.scheduler.records.group import GroupRecord, GroupState
 from offload.scheduler.records.nonfinite import NonFiniteSkips
-from offload.scheduler.records.services import BlockServices
 from offload.scheduler.state.adamw import AdamHyper
 from offload.scheduler.state.state_store import MemoryStore
 from offload.scheduler.weights.pending_guard import PendingGuard
