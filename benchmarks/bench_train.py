@@ -49,9 +49,16 @@ def main(argv: List[str] = None) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--nvme-path", default=None, help="directory for the nvme tier's swap file (default: tmp)")
     parser.add_argument("--quick", action="store_true", help="a tiny model and 2 rounds (a smoke run)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the shape of nanoGPT's character-level example (2 layers, width 64, vocab 96, 4 x 64 "
+                             "tokens, fp32, one thread): what a small model pays per step for the engine (issue 34)")
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.dim, args.vocab, args.context, args.batch, args.rounds, args.steps = 2, 64, 512, 32, 2, 2, 1
+    if args.tiny:
+        args.layers, args.dim, args.vocab, args.context, args.batch, args.dtype = 2, 64, 96, 64, 4, "float32"
+        args.rounds, args.steps = max(args.rounds, 15), max(args.steps, 10)
+        torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     base = GPT(args.vocab, args.dim, args.layers, args.context, heads=4)
@@ -70,27 +77,31 @@ def main(argv: List[str] = None) -> None:
     torch_model = twin()
     hp = dict(lr=1e-4, weight_decay=0.01)  # torch AdamW's weight decay, offload given the same explicitly
     torch_opt = torch.optim.AdamW(torch_model.parameters(), **hp)
-    engines = {
-        "offload gpu tier": offload.wrap(twin(), tier="gpu", dtype=dtype, device="cpu", **hp),
-        "offload cpu tier, GA declared": offload.wrap(twin(), tier="cpu", dtype=dtype, device="cpu", **hp,
-                                                      grad_accumulation_steps=1),
-        "offload cpu tier, GA unset": offload.wrap(twin(), tier="cpu", dtype=dtype, device="cpu", **hp),
-        "offload cpu tier, GA unset, overlap_step": offload.wrap(twin(), tier="cpu", dtype=dtype, device="cpu", **hp,
-                                                                overlap_step=True),
-    }
+    engines: Dict[str, offload.Engine] = {}
+    if not args.tiny:
+        engines["offload gpu tier"] = offload.wrap(twin(), tier="gpu", dtype=dtype, device="cpu", **hp)
+    engines["offload cpu tier, GA declared"] = offload.wrap(twin(), tier="cpu", dtype=dtype, device="cpu", **hp,
+                                                            grad_accumulation_steps=1)
+    engines["offload cpu tier, GA unset"] = offload.wrap(twin(), tier="cpu", dtype=dtype, device="cpu", **hp)
     swap_dir = tempfile.mkdtemp(prefix="offload-bench-", dir=args.nvme_path)
     engines["offload nvme tier, GA declared"] = offload.wrap(
         twin(), tier="nvme", nvme_path=swap_dir, dtype=dtype, device="cpu", **hp, grad_accumulation_steps=1)
-    weight_bytes = sum(p.numel() for p in base.parameters()) * torch.empty((), dtype=dtype).element_size()
-    # half the weights, and the room the device keeps for autograd's largest gradient (docs/design.md
-    # [Note: the nvme memory bound])
-    half = weight_bytes // 2 + max(p.numel() for p in base.parameters()) * torch.empty((), dtype=dtype).element_size()
-    engines["offload cpu tier, weights streamed (budget 50%)"] = offload.wrap(
-        twin(), tier="cpu", dtype=dtype, device="cpu", **hp, grad_accumulation_steps=1, device_memory=half)
-    # host_memory: the gradients, a ring and 9 MiB of the 11.6 MiB streamed weights: the rest live on disk
-    engines["offload nvme tier, weights on disk (device 50%)"] = offload.wrap(
-        twin(), tier="nvme", nvme_path=swap_dir, dtype=dtype, device="cpu", **hp, grad_accumulation_steps=1,
-        device_memory=half, host_memory=weight_bytes + (12 << 20))
+    if args.tiny:  # as a new user writes it (accumulation not declared), and declared
+        engines["offload nvme tier, GA unset"] = offload.wrap(
+            twin(), tier="nvme", nvme_path=swap_dir, dtype=dtype, device="cpu", **hp)
+    else:
+        engines["offload cpu tier, GA unset, overlap_step"] = offload.wrap(twin(), tier="cpu", dtype=dtype,
+                                                                          device="cpu", **hp, overlap_step=True)
+        weight_bytes = sum(p.numel() for p in base.parameters()) * torch.empty((), dtype=dtype).element_size()
+        # half the weights, and the room the device keeps for autograd's largest gradient (docs/design.md
+        # [Note: the nvme memory bound])
+        half = weight_bytes // 2 + max(p.numel() for p in base.parameters()) * torch.empty((), dtype=dtype).element_size()
+        engines["offload cpu tier, weights streamed (budget 50%)"] = offload.wrap(
+            twin(), tier="cpu", dtype=dtype, device="cpu", **hp, grad_accumulation_steps=1, device_memory=half)
+        # host_memory: the gradients, a ring and 9 MiB of the 11.6 MiB streamed weights: the rest live on disk
+        engines["offload nvme tier, weights on disk (device 50%)"] = offload.wrap(
+            twin(), tier="nvme", nvme_path=swap_dir, dtype=dtype, device="cpu", **hp, grad_accumulation_steps=1,
+            device_memory=half, host_memory=weight_bytes + (12 << 20))
 
     def compute_only():
         for idx, tgt in batches:

@@ -147,7 +147,8 @@ def _partly_loaded(exc: Union[OffloadIntegrityError, OffloadIOError]) -> tuple:
     return (f"{exc}{note}", exc.path)
 
 
-def _check_entries(engine: "CheckpointTarget", groups, weights: TensorFileReader, optim: "OptimizerReader") -> None:
+def _check_entries(engine: "CheckpointTarget", groups: List[Any], weights: TensorFileReader,
+                   optim: "OptimizerReader") -> None:
     """Every tensor the load will read exists with the size it needs (weights may be of another dtype)."""
     for _block, group, state in groups:
         for slot in group.slots:
@@ -162,7 +163,7 @@ def _check_entries(engine: "CheckpointTarget", groups, weights: TensorFileReader
             weights.require(name, buffer.numel())
 
 
-def _load_tensors(engine: "CheckpointTarget", groups, weights: TensorFileReader, optim: "OptimizerReader",
+def _load_tensors(engine: "CheckpointTarget", groups: List[Any], weights: TensorFileReader, optim: "OptimizerReader",
                   steps: Dict[str, int], bar: Any) -> None:
     clone_state = {"try": True}
     for _block, group, state in groups:
@@ -273,7 +274,7 @@ def _check_param_groups(engine: "CheckpointTarget", manifest: Dict[str, Any], di
                 f"engine's (first difference: {missing[0]!r}): wrap the model with the same param_groups")
 
 
-def _check_compatible(groups, manifest: Dict[str, Any], directory: str) -> None:
+def _check_compatible(groups: List[Any], manifest: Dict[str, Any], directory: str) -> None:
     """Names and shapes, before anything in the engine changes."""
     saved = {p["name"]: p for b in manifest["blocks"] for g in b["groups"] for p in g["params"]}
     missing = [s.name for _b, g, _s in groups for s in g.trainable_slots if s.name not in saved]

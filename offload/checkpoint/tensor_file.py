@@ -16,7 +16,7 @@ import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -93,7 +93,7 @@ class TensorFileWriter:
         self._size = offset
         self._pwrite(header, 0)
 
-    def _pwrite(self, data, offset: int) -> None:
+    def _pwrite(self, data: Any, offset: int) -> None:
         view = memoryview(data).cast("B")
         try:
             while view:
@@ -271,7 +271,7 @@ class TensorFileReader:
             for offset in range(start, stop, half):
                 plan.append((name, offset, min(half, stop - offset), offset + half >= stop))
         with ThreadPoolExecutor(1, thread_name_prefix="offload-verify") as reader:
-            def read(i: int):
+            def read(i: int) -> Any:
                 name, offset, size, _last = plan[i]
                 view = buffers[i % 2][:size]
                 return reader.submit(self._pread, view, self._base + offset, name)

@@ -14,7 +14,7 @@ activations="offload": `activation_bytes_to_disk`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def tokens_that_fit(room: int, layers: int, dim: int, heads: int, seq_len: int, 
 
 
 def describe(layers: int, dim: int, heads: int, seq_len: int, micro_batch: int, itemsize: int, checkpointing: bool,
-             device_room: Optional[int], human, fused_attention: bool = True) -> str:
+             device_room: Optional[int], human: Callable[[Optional[int]], str], fused_attention: bool = True) -> str:
     """The estimate's lines for the CLI."""
     est = estimate_activations(layers, dim, heads, seq_len, micro_batch, itemsize, checkpointing, fused_attention)
     how = "with checkpointing, each layer's input" if checkpointing else "every layer's saved tensors"

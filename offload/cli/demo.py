@@ -22,7 +22,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -158,8 +158,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="offload.data reader (auto: DALI when installed)")
 
 
-def _measure_bound(model: nn.Module, batches, swap_dir: str, trainable: int, dtype: torch.dtype,
-                   disk_read: float, disk_written: float, rounds: int = 3):
+def _measure_bound(model: nn.Module, batches: List[Any], swap_dir: str, trainable: int, dtype: torch.dtype,
+                   disk_read: float, disk_written: float, rounds: int = 3) -> Any:
     """T_compute, DRAM and disk bandwidth sampled round by round, then the step bound."""
     from offload.measure import DiskProbe, dram_bandwidth, step_bound
 
@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(engine, windows, steps: int, tqdm) -> Tuple[List[float], List[float], list]:
+def _train(engine: Any, windows: Any, steps: int, tqdm: Any) -> Tuple[List[float], List[float], list]:
     """Run the steps; each step's time is start-to-start, so updates still running (and reading the batch)
     count where they block. Returns the step times, the losses and the first batches (for the bound)."""
     step_times: List[float] = []

@@ -183,7 +183,7 @@ def _ranks(ranks: List[int]) -> str:
     return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
-def _describe(tensor, trainable: bool) -> str:
+def _describe(tensor: torch.Tensor, trainable: bool) -> str:
     dtype = str(tensor.dtype).replace("torch.", "")
     return f"{dtype}{list(tensor.shape)}" + ("" if trainable else " (frozen)")
 

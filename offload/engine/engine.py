@@ -112,7 +112,7 @@ class Engine:
         return self._plan.shard_world > 1
 
     # ----- training ----------------------------------------------------------------------------------
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's forward."""
         self._pipeline.check_usable()
         try:

@@ -5,7 +5,7 @@ Dispatches to the fused native kernel when `offload._C` is available, else runs 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -97,8 +97,9 @@ def _resolve_threads(num_threads: Optional[int]) -> int:
     return int(num_threads)
 
 
-def _adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale,
-               out, num_threads, pool) -> None:
+def _adam_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, step: int, lr: float, beta1: float,
+               beta2: float, eps: float, weight_decay: float, adamw: bool, grad_scale: float, out: Optional[Tensor],
+               num_threads: int, pool: Any) -> None:
     """The validated step: native when `offload._C` is importable, else torch. `pool` is a `_C.ThreadPool`
     owned by the caller (CPUAdam keeps one), or None to use `num_threads` for this call only."""
     native = _native._C  # looked up per call, so a test can force the fallback
@@ -114,8 +115,9 @@ def _adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
     )
 
 
-def adam_step_torch(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, adamw,
-                    grad_scale, out) -> None:
+def adam_step_torch(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int, lr: float,
+                    beta1: float, beta2: float, eps: float, weight_decay: float, adamw: bool, grad_scale: float,
+                    out: Optional[Tensor]) -> None:
     """torch's single-tensor AdamW/Adam in torch operations, same order: the fallback of the native kernel, and
     the gpu tier's step (state on the device)."""
     p, m, v = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)

@@ -243,8 +243,9 @@ def _encode_torch(src: Tensor, fmt: MomentFormat, which: int, out: Moment) -> No
 _TORCH_CHUNK = 1 << 22
 
 
-def _adam_step_moments_torch(param, grad, exp_avg, exp_avg_sq, fmt, *, step, lr, beta1, beta2, eps, weight_decay,
-                             adamw, grad_scale, out) -> None:
+def _adam_step_moments_torch(param: Tensor, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, fmt: MomentFormat, *,
+                             step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                             adamw: bool, grad_scale: float, out: Optional[Tensor]) -> None:
     """Decode a piece, run adam_step_torch on fp32 copies, encode: the same maths as the native pass."""
     n = param.numel()
     for start in range(0, n, _TORCH_CHUNK):
@@ -283,7 +284,7 @@ def _check_moment(name: str, m: object, fmt: MomentFormat, numel: Optional[int],
     return m.numel()
 
 
-def _native_for(*tensors: Tensor):
+def _native_for(*tensors: Tensor) -> Any:
     """offload._C when every tensor is on the CPU and the extension is built, else None (torch path)."""
     native = _native._C  # looked up per call, so a test can force the fallback
     if native is None or any(t.device.type != "cpu" for t in tensors):

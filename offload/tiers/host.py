@@ -12,7 +12,7 @@ import math
 import threading
 import warnings
 import weakref
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -34,7 +34,8 @@ class HostBuffer:
 
     __slots__ = ("_lease", "nbytes", "data_ptr", "_finalizer", "__weakref__")
 
-    def __init__(self, lease: object, nbytes: int, data_ptr: int, on_release=None) -> None:
+    def __init__(self, lease: object, nbytes: int, data_ptr: int,
+                 on_release: Optional[Callable[[], None]] = None) -> None:
         self._lease = lease
         self.nbytes = nbytes
         self.data_ptr = data_ptr

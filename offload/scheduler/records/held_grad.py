@@ -66,7 +66,7 @@ class HeldGrad(Tensor):
     __torch_function__ = DISABLED_TORCH_FUNCTION  # type: ignore[assignment]  # torch's own, for wrapper subclasses
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         kwargs = kwargs or {}
         if func in _ACCUMULATE and type(args[0]) is cls and isinstance(args[1], Tensor) \
                 and not isinstance(args[1], HeldGrad) and kwargs.get("alpha", 1) == 1:
@@ -97,7 +97,7 @@ class HeldGrad(Tensor):
     def __deepcopy__(self, memo: dict) -> "HeldGrad":
         raise OffloadError(_read_error(self.param_name, "deepcopy"))
 
-    def __reduce_ex__(self, protocol):
+    def __reduce_ex__(self, protocol: Any) -> Any:
         raise OffloadError(_read_error(self.param_name, "pickle"))
 
 

@@ -194,7 +194,7 @@ class DiskRing:
                 del self._checked_out[key]
         self._slots.give_back(slot)
 
-    def write_fresh(self, group: "FlatGroup", fill) -> None:
+    def write_fresh(self, group: "FlatGroup", fill: Callable[[int, int, SlotSections], None]) -> None:
         """Initialise the group's record chunk by chunk: `fill(start, stop, sections)` writes into the slot."""
         for start, stop in self.chunks(group):
             slot = self._order.take()

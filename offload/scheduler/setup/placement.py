@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -227,14 +227,14 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
     return records
 
 
-def _state_store(group, policy: OffloadPolicy, tiers: Tiers) -> StateStore:
+def _state_store(group: Any, policy: OffloadPolicy, tiers: Tiers) -> StateStore:  # a FlatGroup, or a ShardGroup as one
     if tiers.ring is not None:
         return DiskStore(group, tiers.ring)
     on_host = policy.tier is not Tier.GPU
     return MemoryStore(group, torch.device("cpu") if on_host else policy.device, on_host, policy.moments)
 
 
-def _grad_home(group, on_host: bool, policy: OffloadPolicy, tiers: Tiers, plan: Plan,
+def _grad_home(group: FlatGroup, on_host: bool, policy: OffloadPolicy, tiers: Tiers, plan: Plan,
                shard: Optional[Shard]) -> GradHome:
     """Host memory for the host tiers (the nvme tier's gradient window when the plan has one, with the swap
     file for the gradients that must wait when the plan puts them on disk), else the device. Data-parallel
@@ -249,7 +249,7 @@ def _grad_home(group, on_host: bool, policy: OffloadPolicy, tiers: Tiers, plan: 
     return GradHome(group, device, tiers.copies, on_host, padded_numel, tiers.grad_pool)
 
 
-def _weight_home(block: Block, group, policy: OffloadPolicy, tiers: Tiers, streamed: set, on_disk: set,
+def _weight_home(block: Block, group: FlatGroup, policy: OffloadPolicy, tiers: Tiers, streamed: set, on_disk: set,
                  trains: bool) -> WeightHome:
     """Disk for blocks the plan puts there, a whole host copy for other streamed blocks, an upload source
     for resident trainable weights whose state is on the host of a GPU, else the device alone."""

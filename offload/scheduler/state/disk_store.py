@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import TYPE_CHECKING, Callable, Generator, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -123,7 +123,7 @@ class DiskStore:
         chunks = self.chunks()
         swap = self._ring.swap
 
-        def read(i: int):
+        def read(i: int) -> Tuple[Any, List[Any]]:
             start, stop = chunks[i]
             views = _cut(slots[i % len(slots)], self.moments, stop - start)
             return views, [swap.read(RecordKind.STATE, self.group.key, start, views)]
