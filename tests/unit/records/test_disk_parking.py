@@ -254,21 +254,21 @@ def test_in_place_ops_while_on_disk_wait_and_are_replayed_in_order_when_it_comes
         g0, g1, g2 = (grad_of(group, i) for i in range(3))
         _accumulate(kit, [g0, None, g2])
         home.park()
-        held = home.apply(0, MUL, (0.5,), {})  # clip_grad_norm_'s scale of one `.grad`
+        held = home.apply(0, MUL, (0.3,), {})  # clip_grad_norm_'s scale of one `.grad`
         assert held is home.held[0] and is_held(held)
         assert kit.owner.calls == ["check", "changed"], "checked, and the norms taken before are stale"
-        home.scale_(0.25)  # max_grad_norm's scale of every held gradient
+        home.scale_(0.7)  # max_grad_norm's scale of every held gradient
         home.apply(2, torch.ops.aten.clamp_.default, (-0.1, 0.1), {})  # clip_grad_value_
         assert home.disk_bytes.read == 0 and home.on_disk and home.grad is None, "no trip to disk for them"
         assert kit.on_disk()[:12].equal(g0.reshape(-1)), "the record keeps the sum as parked"
         home.accumulate(1, g1)  # the next micro-batch: read back, the ops replayed, then its gradient added
         assert home.disk_bytes.read == TRAINABLE * 4
-        assert torch.equal(kit.piece(0), g0.clone().mul_(0.5).mul_(0.25).reshape(-1))
+        assert torch.equal(kit.piece(0), g0.clone().mul_(0.3).mul_(0.7).reshape(-1))
         assert torch.equal(kit.piece(1), g1.reshape(-1)), "no gradient before: not scaled"
-        assert torch.equal(kit.piece(2), g2.clone().mul_(0.25).clamp_(-0.1, 0.1).reshape(-1))
+        assert torch.equal(kit.piece(2), g2.clone().mul_(0.7).clamp_(-0.1, 0.1).reshape(-1))
         home.park()
         home.buffer()
-        assert torch.equal(kit.piece(0), g0.clone().mul_(0.5).mul_(0.25).reshape(-1)), "replayed once only"
+        assert torch.equal(kit.piece(0), g0.clone().mul_(0.3).mul_(0.7).reshape(-1)), "replayed once only"
 
 
 @pytest.mark.parametrize("foreach", [False, True])
@@ -406,3 +406,65 @@ def test_a_data_parallel_part_parks_only_after_its_blocks_reduce_scatter(tmp_pat
         kit.owner.reduced = True
         home.park()
         assert home.on_disk and home.disk_bytes.written == 11 * 4
+
+
+class FailingReads:
+    """The ring's gradient moves, whose next read fails (an I/O error, a checksum that does not match) when told."""
+
+    def __init__(self, moves) -> None:
+        self._moves = moves
+        self.fail_next_read = False
+
+    def write_from(self, group, src) -> None:
+        self._moves.write_from(group, src)
+
+    def read_into(self, group, dst, copy) -> None:
+        if self.fail_next_read:
+            self.fail_next_read = False
+            raise OSError("the read failed")
+        self._moves.read_into(group, dst, copy)
+
+
+@contextlib.contextmanager
+def failing_home(tmp_path) -> Iterator[Tuple[Parked, FailingReads]]:
+    with parked_home(tmp_path) as kit:
+        moves = FailingReads(kit.ring.grads)
+        home = GradHome(kit.group, CPU, CopyContext(CPU), True, None, kit.pool, DiskParking(moves))  # type: ignore
+        home.owner = kit.owner
+        kit.home = home
+        yield kit, moves
+
+
+@pytest.mark.xfail(strict=True, reason="DiskParking.reading (records/grad_home.py) takes a window buffer into "
+                   "home.grad before the read back and gives it back only after a successful read: a failed read "
+                   "leaves the empty buffer as the home's gradient while the sum is still marked on disk, so the "
+                   "next use reads zeros instead of the parked sum (and a park would overwrite the record)")
+def test_a_failed_read_back_for_the_norms_leaves_the_sum_on_disk(tmp_path):
+    with failing_home(tmp_path) as (kit, moves):
+        home = kit.home
+        g0 = grad_of(kit.group, 0)
+        home.accumulate(0, g0)
+        home.park()
+        moves.fail_next_read = True
+        with pytest.raises(OSError, match="the read failed"):
+            home.norms()
+        assert home.on_disk
+        assert home.grad is None and kit.pool.in_use == 0, "no half-read buffer is left as the gradient"
+        assert torch.equal(kit.piece(0), g0.reshape(-1)), "the next use reads the parked sum"
+
+
+@pytest.mark.xfail(strict=True, reason="GradHome.buffer (records/grad_home.py) takes a window buffer "
+                   "(`self._buffer.take`) and then reads the parked sum into it (`bring_back`); when that read "
+                   "fails, the buffer is dropped without giving its bytes back to the gradient window "
+                   "(GradPool.in_use stays raised for good)")
+def test_a_failed_read_back_for_the_next_gradient_gives_the_window_its_bytes_back(tmp_path):
+    with failing_home(tmp_path) as (kit, moves):
+        home = kit.home
+        g0, g1 = grad_of(kit.group, 0), grad_of(kit.group, 0)
+        home.accumulate(0, g0)
+        home.park()
+        moves.fail_next_read = True
+        with pytest.raises(OSError, match="the read failed"):
+            home.accumulate(0, g1)
+        assert home.on_disk and home.grad is None
+        assert kit.pool.in_use == 0, "the window's bytes of the failed read back"
