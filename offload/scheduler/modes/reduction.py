@@ -1,5 +1,5 @@
 """Gradient reduction: how a block's gradients become the ones it steps on, chosen once at placement (the
-`GradReduction` protocol of records/services.py, what a block's record asks).
+`GradReduction` protocol of records/block_record.py, what a block's record asks).
 
 `LocalReduction`, one process: as they are. `DataParallelReduction`, several ranks (distributed/
 data_parallel.py has the why): before each block's update its gradients are averaged across the ranks into
@@ -64,11 +64,10 @@ class LocalReduction:
         for part in job.parts:
             state = part.group.state
             assert state is not None
-            if job.check_finite and not state.grads.all_finite(block.services.num_threads):
-                block.services.nonfinite.record(job.step, block.block.name)
-                readies.append(None)
-            else:
-                readies.append(part.ready)
+            finite = not job.check_finite or state.grads.all_finite(block.services.num_threads)
+            readies.append(part.ready if finite else None)
+        if any(ready is None for ready in readies):
+            block.services.nonfinite.record(job.step, block.block.name)  # once per block, as the count says
         return readies
 
     def send_new_weights(self, state: GroupState, out: Optional[Tensor]) -> None:

@@ -3,7 +3,7 @@ runs for it.
 
 The phases (phases/) only dispatch: for each block they ask its record to get ready for the forward, to take
 a gradient, to schedule its update or to forget its gradients, and the record does it with its groups
-(group.py: weight home, optimizer state, gradient home) and the engine's shared services (services.py). Its
+(group.py: weight home, optimizer state, gradient home) and the engine's shared services (`BlockServices`, below). Its
 update and the parking of its gradients are jobs (`UpdateJob`, `ParkJob`) made here on the training thread and
 run here on the step worker (`run_update`, `run_park`); the reduction mode says which parameters step and the
 record runs the loop. State and the logic that changes it live here together, as in FSDP2's `FSDPParamGroup`.

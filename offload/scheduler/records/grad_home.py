@@ -228,7 +228,11 @@ class DiskParking:
             return
         with home.lock:
             grad = home.take_buffer()
-            self._read_into(home, grad)
+            try:
+                self._read_into(home, grad)
+            except BaseException:
+                home.give_back_buffer()  # the sum stays on disk, the buffer goes back unread
+                raise
         try:
             yield
         finally:
@@ -337,7 +341,11 @@ class GradHome:
         with self.lock:
             if self.grad is None:
                 grad = self._buffer.take(wait)
-                self._parking.bring_back(self, grad)
+                try:
+                    self._parking.bring_back(self, grad)
+                except BaseException:
+                    self._buffer.give_back(grad)  # the window gets its bytes back; the sum stays where it was
+                    raise
                 self.grad = grad
             return self.grad
 

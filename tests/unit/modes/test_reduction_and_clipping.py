@@ -190,10 +190,6 @@ def test_a_group_with_a_non_finite_gradient_is_skipped_and_counted_once_per_step
     assert net.nonfinite.block_skips == 3 and net.nonfinite.steps == 2
 
 
-@pytest.mark.xfail(strict=True, reason="LocalReduction.ready_to_step (modes/reduction.py:68) records a skip per "
-                   "flat group, so a block whose two groups (bf16 weights, fp32 norms) both hold inf/NaN counts two "
-                   "in NonFiniteSkips.block_skips, engine.stats()['skipped_block_updates'], which counts blocks "
-                   "(nonfinite.py, docs/design.md; DataParallelReduction.ready_to_step records once per block)")
 def test_a_block_whose_groups_all_hold_non_finite_gradients_counts_one_skipped_block(net):
     record = net.records[0]
     net.give("layers.0.fc.weight", torch.full((5, 6), float("nan")))  # a NaN loss: every gradient NaN

@@ -435,10 +435,6 @@ def failing_home(tmp_path) -> Iterator[Tuple[Parked, FailingReads]]:
         yield kit, moves
 
 
-@pytest.mark.xfail(strict=True, reason="DiskParking.reading (records/grad_home.py) takes a window buffer into "
-                   "home.grad before the read back and gives it back only after a successful read: a failed read "
-                   "leaves the empty buffer as the home's gradient while the sum is still marked on disk, so the "
-                   "next use reads zeros instead of the parked sum (and a park would overwrite the record)")
 def test_a_failed_read_back_for_the_norms_leaves_the_sum_on_disk(tmp_path):
     with failing_home(tmp_path) as (kit, moves):
         home = kit.home
@@ -453,10 +449,6 @@ def test_a_failed_read_back_for_the_norms_leaves_the_sum_on_disk(tmp_path):
         assert torch.equal(kit.piece(0), g0.reshape(-1)), "the next use reads the parked sum"
 
 
-@pytest.mark.xfail(strict=True, reason="GradHome.buffer (records/grad_home.py) takes a window buffer "
-                   "(`self._buffer.take`) and then reads the parked sum into it (`bring_back`); when that read "
-                   "fails, the buffer is dropped without giving its bytes back to the gradient window "
-                   "(GradPool.in_use stays raised for good)")
 def test_a_failed_read_back_for_the_next_gradient_gives_the_window_its_bytes_back(tmp_path):
     with failing_home(tmp_path) as (kit, moves):
         home = kit.home
