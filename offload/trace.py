@@ -12,7 +12,7 @@ import contextlib
 import threading
 import time
 import warnings
-from typing import Callable, Iterator, List, Protocol
+from typing import Callable, List, Protocol
 
 import torch
 
@@ -41,19 +41,44 @@ class Tracer:
 
         return remove
 
-    @contextlib.contextmanager
-    def span(self, name: str, detail: str = "") -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            with torch.profiler.record_function(f"offload::{name}"):
-                yield
-        finally:
-            observers = self._observers
-            if observers:
-                end = time.perf_counter()
-                for observer in observers:
-                    _tell(observer, name, detail, start, end)
+    def span(self, name: str, detail: str = "") -> "contextlib.AbstractContextManager[None]":
+        """A span around the `with` block; nothing at all (a shared no-op) when no observer listens and no torch
+        profiler runs, since spans open on the hot path (every block update, every wait)."""
+        if not self._observers and not torch.autograd._profiler_enabled():
+            return _NO_SPAN
+        return _Span(self, name, detail)
 
+    def tell(self, name: str, detail: str, start: float) -> None:
+        """A span that began at `start` (perf_counter) ends now: tell the observers."""
+        observers = self._observers
+        if observers:
+            end = time.perf_counter()
+            for observer in observers:
+                _tell(observer, name, detail, start, end)
+
+
+_NO_SPAN = contextlib.nullcontext()
+
+
+class _Span:
+    """A `torch.profiler.record_function("offload::<name>")` range, reported to the tracer's observers at its end."""
+
+    def __init__(self, tracer: Tracer, name: str, detail: str) -> None:
+        self._tracer = tracer
+        self._name = name
+        self._detail = detail
+        self._start = 0.0
+        self._range = torch.profiler.record_function(f"offload::{name}")
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+        self._range.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._range.__exit__(*exc)
+        finally:
+            self._tracer.tell(self._name, self._detail, self._start)
 
 def _tell(observer: PhaseObserver, name: str, detail: str, start: float, end: float) -> None:
     """An observer's error is its own: warned, never raised into the update, the wait or the step it watched
