@@ -60,6 +60,7 @@ class UringRing final : public Ring {
     cqes_ = reinterpret_cast<io_uring_cqe*>(cq + params.cq_off.cqes);
     local_tail_ = *sq_tail_;
     ext_arg_ = (params.features & IORING_FEAT_EXT_ARG) != 0;
+    async_reads_ = (params.features & IORING_FEAT_RW_CUR_POS) != 0;  // 5.6, as IOSQE_ASYNC
   }
 
   ~UringRing() override { release(); }
@@ -73,6 +74,10 @@ class UringRing final : public Ring {
     c->iov.iov_base = c->cursor();
     c->iov.iov_len = c->left();
     sqe->opcode = c->op == Op::kRead ? IORING_OP_READV : IORING_OP_WRITEV;
+    // A read the kernel can serve at once (the page cache, a fast device) is otherwise done inside
+    // io_uring_enter, on the submitting thread: the training thread's reads ahead would wait for them.
+    // IOSQE_ASYNC (5.6+; older kernels reject it) hands reads to the kernel's workers; writes already return.
+    if (c->op == Op::kRead && async_reads_) sqe->flags = IOSQE_ASYNC;
     sqe->fd = c->fd;
     sqe->addr = reinterpret_cast<uint64_t>(&c->iov);
     sqe->len = 1;
@@ -145,6 +150,7 @@ class UringRing final : public Ring {
   unsigned capacity_ = 0;
   bool single_mmap_ = false;
   bool ext_arg_ = false;
+  bool async_reads_ = false;
   size_t sq_bytes_ = 0, cq_bytes_ = 0, sqes_bytes_ = 0;
   void* sq_ptr_ = nullptr;
   void* cq_ptr_ = nullptr;
