@@ -42,6 +42,7 @@ def wrap(
     moments: Union[str, MomentFormat] = "fp32",
     activations: Optional[str] = None,
     shard_weights: Optional[bool] = None,
+    speculative_clipping: bool = True,
     weights: Optional[Union[str, os.PathLike]] = None,
     init: Optional[Callable[[nn.Module], None]] = None,
     **unknown: object,
@@ -86,6 +87,13 @@ def wrap(
             (ZeRO-3), so a machine holds one copy of the model, not one per rank; False keeps all of them on
             every rank; None (default) shards when the whole weights do not fit `host_memory`. Reading
             weights outside a forward (state_dict, save) is then a collective: every rank must do it.
+        speculative_clipping: with `max_grad_norm` (True, the default): each block updates as soon as the last
+            backward completes its gradients, as without clipping, into shadow copies of its state (in host
+            memory on the cpu tier, in the swap file on the nvme tier, as far as the plan finds room: it says
+            where), on the speculation that the step will not clip; `step()` keeps them when the global norm is
+            at or below `max_grad_norm` and redoes them from the untouched state, clipped, when it is not: the
+            same bits either way, only the time differs. After a step that clipped it waits until the norm has
+            stayed below the threshold for a while. False: every update waits for the global norm.
         weights: a pretrained checkpoint to fill the model from, block by block as it is placed (a
             `.safetensors` file, a directory of Hugging Face shards, or an offload checkpoint directory):
             the model may be built on the meta device (`accelerate.init_empty_weights()`), so it never
@@ -118,6 +126,7 @@ def wrap(
         moments=MomentFormat.parse(moments),
         activations=Activations.parse(activations),
         shard_weights=ShardWeights.parse(shard_weights),
+        speculative_clipping=speculative_clipping,
     )
     if policy.tier is Tier.NVME:
         _check_nvme_path(policy.nvme_path)

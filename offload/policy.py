@@ -158,6 +158,10 @@ class OffloadPolicy:
             to the swap directory and come back for the backward, bit for bit (OFFLOAD).
         shard_weights: data-parallel mode only: whether each rank keeps a 1/N part of the compute weights
             (`ShardWeights`).
+        speculative_clipping: with `max_grad_norm`, whether blocks update during the last backward anyway, into
+            shadow copies of their state, on the speculation that the step will not clip (committed when it does
+            not, redone from the untouched state when it does: the same bits either way). See docs/design.md
+            [Note: speculative clipping].
     """
 
     tier: Tier = Tier.CPU
@@ -177,6 +181,7 @@ class OffloadPolicy:
     moments: MomentFormat = MomentFormat.FP32
     activations: Activations = Activations.KEEP
     shard_weights: ShardWeights = ShardWeights.AUTO
+    speculative_clipping: bool = True
 
     @property
     def step_returns_early(self) -> bool:
@@ -240,6 +245,8 @@ class OffloadPolicy:
                 "shard_weights=None")
         if not isinstance(self.moments, MomentFormat):
             raise OffloadConfigError(f"moments must be a MomentFormat, got {self.moments!r}; use MomentFormat.parse()")
+        if not isinstance(self.speculative_clipping, bool):
+            raise OffloadConfigError(f"speculative_clipping must be True or False, got {self.speculative_clipping!r}")
         if self.overlap_step is not None and not isinstance(self.overlap_step, bool):
             raise OffloadConfigError(f"overlap_step must be True, False or None, got {self.overlap_step!r}")
 

@@ -31,6 +31,7 @@ class Faults:
         self._open.set()
         self._lock = threading.Lock()
         self.met = 0
+        self.timed_out = 0  # held loads that went on after HOLD_SECONDS, not released
         self.stores: List["FaultyStore"] = []
 
     def fail_updates(self, exc: BaseException) -> None:
@@ -61,7 +62,8 @@ class Faults:
             self.met += 1
         if error is not None:
             raise error
-        self._open.wait(HOLD_SECONDS)
+        if not self._open.wait(HOLD_SECONDS):
+            self.timed_out += 1  # nobody released it: a test asserts this stays 0 where it must not happen
 
 
 class FaultyStore:
@@ -71,9 +73,9 @@ class FaultyStore:
         self.inner = inner
         self._faults = faults
 
-    def load(self, start: int, stop: int) -> Any:
+    def load(self, start: int, stop: int, shadow: bool = False) -> Any:
         self._faults.meet()
-        return self.inner.load(start, stop)
+        return self.inner.load(start, stop, shadow)
 
     def __getattr__(self, name: str) -> Any:  # the rest of the protocol: group, chunks, store, abandon, ...
         return getattr(self.inner, name)

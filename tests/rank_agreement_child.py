@@ -102,7 +102,7 @@ def run(case: dict, out: str, report: dict) -> None:
         engine.zero_grad()
     report["losses"] = losses
     report["plan"] = dict(grads_on_disk=engine.plan.grads_on_disk, shard_world=engine.plan.shard_world)
-    report["stats"] = {k: v for k, v in engine.stats().items() if "grads" in k}
+    report["stats"] = {k: v for k, v in engine.stats().items() if "grads" in k or "speculat" in k}
     state = engine.state_dict()
     engine.close()
     if rank == 0:

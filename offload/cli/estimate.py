@@ -81,8 +81,10 @@ def estimate(shape: ModelShape, tier: Tier, dtype: torch.dtype, device_memory: O
                               for block, largest in zip(shape.blocks, shape.largest_tensors())]
     largest_record = max(-(-block[1] // world) for block in shape.blocks)
     ring = ring_size_for(largest_record, moments) if tier is Tier.NVME else None
-    plan = make_plan(specs, tier, device_memory, host_memory, ring, flow or GradFlow(itemsize=itemsize),
-                     world if sharded else 1)
+    flow = flow or GradFlow(itemsize=itemsize)
+    # clipping speculates (wrap's speculative_clipping=True) where the budgets leave room for the shadows
+    plan = make_plan(specs, tier, device_memory, host_memory, ring, flow, world if sharded else 1,
+                     speculate=flow.clipping)
     if world > 1 and not sharded and plan.disk_weight_blocks:
         raise OffloadConfigError("shard_weights=False keeps every block's weights in each rank's host memory, but "
                                  f"host_memory leaves {len(plan.disk_weight_blocks)} blocks' weights on disk")
@@ -97,6 +99,8 @@ def _summary(plan: Plan) -> str:
             + (f" ({disk_weights} from disk)" if disk_weights else ""))
     if plan.tier is Tier.NVME:
         line += f"\n           gradients: {plan.grads_placement()}"
+    if plan.speculation:
+        line += f"\n           speculative clipping: {plan.speculation}"
     if plan.shard_world > 1:
         line += (f"\n           weights sharded: each rank keeps 1/{plan.shard_world} of every block's, gathered whole "
                  "on the device for each use")

@@ -196,7 +196,8 @@ class Engine:
         return self._pipeline.engine_reads()
 
     def stats(self) -> Dict[str, float]:
-        """Counters since `wrap()`: steps, skipped steps, block updates (and how many ran during backward),
+        """Counters since `wrap()`: steps, skipped steps, block updates (and how many ran during backward, how many
+        speculatively with clipping, and of those how many `step()` kept or redid),
         bytes moved per link, seconds in forward and backward, seconds spent updating (worker) and waiting
         for updates (training thread), the nvme ring's disk waits, device-tier bytes."""
         return self._pipeline.stats()

@@ -6,7 +6,8 @@ measures: the engine builds `BlockSpec`s from its blocks (`spec_of`) and applies
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple
+import dataclasses
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -20,7 +21,8 @@ from offload.policy import Tier
 
 def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[int],
               host_budget: Optional[int], ring: Optional[RingSize] = None, grads: Optional[GradFlow] = None,
-              shard_world: int = 1) -> Plan:
+              shard_world: int = 1, speculate: bool = False, disk_room: Optional[int] = None,
+              updates_write_device: bool = False) -> Plan:
     """Place each block; raises OffloadConfigError naming the block or budget that cannot work.
 
     nvme tier (`ring` given): host memory holds the gradients (all of them; or a window of GRAD_WINDOW_BLOCKS
@@ -31,7 +33,13 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
     disk].
 
     Sharded weights (`shard_world` > 1, each spec's `part_weight_bytes`): no block stays on the device; a rank's
-    part of each goes to host memory, else to disk, and the device holds the blocks gathered for compute."""
+    part of each goes to host memory, else to disk, and the device holds the blocks gathered for compute.
+
+    Speculative clipping (`speculate`: clipping asked for, and speculation allowed): the shadows come last, from
+    what the budgets leave (`disk_room`: free bytes where the swap file goes, None: not measured), last blocks of
+    the forward first, since their gradients complete first in the backward ([Note: speculative clipping]).
+    `updates_write_device`: the compute device is the host's CPU, so an update writes a resident block's weights on
+    the device itself, and their shadow is device memory (else a host copy)."""
     grads = grads if grads is not None else GradFlow()
     if not blocks:
         raise OffloadConfigError("the model has no parameters to offload")
@@ -43,7 +51,8 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
             raise OffloadConfigError(
                 f"tier='gpu' keeps everything on the device: {_human(need)} needed, device_memory is "
                 f"{_human(device_budget)}; use tier='cpu' or tier='nvme'")
-        return Plan(tier, tuple(placements), device_budget, host_budget)
+        said = "off: the gpu tier updates on the device, right after the backward" if speculate else ""
+        return Plan(tier, tuple(placements), device_budget, host_budget, speculation=said)
 
     largest = max(blocks, key=lambda b: b.weight_bytes)
     total_weights = sum(b.weight_bytes for b in blocks)
@@ -102,12 +111,72 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
                 "the host budget left after the optimizer state; use tier='nvme' or raise a budget")
         placements.append(BlockPlacement(block.name, weights, state_home, kept, block.state_bytes,
                                          block.grad_bytes))
+    disk_traffic = _grad_disk_bytes(sum(b.grad_bytes for b in blocks), grads, on_device) if on_disk else 0
+    said = ""
+    if speculate:
+        disk_left = None
+        if disk_room is not None:
+            unshadowed = Plan(tier, tuple(placements), device_budget, host_budget, grads_on_disk=on_disk)
+            disk_left = disk_room - unshadowed.bytes_on(Location.DISK) - DISK_SLACK
+        placements, host_left, said = _shadows(blocks, placements, host_left, disk_left,
+                                               device_left if updates_write_device else None, updates_write_device)
     if tier is Tier.NVME and ring is not None:
         ring_bytes += read_ahead_bytes(host_left, ring_bytes, sum(b.state_bytes for b in blocks),
                                        ring.preferred // MAX_DEPTH)
-    disk_traffic = _grad_disk_bytes(sum(b.grad_bytes for b in blocks), grads, on_device) if on_disk else 0
     return Plan(tier, tuple(placements), device_budget, host_budget, ring_bytes, window, workspace, on_disk,
-                disk_traffic, on_device, shard_world)
+                disk_traffic, on_device, shard_world, speculation=said)
+
+
+DISK_SLACK = 64 << 20  # free disk the shadows leave: the layout's padding, the layout file, the checkpoints' temporaries
+
+
+def _shadows(blocks: Sequence[BlockSpec], placements: List[BlockPlacement], host_left: Optional[int],
+             disk_left: Optional[int], device_left: Optional[int],
+             updates_write_device: bool) -> Tuple[List[BlockPlacement], Optional[int], str]:
+    """Speculative clipping's shadows, last blocks first, while the budgets leave room: each block's state shadow
+    lives where its state does, its weight shadow where the update writes (host memory for weights kept there;
+    the device for resident weights when it is the host's CPU, none for resident weights on a GPU, whose host
+    upload source nothing else reads; disk with weights on disk). (placements, host bytes left, the plan's
+    line)."""
+    out = list(placements)
+    missing: Optional[Tuple[str, Tuple[int, int, int]]] = None  # the first block left without, and its needs
+    for index in reversed(range(len(blocks))):
+        spec, placed = blocks[index], placements[index]
+        if not spec.shadow_state_bytes:
+            continue
+        weights_at: Optional[Location] = placed.weights
+        if weights_at is Location.DEVICE and not updates_write_device:
+            weights_at = None  # the update writes a host copy that only the upload after it reads: no shadow
+        # on disk the weight record's shadow is the whole record (its frozen part too), the rank's part if sharded
+        weight_need = {Location.DISK: spec.weight_bytes if spec.part_weight_bytes is None else spec.part_weight_bytes}
+        need = {location: (spec.shadow_state_bytes if placed.state is location else 0)
+                + (weight_need.get(location, spec.shadow_weight_bytes) if weights_at is location else 0)
+                for location in (Location.HOST, Location.DISK, Location.DEVICE)}
+        left = {Location.HOST: host_left, Location.DISK: disk_left, Location.DEVICE: device_left}
+        if any(left[at] is not None and need[at] > left[at] for at in need):  # type: ignore[operator]
+            missing = missing or (placed.name, (need[Location.HOST], need[Location.DISK], need[Location.DEVICE]))
+            continue
+        host_left = None if host_left is None else host_left - need[Location.HOST]
+        disk_left = None if disk_left is None else disk_left - need[Location.DISK]
+        device_left = None if device_left is None else device_left - need[Location.DEVICE]
+        out[index] = dataclasses.replace(placed, shadow_host_bytes=need[Location.HOST],
+                                         shadow_disk_bytes=need[Location.DISK],
+                                         shadow_device_bytes=need[Location.DEVICE], shadowed=True)
+    trained = [p for p, b in zip(out, blocks) if b.shadow_state_bytes]
+    shadowed = [p for p in trained if p.shadowed]
+    costs = [(sum(p.shadow_host_bytes for p in shadowed), "host memory"),
+             (sum(p.shadow_disk_bytes for p in shadowed), "disk"),
+             (sum(p.shadow_device_bytes for p in shadowed), "device memory")]
+    cost = ", ".join(f"{_human(n)} {where}" for n, where in costs if n) or "nothing"
+    said = (f"{len(shadowed)} of {len(trained)} blocks update during the last backward into shadows ({cost}); "
+            "step() keeps them when it does not clip")
+    if missing is not None:
+        name, needs = missing
+        wanted = " and ".join(f"{_human(n)} {where}" for n, where in zip(needs, ("host memory", "disk",
+                                                                                 "device memory")) if n)
+        said += (f"; the others wait for the global norm: no room for their shadows (block {name!r} needs "
+                 f"{wanted}; raise host_memory or device_memory, or free disk space)")
+    return out, host_left, said
 
 
 GRAD_WINDOW_BLOCKS = 3  # gradients in host memory at once: one filling, one updating (or going to disk), one slack
@@ -199,15 +268,18 @@ def spec_of(name: str, weight_bytes: int, groups: Sequence[Tuple[int, torch.dtyp
     ranks, each keeping the state of its 1/world part (the largest part: the same plan on every rank) and the
     whole gradient (reduce-scattered at the update); `per_rank`: instead, each group's (state, gradient)
     elements of the largest rank; `part_weight_bytes`: sharded weights, a rank's part."""
-    state = grads = 0
+    state = grads = shadow_weights = 0
     for index, (numel, dtype) in enumerate(groups):
         state_numel, grad_numel = per_rank[index] if per_rank is not None else (-(-numel // world), numel)
         s, _ = group_bytes(state_numel, dtype, tier, moments)
         _, g = group_bytes(grad_numel, dtype, tier, moments)
         state, grads = state + s, grads + g
+        # the weights an update writes: a sharded rank's part of them, else the whole trainable range
+        shadow_weights += (state_numel if per_rank is not None else numel) * dtype.itemsize
+    shadows = dict(shadow_state_bytes=state, shadow_weight_bytes=shadow_weights) if tier is not Tier.GPU else {}
     if tier is Tier.NVME:
-        return BlockSpec(name, weight_bytes, state, grads, largest_grad_bytes, part_weight_bytes)
-    return BlockSpec(name, weight_bytes, state + grads, 0, largest_grad_bytes, part_weight_bytes)
+        return BlockSpec(name, weight_bytes, state, grads, largest_grad_bytes, part_weight_bytes, **shadows)
+    return BlockSpec(name, weight_bytes, state + grads, 0, largest_grad_bytes, part_weight_bytes, **shadows)
 
 
 def shards_weights(whole_plan: Callable[[], Plan]) -> bool:

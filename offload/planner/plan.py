@@ -31,6 +31,8 @@ class BlockSpec:
     grad_bytes: int = 0  # nvme tier: the gradient accumulator, which stays in host memory (not in state_bytes)
     largest_grad_bytes: int = 0  # the largest gradient autograd makes on the device for one of its parameters
     part_weight_bytes: Optional[int] = None  # sharded weights: this rank's part, kept in host memory or on disk
+    shadow_state_bytes: int = 0  # a speculation's shadow of the state (master, moments): where the state lives
+    shadow_weight_bytes: int = 0  # and of the weights an update writes (host memory, or disk with the weights)
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,10 @@ class BlockPlacement:
     weight_bytes: int
     state_bytes: int
     grad_bytes: int = 0  # on the host
+    shadow_host_bytes: int = 0  # speculative clipping's shadows, when the block has them ([Note: speculative
+    shadow_disk_bytes: int = 0  # clipping]): in host memory, in the swap file, on the device (the host's CPU
+    shadow_device_bytes: int = 0  # computing: a resident block's weights are written there)
+    shadowed: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,7 @@ class Plan:
     shard_world: int = 1  # > 1: weights sharded across that many ranks (blocks' weight bytes are a rank's part)
     activations: Optional[ActivationUse] = None  # measured in a training forward (engine.plan adds it)
     precision: str = ""  # the compute and master dtypes, in words (the engine's plan sets it; estimate leaves it)
+    speculation: str = ""  # max_grad_norm: where speculative clipping runs, or why not, in words ("": no clipping)
 
     @property
     def host_grad_bytes(self) -> int:
@@ -111,7 +118,15 @@ class Plan:
         for block in self.blocks:
             total += block.weight_bytes if block.weights is location else 0
             total += block.state_bytes if block.state is location else 0
+            total += block.shadow_host_bytes if location is Location.HOST else 0
+            total += block.shadow_disk_bytes if location is Location.DISK else 0
+            total += block.shadow_device_bytes if location is Location.DEVICE else 0
         return total
+
+    @property
+    def shadowed_blocks(self) -> Tuple[str, ...]:
+        """Blocks whose updates may run speculatively during the backward (speculative clipping)."""
+        return tuple(b.name for b in self.blocks if b.shadowed)
 
     @property
     def disk_weight_blocks(self) -> Tuple[str, ...]:
@@ -144,6 +159,8 @@ class Plan:
             lines.append(f"  gradients: {self.grads_placement()}")
             lines.append(f"  host holds: gradients {human_bytes(self.host_grad_bytes)}, staging ring "
                          f"{human_bytes(self.ring_bytes)}")
+        if self.speculation:
+            lines.append(f"  speculative clipping: {self.speculation}")
         if self.device_grad_bytes:
             lines.append(f"  device keeps {human_bytes(self.device_grad_bytes)} for the largest gradient autograd makes "
                          "before the engine takes it")

@@ -42,6 +42,7 @@ from offload.tiers.swap_layout import (
     SCALES,
     STATE_TENSORS,
     WEIGHTS,
+    ShadowRecords,
     SwapRecord,
     WeightRecord,
     section_bytes,
@@ -87,17 +88,25 @@ def warn_if_ram_backed(directory: str) -> bool:
 
 class SwapStore:
     """The swap file of one engine: created at wrap(), preallocated, removed at close(). Records are keyed by
-    their group's layout key (`GroupShape.key`)."""
+    their group's layout key (`GroupShape.key`).
+
+    A group may have a second copy of its state record (and of its weight record, when its weights live on disk):
+    its shadow, which a speculative update writes (`write(..., shadow=True)`) while reads keep getting the live
+    copy; `flip` makes the shadow the live copy, with no byte moved (docs/design.md [Note: speculative
+    clipping])."""
 
     def __init__(self, directory: str, records: Dict[str, SwapRecord], size: int,
                  weights: Optional[Dict[str, WeightRecord]] = None,
-                 grads: Optional[Dict[str, WeightRecord]] = None) -> None:
+                 grads: Optional[Dict[str, WeightRecord]] = None,
+                 shadows: Optional[ShadowRecords] = None) -> None:
         remove_leftovers(directory)  # of crashed runs: before the room check, so their space counts
         check_room(directory, size)
         self.directory = directory
         self.records = records  # state records by the group's layout key, as `weights`, `grads` and the seals
         self.weights: Dict[str, WeightRecord] = weights or {}
         self.grads: Dict[str, WeightRecord] = grads or {}  # spilled gradients (plan.grads_on_disk)
+        self.shadows = shadows or ShadowRecords({}, {})
+        self._shadow_live: Dict[str, bool] = {}  # a group's key -> True while its shadow copy is the live one
         self.path = os.path.join(directory, f"offload-{os.getpid()}-{uuid.uuid4().hex[:8]}.swap")
         self.layout_path = self.path + ".layout.json"
         # A script that ends (or drops its engine) without close(): the files go at interpreter exit or
@@ -117,7 +126,9 @@ class SwapStore:
         layout = {"version": LAYOUT_VERSION, "swap_file": os.path.basename(self.path), "size": size,
                   "tensors": list(STATE_TENSORS), "records": [r.as_json() for r in self.records.values()],
                   "weights": [r.as_json() for r in self.weights.values()],
-                  "grads": [r.as_json() for r in self.grads.values()]}
+                  "grads": [r.as_json() for r in self.grads.values()],
+                  "shadow_records": [r.as_json() for r in self.shadows.state.values()],
+                  "shadow_weights": [r.as_json() for r in self.shadows.weights.values()]}
         tmp = self.layout_path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(layout, f, indent=1)
@@ -125,19 +136,20 @@ class SwapStore:
 
     # ----- the one read and the one write ----------------------------------------------------------------
     def read(self, kind: RecordKind, key: str, start: int, data: Union[StateSections, Tensor]) -> IOFuture:
-        """Start reading elements [start, ...) of the group's record of `kind` into `data` (a state chunk's
-        sections, each the chunk's size; or a tensor in the record's dtype): one request, verified against its
-        seals when its result is taken. The caller keeps the tensors alive until it is done and orders a read
-        after any write of the same range (the ring: ring_slots.WriteOrder)."""
-        pieces, block = self._pieces(kind, key, start, data)
+        """Start reading elements [start, ...) of the group's record of `kind` (its live copy) into `data` (a
+        state chunk's sections, each the chunk's size; or a tensor in the record's dtype): one request, verified
+        against its seals when its result is taken. The caller keeps the tensors alive until it is done and orders
+        a read after any write of the same range (the ring: ring_slots.WriteOrder)."""
+        pieces, block = self._pieces(kind, key, start, data, shadow=False)
         self.bytes_read += sum(p.data.nbytes for p in pieces)
         future = self._io.preadv([(p.data, p.offset) for p in pieces], self._file)
         return VerifiedRead(future, self.checksums, pieces, self.path, block)
 
-    def write(self, kind: RecordKind, key: str, start: int, data: Union[StateSections, Tensor]) -> IOFuture:
-        """Start writing `data` to elements [start, ...) of the group's record of `kind`, sealed first (no
-        reader ever checks new bytes against an old seal): one request."""
-        pieces, _block = self._pieces(kind, key, start, data)
+    def write(self, kind: RecordKind, key: str, start: int, data: Union[StateSections, Tensor],
+              shadow: bool = False) -> IOFuture:
+        """Start writing `data` to elements [start, ...) of the group's record of `kind` (its live copy, or its
+        shadow: `shadow`), sealed first (no reader ever checks new bytes against an old seal): one request."""
+        pieces, _block = self._pieces(kind, key, start, data, shadow)
         self.checksums.seal(pieces)
         self.bytes_written += sum(p.data.nbytes for p in pieces)
         return self._io.pwritev([(p.data, p.offset) for p in pieces], self._file)
@@ -145,27 +157,58 @@ class SwapStore:
     def adopt(self, key: str, section: int, start: int, tensor: Tensor) -> None:
         """The file already holds `tensor` at elements [start, ...) of a state section (a checkpoint cloned it
         there copy-on-write): seal it as if it had been written, so later reads of the piece are verified."""
-        record = self.records[key]
-        self.checksums.seal([Piece((key, section), start, tensor, record.section_offset(section))])
+        seal_key, record = self._state_record(key, shadow=False)
+        self.checksums.seal([Piece((seal_key, section), start, tensor, record.section_offset(section))])
 
-    def _pieces(self, kind: RecordKind, key: str, start: int,
-                data: Union[StateSections, Tensor]) -> Tuple[List[Piece], str]:
+    def has_shadow(self, key: str) -> bool:
+        """Whether the group's records have a second copy (speculative updates write it)."""
+        return key in self.shadows.state
+
+    def has_weight_shadow(self, key: str) -> bool:
+        """Whether the group's weight record (weights on disk) has a second copy."""
+        return key in self.shadows.weights
+
+    def flip(self, key: str) -> None:
+        """The group's shadow copies (state, and weights when they live on disk) become its live ones, and the
+        live ones its shadows: a speculative update is committed."""
+        assert self.has_shadow(key)
+        self._shadow_live[key] = not self._shadow_live.get(key, False)
+
+    def _copy(self, key: str, shadow: bool) -> bool:
+        """Whether the copy meant (the live one, or the shadow) is the second one."""
+        second = self._shadow_live.get(key, False) != shadow
+        if second and key not in self.shadows.state:
+            raise KeyError(f"the record {key!r} has no shadow copy")
+        return second
+
+    def _state_record(self, key: str, shadow: bool) -> Tuple[str, SwapRecord]:
+        """(the key its seals are under, the record) of the group's state copy meant."""
+        if self._copy(key, shadow):
+            return key + SHADOW_SUFFIX, self.shadows.state[key]
+        return key, self.records[key]
+
+    def _pieces(self, kind: RecordKind, key: str, start: int, data: Union[StateSections, Tensor],
+                shadow: bool) -> Tuple[List[Piece], str]:
         """The file's byte ranges `data` covers, each with its seal's key and first element; the block's name."""
         if kind is RecordKind.STATE:
             assert isinstance(data, tuple)
-            record = self.records[key]
-            return _state_pieces(record, key, start, data), record.block
+            seal_key, record = self._state_record(key, shadow)
+            return _state_pieces(record, seal_key, start, data), record.block
         assert isinstance(data, Tensor)
-        array = (self.weights if kind is RecordKind.WEIGHTS else self.grads)[key]
+        seal_key = key
+        if kind is RecordKind.WEIGHTS and key in self.shadows.weights and self._copy(key, shadow):
+            array, seal_key = self.shadows.weights[key], key + SHADOW_SUFFIX
+        else:
+            array = (self.weights if kind is RecordKind.WEIGHTS else self.grads)[key]
         if start < 0 or start + data.numel() > array.numel:
             raise ValueError(f"elements [{start}, {start + data.numel()}) of the {kind.value} record of block "
                              f"{array.block!r}, which holds {array.numel}")
-        return [Piece((key, kind.value), start, data, array.offset + start * array.itemsize)], array.block
+        return [Piece((seal_key, kind.value), start, data, array.offset + start * array.itemsize)], array.block
 
     def section_spans(self, key: str) -> Tuple[int, Tuple[int, int, int], int]:
-        """(file descriptor, file offset of each of the three sections, data bytes per section = 4 x numel),
-        for copy-on-write clones of a record section by section (each section starts 4 KiB-aligned)."""
-        record = self.records[key]
+        """(file descriptor, file offset of each of the three sections of its live copy, data bytes per section =
+        4 x numel), for copy-on-write clones of a record section by section (each section starts 4 KiB-aligned)."""
+        _seal_key, record = self._state_record(key, shadow=False)
         offsets = tuple(record.offset + index * record.section_bytes for index in range(3))
         return self._file.buffered_fd, offsets, 4 * record.numel  # type: ignore[return-value]
 
@@ -176,6 +219,9 @@ class SwapStore:
         finally:
             self._forget.detach()
             _remove_files((self.path, self.layout_path), os.getpid())
+
+
+SHADOW_SUFFIX = "#shadow"  # the seals of a group's second copy are under its key with this suffix
 
 
 def _state_pieces(record: SwapRecord, key: str, start: int, sections: Sequence[Optional[Moment]]) -> List[Piece]:

@@ -10,9 +10,10 @@ parameters), never as the scheduler's objects. See docs/design.md [Note: the swa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -187,3 +188,33 @@ def plan_swap_layout(groups: Iterable[GroupShape], numel_of: Optional[Callable[[
 
 def round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
+
+
+class ShadowRecords(NamedTuple):
+    """The swap file's second copies, by the group's key: state records, and weight records of groups whose weights
+    live on disk. A speculative update writes a group's shadow; committing it makes the shadow the live copy
+    (tiers/disk.py, `SwapStore.flip`)."""
+
+    state: Dict[str, SwapRecord]
+    weights: Dict[str, WeightRecord]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.state.values()) + sum(r.nbytes for r in self.weights.values())
+
+
+def plan_shadow_layout(keys: Iterable[str], records: Dict[str, SwapRecord], weights: Dict[str, WeightRecord],
+                       start: int) -> Tuple[ShadowRecords, int]:
+    """A second copy of the state record (and of the weight record, if any) of each group of `keys`, placed from byte
+    `start`, as the first copies are; the new end."""
+    offset = round_up(start, ALIGNMENT)
+    state: Dict[str, SwapRecord] = {}
+    shadow_weights: Dict[str, WeightRecord] = {}
+    for key in keys:
+        record = records[key]
+        state[key] = dataclasses.replace(record, offset=offset)
+        offset += round_up(record.nbytes, ALIGNMENT)
+        if key in weights:
+            shadow_weights[key] = dataclasses.replace(weights[key], offset=offset)
+            offset += round_up(weights[key].nbytes, ALIGNMENT)
+    return ShadowRecords(state, shadow_weights), offset

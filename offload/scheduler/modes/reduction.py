@@ -36,11 +36,17 @@ class Reduction(GradReduction, Protocol):
     def global_norm(self, blocks: List[BlockRecord], slots: SlotTable, max_norm: float) -> Tuple[float, float]:
         """(total norm, gradient scale) over every rank's gradients (the worker is idle)."""
 
+    def everywhere(self, flags: List[bool]) -> List[bool]:
+        """Whether each flag holds on every rank (the same answer on every rank; as many flags on every rank)."""
+
 
 class LocalReduction:
     """One process: each block steps on its own gradients."""
 
     zero_waits = False
+
+    def everywhere(self, flags: List[bool]) -> List[bool]:
+        return flags
 
     def refuse_unknown_ranks(self) -> None:
         refuse_ranks_unknown_at_wrap(1)
@@ -93,6 +99,9 @@ class DataParallelReduction:
 
     def refuse_unknown_ranks(self) -> None:
         refuse_ranks_unknown_at_wrap(self.dp.world)
+
+    def everywhere(self, flags: List[bool]) -> List[bool]:
+        return [not dropped for dropped in self.dp.union_of([not flag for flag in flags])]
 
     def priority(self, forward_position: int) -> int:
         return 0  # submission order: every rank runs the collectives of the same blocks in the same order

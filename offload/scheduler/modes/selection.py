@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from offload.distributed.data_parallel import DataParallel
-from offload.scheduler.modes.clipping import Clipping, NoClipping, NormClipping
+from offload.scheduler.modes.clipping import Clipping, NoClipping, NormClipping, Speculation
 from offload.scheduler.modes.disk_traffic import DiskTraffic, NoDiskTraffic, RingTraffic
 from offload.scheduler.modes.reduction import DataParallelReduction, LocalReduction, Reduction
 from offload.scheduler.ring.disk_ring import DiskRing
@@ -28,5 +28,9 @@ def reduction_for(dp: Optional[DataParallel], worker: StepWorker, num_threads: i
     return LocalReduction() if dp is None else DataParallelReduction(dp, worker, num_threads)
 
 
-def clipping_for(max_grad_norm: Optional[float], worker: StepWorker, reduction: Reduction) -> Clipping:
-    return NoClipping() if max_grad_norm is None else NormClipping(max_grad_norm, worker, reduction)
+def clipping_for(max_grad_norm: Optional[float], worker: StepWorker, reduction: Reduction,
+                 speculative: bool = False) -> Clipping:
+    """No clipping, or by the global norm (`speculative`: blocks with shadows update during the last backward)."""
+    if max_grad_norm is None:
+        return NoClipping()
+    return NormClipping(max_grad_norm, worker, reduction, Speculation() if speculative else None)

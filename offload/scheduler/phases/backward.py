@@ -38,7 +38,7 @@ class BackwardPhase:
         self._clock.backward_begins(task)
         if self._tracker.is_new(task):
             self._tracker.announce(task)
-            if self._tracker.next_is_last:
+            if self._clipping.updates_in(self._tracker.next_backward):
                 self._forward.read_ahead_for_backward()
 
     @eager
@@ -54,9 +54,9 @@ class BackwardPhase:
             tracker.watch_completion()  # blocks update during it: a failure partway must be told apart
         block = ref.block
         block.receive_grad(ref, param)
-        last = tracker.is_last_backward
-        if self._clipping.watches(block, last) and tracker.completes(block.trainable_ids):
-            self._clipping.block_complete(block, self._hypers, last)
+        backward = tracker.this_backward
+        if self._clipping.watches(block, backward) and tracker.completes(block.trainable_ids):
+            self._clipping.block_complete(block, self._hypers, backward)
 
     def collect_grads(self) -> None:
         """Before the step reads the gradients: take those still in `.grad` (fewer backward calls than

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Dict, Iterable, Optional, Set
 
 from offload.errors import OffloadError
+from offload.scheduler.modes.clipping import LastBackward
 from offload.scheduler.torch_internals import after_backward, graph_task_id
 
 
@@ -36,6 +37,7 @@ class BackwardTracker:
         self.unpredictable: Set[int] = set()
         self._watched: Optional[int] = None  # the counted graph task told to report its end (`watch_completion`)
         self._completed: Optional[int] = None  # the last watched task that ran to its end
+        self.last_step_micro_batches = 0  # backward passes of the last step that had any (undeclared: the guess)
 
     def is_new(self, graph_task: int) -> bool:
         return graph_task != self._graph_task
@@ -108,6 +110,8 @@ class BackwardTracker:
 
     def end_step(self) -> None:
         self.finish_backward()
+        if self.micro_batches:
+            self.last_step_micro_batches = self.micro_batches
         self.micro_batches = 0
         self._graph_task = None
         self._watched = self._completed = None
@@ -119,13 +123,23 @@ class BackwardTracker:
         return self._on_device and self.declared_steps is not None and self.micro_batches < self.declared_steps
 
     @property
-    def next_is_last(self) -> bool:
-        """Whether the next backward (of the forward now starting) will be the last before step()."""
-        return self.declared_steps is not None and self.micro_batches + 1 == self.declared_steps
-
-    @property
     def is_last_backward(self) -> bool:
         return self.declared_steps is not None and self.micro_batches == self.declared_steps
+
+    @property
+    def this_backward(self) -> LastBackward:
+        """Whether the running backward is the last before step()."""
+        return self._which(self.micro_batches)
+
+    @property
+    def next_backward(self) -> LastBackward:
+        """Whether the next backward (of the forward now starting) will be the last before step()."""
+        return self._which(self.micro_batches + 1)
+
+    def _which(self, count: int) -> LastBackward:
+        if self.declared_steps is not None:
+            return LastBackward.DECLARED if count == self.declared_steps else LastBackward.NO
+        return LastBackward.LIKELY if count == self.last_step_micro_batches else LastBackward.NO
 
     def predict_from_forward(self, param_ids: Iterable[int], predictable: bool) -> None:
         """Before any backward has given a profile: a block whose modules ran in the root forward with grad

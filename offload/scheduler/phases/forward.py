@@ -79,7 +79,7 @@ class ForwardPhase:
             if not in_backward and self._tracker.profile is None and self._root_grad_enabled:
                 self._tracker.predict_from_forward(record.trainable_ids, torch.is_grad_enabled())
             if not self._order.record(block.index) and not in_backward and block.index == self._order.first \
-                    and self._tracker.next_is_last:
+                    and self._modes.clipping.updates_in(self._tracker.next_backward):
                 self.read_ahead_for_backward()  # the disk is otherwise idle during the forward
 
     @eager
@@ -91,7 +91,7 @@ class ForwardPhase:
     def read_ahead_for_backward(self) -> None:
         """Blocks update as their gradients complete, roughly in reverse forward order: the disk reads their
         state as soon as slots allow (from the forward on), not when each block's gradients are in."""
-        if self._order.known and self._modes.clipping.updates_during_backward:
+        if self._order.known:
             self._modes.disk.read_ahead_for_backward([self._records[i] for i in self._order.reversed()])
 
     def _next_in_forward_order(self, block: Block) -> Optional[BlockRecord]:

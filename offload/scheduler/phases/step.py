@@ -79,7 +79,7 @@ class StepPhase:
         self._backward.collect_grads()
         in_order = self._in_update_order()
         counters = self._services.counters
-        scale = self._clipping.scale_for_step(in_order, self._slots, counters.steps)
+        scale = self._clipping.scale_for_step(in_order, self._slots, counters.steps, hyper)
         counters.grad_norm = self._clipping.last_norm
         if scale is None:
             counters.skipped_steps += 1
@@ -94,9 +94,11 @@ class StepPhase:
         self._services.counters.steps += 1
 
     def reset_step(self) -> None:
-        """Forget the step in progress: blocks updated early, gradient norms, the early hyperparameters."""
+        """Forget the step in progress: blocks updated early or speculatively, gradient norms, the early
+        hyperparameters."""
         for record in self._records:
             record.end_step()
+        self._clipping.drop_step()
         self._hypers.reset()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -109,6 +111,7 @@ class StepPhase:
             raise zeroed_after_early_update(early[0])
         for record in self._records:
             record.zero_grads(set_to_none)
+        self._clipping.drop_step()
         self._tracker.end_step()  # the backward passes counted toward the next step held those gradients
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> float:

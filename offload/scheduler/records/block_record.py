@@ -68,6 +68,7 @@ class UpdateJob:
     grad_scale: float
     check_finite: bool
     step: int
+    speculative: bool = False  # its new state and weights go to the shadows; the gradients stay (see `speculate`)
 
     def __call__(self) -> None:
         self.record.run_update(self)
@@ -141,6 +142,7 @@ class BlockRecord:
         self.trainable_ids = [id(s.param) for s in block.slots if s.trainable]  # BackwardTracker's keys
         self.needs_push = False  # updated weights not yet sent to the device
         self.updated_early = False  # updated during the last backward, before step()
+        self.speculated = False  # a speculative update was scheduled, neither committed nor forgotten yet
         self.norms: Optional[List[Tuple[nn.Parameter, float]]] = None  # gradient norms computed for clipping
         self.shard_sumsq: Optional[float] = None  # data-parallel: sum of squares of this rank's averaged part
         self.lost_write: Optional[str] = None  # a parameter written while its update ran (overlap_step)
@@ -150,6 +152,8 @@ class BlockRecord:
         self.pushes = any(g.home.pushes for g in groups if g.state is not None)
         # whether its gradients go to disk when they must wait (docs/design.md [Note: gradients on disk])
         self.spills = any(state.grads.parks for state in self.states)
+        # whether its update may run speculatively: every state has a shadow (the plan gave it room)
+        self.shadowed = bool(self.states) and all(state.store.shadowed for state in self.states)
         for state in self.states:
             state.grads.owner = self  # told of torch's ops on its held gradients (held_grad.py)
 
@@ -198,12 +202,15 @@ class BlockRecord:
         if not self.streamed and (not self.is_settled() or self.needs_push):
             self.services.guard.guard(self.block)
 
-    def schedule_update(self, hypers: Tuple[AdamHyper, ...], grad_scale: float, check_finite: bool) -> None:
+    def schedule_update(self, hypers: Tuple[AdamHyper, ...], grad_scale: float, check_finite: bool,
+                        speculative: bool = False) -> None:
         """Queue the block's AdamW update on the worker (nothing when no parameter of it has a gradient).
-        `check_finite`: skip groups whose gradients hold inf/NaN (no global norm decides)."""
+        `check_finite`: skip groups whose gradients hold inf/NaN (no global norm decides). `speculative`: into
+        the shadows (`speculate`)."""
         self.keep_writes()
-        parts = [GroupUpdate(g, g.state.grads.ready_indices(), g.state.hypers_of(hypers), g.home.update_target(),
-                             g.home.target_base) for g in self.groups if g.state is not None]
+        parts = [GroupUpdate(g, g.state.grads.ready_indices(), g.state.hypers_of(hypers),
+                             g.home.shadow_target() if speculative else g.home.update_target(), g.home.target_base)
+                 for g in self.groups if g.state is not None]
         services = self.services
         if not any(part.ready for part in parts) and not services.reduction.runs_every_update(bool(parts)):
             return
@@ -212,11 +219,11 @@ class BlockRecord:
                 assert part.group.state is not None
                 part.group.state.store.announce()  # its reads (disk) start now, ahead of the worker reaching it
         services.streamer.invalidate(self.block)  # disk reads a prefetch started would be stale
-        job = UpdateJob(self, parts, grad_scale, check_finite, services.counters.steps)
+        job = UpdateJob(self, parts, grad_scale, check_finite, services.counters.steps, speculative)
         services.worker.submit(self.block.index, job, self.priority())
         services.counters.block_updates += 1
         services.order.known = True
-        if self.pushes:
+        if self.pushes and not speculative:
             self.needs_push = True
 
     def update_early(self, hypers: Tuple[AdamHyper, ...]) -> None:
@@ -224,6 +231,53 @@ class BlockRecord:
         self.updated_early = True
         self.services.counters.early_block_updates += 1
         self.schedule_update(hypers, 1.0, check_finite=True)
+
+    def speculate(self, hypers: Tuple[AdamHyper, ...]) -> None:
+        """The last backward completed the block's gradients, and clipping waits for the global norm: the update
+        runs now anyway, on the speculation that the step will not clip (scale 1), writing its state and weights
+        into the shadows, which nothing reads; its gradients stay as clipping keeps them. At step() it is
+        committed (`commit_speculation`: the shadows become live) when the scale is 1, or forgotten
+        (`forget_speculation`) and run again from the untouched state. See docs/design.md [Note: speculative
+        clipping]."""
+        self.keep_writes()  # before the flag: a write kept now forgets no speculation (the job below reads it)
+        self.speculated = True
+        self.services.counters.speculative_updates += 1
+        self.schedule_update(hypers, 1.0, check_finite=False, speculative=True)
+
+    def commit_speculation(self) -> None:
+        """The step scales by 1: the speculative update's state and weights become the block's (a switch of the
+        swap file's copies on disk, the weights copied in memory), and the block counts as updated early."""
+        self.wait_for_update(counted=False)
+        if not self.speculated:
+            return
+        for group in self.groups:
+            if group.state is not None and group.state.speculated:
+                group.commit_shadow()
+        self.speculated = False
+        self.updated_early = True
+        self.forget_averages()
+        self.services.counters.committed_speculations += 1
+        if self.pushes:
+            self.needs_push = True
+
+    def forget_speculation(self) -> None:
+        """The speculative update's result is dropped (the step clips or skips; a gradient, a weight or a
+        hyperparameter changed since; zero_grad): nothing it wrote is live, so the block is as before it, and its
+        update runs at step() as without speculation."""
+        if not self.speculated:
+            return
+        self.wait_for_update(counted=False)
+        for group in self.groups:
+            if group.state is not None:
+                group.state.forget_shadow()
+            group.home.forget_shadow()
+        self.speculated = False
+        self.services.counters.forgotten_speculations += 1
+
+    def written_since_speculation(self) -> bool:
+        """Whether a parameter was written through since the speculative update read the master weights (its
+        result would then overwrite the write)."""
+        return self.speculated and any(group.edited_names() for group in self.groups)
 
     def park_grads(self, norms: bool) -> None:
         """The block's gradients are complete for this backward and wait for a later use: queue, on the worker,
@@ -237,20 +291,29 @@ class BlockRecord:
         weights; a write through a parameter meanwhile is noted."""
         services = self.services
         start = time.perf_counter()
+        speculative = job.speculative
         with services.tracer.span("update", self.block.name):
+            if speculative:
+                services.reduction.norms(self, job.step)  # the global norm's share, as clipping takes it
             readies = services.reduction.ready_to_step(self, job)
             for part, ready in zip(job.parts, readies):
                 state = part.group.state
                 assert state is not None
                 if ready:
                     part.group.home.release_source()  # the last upload of `out` has read it
-                    state.update(ready, part.hypers, job.grad_scale, part.out, services.num_threads, part.out_base)
-                    self.lost_write = part.group.writes_during_update() or self.lost_write
+                    state.update(ready, part.hypers, job.grad_scale, part.out, services.num_threads, part.out_base,
+                                 speculative)
+                    if not speculative:
+                        self.lost_write = part.group.writes_during_update() or self.lost_write
                     part.group.home.share_update(services.reduction, state, part.out)
                 elif ready is None:
                     state.store.discard()  # skipped: its announced reads would otherwise hold ring slots
-                state.grads.release()  # the gradient window (nvme) gets its bytes back
-            self.forget_averages()
+                if speculative:
+                    state.grads.park()  # kept for the step, as clipping keeps them (to disk, when they spill)
+                else:
+                    state.grads.release()  # the gradient window (nvme) gets its bytes back
+            if not speculative:
+                self.forget_averages()  # (a speculation's stay, for a step that runs it again)
         services.counters.update_seconds += time.perf_counter() - start
 
     def run_park(self, norms: bool) -> None:
@@ -294,6 +357,7 @@ class BlockRecord:
     def before_grad_arrives(self) -> None:
         """See `GradOwner.before_grad_arrives`."""
         self.wait_for_update(counted=False)  # the last update (or parking) may still read the gradients
+        self.forget_speculation()  # it stepped on a gradient without this one
         self.services.reduction.check_arrival(self)
         self.norms = None  # of a sum this gradient changes
 
@@ -312,7 +376,9 @@ class BlockRecord:
             elif grad is None and grads.has_grad[ref.index]:
                 if self.updated_early:
                     raise zeroed_after_early_update(self.block.name)
+                self.forget_speculation()  # it stepped on the gradient cleared since
                 grads.forget(ref.index)
+                self.norms = None  # they counted it; torch's clip_grad_norm_ leaves a parameter without .grad out
 
     def check_grads_for_torch(self) -> None:
         """Torch code (clip_grad_norm_, clip_grad_value_) reads or changes the block's held gradients: refused
@@ -324,14 +390,20 @@ class BlockRecord:
                 "max_grad_norm= to offload.wrap (it clips before any update), or leave grad_accumulation_steps "
                 "unset")
         self.services.reduction.check_torch_reads(self)
+        # the job the backward queued (its norms, its parking, a speculative update) reads the gradients: it is
+        # done before torch's op reads or changes them, so the norms it keeps are never of the gradients before
+        # the op (a clip right after the backward raced it)
+        self.wait_for_update(counted=False)
 
     def grads_changed(self) -> None:
+        self.forget_speculation()  # it stepped on the gradients before the op (a clip that scaled them)
         self.norms = None  # of gradients a torch op (a clip) changed since
 
     def zero_grads(self, set_to_none: bool) -> None:
         """The block's part of zero_grad(): wait for its update where it still reads the gradients, then drop
         them (or zero them), and the step's norms and averages with them."""
         states = self.states
+        self.forget_speculation()
         if self.services.reduction.zero_waits or any(s.grads.must_wait_to_zero(set_to_none) for s in states):
             self.services.worker.wait(self.block.index)
         self.forget_averages()
@@ -346,6 +418,7 @@ class BlockRecord:
 
     def end_step(self) -> None:
         """Forget the step in progress (after `step()`, or when a checkpoint replaces the state)."""
+        self.forget_speculation()
         self.updated_early = False
         self.norms = None
         self.shard_sumsq = None
@@ -404,6 +477,7 @@ class BlockRecord:
             edited = group.edited_names()
             if not edited:
                 continue
+            self.forget_speculation()  # it stepped from the weights before the write
             if not self.is_settled() or self.needs_push:
                 raise written_while_pending(edited[0], "the update would overwrite it")
             group.keep_writes()
@@ -417,6 +491,7 @@ class BlockRecord:
             edited = group.edited_names()
             if not edited:
                 continue
+            self.forget_speculation()  # it stepped from the weights before the write
             if self.needs_push:
                 self.lost_write = self.lost_write or edited[0]
                 group.mark_seen()

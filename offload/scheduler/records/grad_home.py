@@ -418,6 +418,8 @@ class GradHome:
         norm and scale, clip_grad_value_'s clamp: held_grad.py); an in-place one changes it here."""
         if self.owner is not None:
             self.owner.check_grads_for_torch()
+        if scales_by_one(func, args):  # clip_grad_norm_ below its threshold: x * 1.0 is x, nothing to do
+            return self.held[index]
         self.absorb_pending(index)
         return self._parking.apply(self, index, func, args, kwargs)
 
@@ -544,3 +546,18 @@ def released_gradient(name: str) -> OffloadError:
         f"the gradient of {name!r} was given back after its update (the nvme tier keeps only a window of "
         "gradients in host memory), but torch would now add to it or step on it again: call zero_grad() after "
         "every step(), or leave grad_accumulation_steps unset")
+
+
+_SCALES = (torch.ops.aten.mul_.Tensor, torch.ops.aten.mul_.Scalar)
+
+
+def scales_by_one(func: Any, args: Sequence[Any]) -> bool:
+    """Whether an op on a held gradient is an in-place multiplication by exactly 1 (torch's clip_grad_norm_ when the
+    norm is within the threshold): it changes no bit, so the gradient, its norms and a speculative update that
+    read it stand."""
+    if func not in _SCALES or len(args) != 1:
+        return False
+    factor = args[0]
+    if isinstance(factor, Tensor):
+        return factor.numel() == 1 and not factor.is_complex() and bool(factor.item() == 1.0)
+    return isinstance(factor, (int, float)) and factor == 1.0

@@ -39,6 +39,7 @@ class GroupState:
         self.reduced_ready: Optional[List[int]] = None
         self.steps: List[int] = [0] * len(group.trainable_slots)
         self.optimizer_groups = list(optimizer_groups)  # per trainable slot: its index in optimizer.param_groups
+        self._shadow_steps: Optional[List[int]] = None  # a speculative update's step counts, until committed
 
     @property
     def optimizer_state_bytes(self) -> int:
@@ -62,28 +63,36 @@ class GroupState:
         self.steps = [int(s) for s in steps]
 
     def update(self, ready: List[int], hypers: Sequence[AdamHyper], grad_scale: float, out: Optional[Tensor],
-               num_threads: Optional[int] = None, out_base: int = 0) -> None:
+               num_threads: Optional[int] = None, out_base: int = 0, shadow: bool = False) -> None:
         """One AdamW step of the parameters in `ready` (taken when the update was scheduled); new compute
         weights go to `out` (its element 0 is the group's element `out_base`) when the store does not keep them.
-        `num_threads` caps the CPU kernel's threads."""
+        `num_threads` caps the CPU kernel's threads. `shadow`: a speculative update, whose state goes to the store's
+        shadow and whose step counts wait here, until `commit_shadow` (or `forget_shadow`)."""
         self.grads.finish_downloads()
-        if ready:
-            adamw(self.store, self.grads.buffer(wait=False), self.advance_steps(ready, hypers), grad_scale, out,
-                  num_threads, out_base)
+        if not ready:
+            return
+        steps = list(self.steps) if shadow else self.steps
+        spans = advance_steps(self.group, steps, ready, hypers)
+        adamw(self.store, self.grads.buffer(wait=False), spans, grad_scale, out, num_threads, out_base, shadow)
+        if shadow:
+            self._shadow_steps = steps
+        else:
+            self.steps = steps
 
-    def advance_steps(self, ready: List[int], hypers: Sequence[AdamHyper]) -> List[UpdateSpan]:
-        """Count the step of every ready parameter; the spans to update: the whole group in one span when
-        every parameter is ready, at the same step and in the same optimizer group (the usual case), else
-        one span per parameter."""
-        if len(ready) == len(self.steps) and len(set(self.steps)) == 1 and len(set(hypers)) == 1:
-            self.steps = [self.steps[0] + 1] * len(self.steps)
-            return [(0, self.group.trainable_numel, self.steps[0], hypers[0])]
-        spans = []
-        for i in ready:
-            slot = self.group.trainable_slots[i]
-            self.steps[i] += 1
-            spans.append((slot.offset, slot.offset + slot.numel, self.steps[i], hypers[i]))
-        return spans
+    @property
+    def speculated(self) -> bool:
+        """Whether a speculative update's result waits in the shadow."""
+        return self._shadow_steps is not None
+
+    def commit_shadow(self) -> None:
+        """The speculative update's state and step counts become the group's."""
+        assert self._shadow_steps is not None
+        self.store.commit_shadow()
+        self.steps, self._shadow_steps = self._shadow_steps, None
+
+    def forget_shadow(self) -> None:
+        """The speculative update's result is dropped: the live state never changed."""
+        self._shadow_steps = None
 
     @property
     def state_store(self) -> StateStore:
@@ -97,6 +106,22 @@ class GroupState:
     def has_pending_grads(self) -> bool:
         """Whether any parameter holds a gradient not yet stepped on (a checkpoint now would lose it)."""
         return any(self.grads.has_grad)
+
+
+def advance_steps(group: FlatGroup, steps: List[int], ready: List[int],
+                  hypers: Sequence[AdamHyper]) -> List[UpdateSpan]:
+    """Count the step of every ready parameter in `steps` (in place); the spans to update: the whole group in one
+    span when every parameter is ready, at the same step and in the same optimizer group (the usual case), else
+    one span per parameter."""
+    if len(ready) == len(steps) and len(set(steps)) == 1 and len(set(hypers)) == 1:
+        steps[:] = [steps[0] + 1] * len(steps)
+        return [(0, group.trainable_numel, steps[0], hypers[0])]
+    spans = []
+    for i in ready:
+        slot = group.trainable_slots[i]
+        steps[i] += 1
+        spans.append((slot.offset, slot.offset + slot.numel, steps[i], hypers[i]))
+    return spans
 
 
 class GroupRecord:
@@ -154,6 +179,14 @@ class GroupRecord:
         if self.home.pushes:
             self.home.replace(weights.to("cpu"), resident=True)
         self.mark_seen()
+
+    def commit_shadow(self) -> None:
+        """A speculative update's state and weights become the group's (no parameter written since: the caller
+        checked `edited_names`)."""
+        assert self.state is not None
+        self.state.commit_shadow()
+        self.home.commit_shadow()
+        self.mark_seen()  # the engine's own write of the weights (a copy into the device buffer)
 
     def writes_during_update(self) -> Optional[str]:
         """On the worker, after the group's update: a parameter written meanwhile (overlap_step: after step()

@@ -18,6 +18,7 @@ file keeps what only chunks have: announcements, reads ahead and the chunks chec
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Tuple
 
 from torch import Tensor
@@ -136,13 +137,14 @@ class DiskRing:
         self._read_ahead()
         return entry.slot.cut(stop - start)
 
-    def store(self, group: "FlatGroup", start: int, stop: int, sections: SlotSections) -> None:
-        """Write the chunk `load` returned back to disk; the slot returns to the ring when the write is done."""
+    def store(self, group: "FlatGroup", start: int, stop: int, sections: SlotSections, shadow: bool = False) -> None:
+        """Write the chunk `load` returned back to disk (to the group's shadow copy: `shadow`, a speculative
+        update); the slot returns to the ring when the write is done."""
         slot = self._slots.slot_of(sections[0])
         with self._slots.lock:  # submitted and registered at once: `_read_ahead` (other threads) must never
             # see this chunk without its write in flight, or it would read the old bytes (submitting never blocks)
             try:
-                futures = self._write_chunk(slot, group, start, stop)
+                futures = self._write_chunk(slot, group, start, stop, shadow)
             except BaseException:  # nothing of it is in flight (`_chunk_io` waits what it started)
                 self._checked_out.pop((group.key, start), None)
                 self._slots.give_back_locked(slot)
@@ -263,8 +265,8 @@ class DiskRing:
     def _read_chunk(self, slot: Slot, group: "FlatGroup", start: int, stop: int) -> List["IOFuture"]:
         return self._chunk_io(self._store.read, slot, group, start, stop)
 
-    def _write_chunk(self, slot: Slot, group: "FlatGroup", start: int, stop: int) -> List["IOFuture"]:
-        return self._chunk_io(self._store.write, slot, group, start, stop)
+    def _write_chunk(self, slot: Slot, group: "FlatGroup", start: int, stop: int, shadow: bool) -> List["IOFuture"]:
+        return self._chunk_io(functools.partial(self._store.write, shadow=shadow), slot, group, start, stop)
 
     def _chunk_io(self, move: Callable[..., "IOFuture"], slot: Slot, group: "FlatGroup", start: int,
                   stop: int) -> List["IOFuture"]:

@@ -77,14 +77,19 @@ class RecordMoves:
 
     def write_from(self, group: "FlatGroup", src: Tensor) -> None:
         """Write the group's record (all of `src`: its weights or its gradient), through the slots. Writes go
-        in the updates' chunks, so each piece they seal is one an update's read covers whole and verifies."""
+        in the updates' chunks, so each piece they seal is one an update's read covers whole and verifies. Weights
+        with a shadow copy are written to both copies: a speculative update writes only the trainable range of
+        the shadow, so the frozen rest must already be there when a commit makes it the live copy."""
         self._order.wait_for_writes_of(group, 0, group.numel)
+        copies = (False, True) if self._kind is RecordKind.WEIGHTS and self._store.has_weight_shadow(group.key) \
+            else (False,)
         for start, stop in _pieces(self._numel(group), self._slots.chunk_numel):
             slot = self._order.take()
             try:
                 staged = _staged(slot, start, stop, src)
                 staged.copy_(src[start:stop])
-                self._order.wait([self._store.write(self._kind, group.key, start, staged)])
+                self._order.wait([self._store.write(self._kind, group.key, start, staged, shadow=shadow)
+                                  for shadow in copies])
             finally:
                 self._slots.give_back(slot)
 

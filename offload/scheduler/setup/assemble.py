@@ -53,7 +53,7 @@ def assemble(blocks: List[Block], module: nn.Module, policy: OffloadPolicy, plan
         if tiers.grad_pool is not None:
             tiers.grad_pool.bind(worker)  # an update running or queued will give bytes back
         reduction = reduction_for(dp, worker, num_threads)
-        modes = Modes(disk, reduction, clipping_for(policy.max_grad_norm, worker, reduction))
+        modes = Modes(disk, reduction, clipping_for(policy.max_grad_norm, worker, reduction, bool(plan.shadowed_blocks)))
         counters, order = StepCounters(), ForwardOrder(len(blocks))
         services = BlockServices(worker, tiers.streamer, tracer, counters, order, reduction,
                                  PendingGuard(tiers.streamer.read_through), NonFiniteSkips(), num_threads)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, Dict, List, Optional
+import shutil
+from typing import Any, Callable, Dict, List, Optional, cast
 
 import torch
 from torch import nn
@@ -46,6 +47,7 @@ from offload.tiers.swap_layout import (
     GroupShape,
     WeightRecord,
     plan_grad_layout,
+    plan_shadow_layout,
     plan_swap_layout,
     plan_weight_layout,
     round_up,
@@ -57,14 +59,18 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
                   dp: Optional[DataParallel] = None) -> "tuple[Plan, Tiers]":
     """The placement plan of `blocks` under the policy's budgets, and the tiers it needs, opened. In
     data-parallel mode the swap file holds this rank's parts only, in its own directory under nvme_path."""
-    sharded = _shards_weights(blocks, policy, dp)
+    disk_room = _disk_room(policy, dp)
+    sharded = _shards_weights(blocks, policy, dp, disk_room)
     numel_of = None if dp is None else (
         lambda group: dp.state_shard(group.trainable_numel, group.numel, sharded).numel)
     shapes = [g.shape(b.name) for b in blocks for g in b.groups]
     records, swap_size = plan_swap_layout(shapes, numel_of, policy.moments) if policy.tier is Tier.NVME else ({}, 0)
     largest_record = _largest_part(blocks, dp, sharded)
     ring = ring_size_for(largest_record, policy.moments) if records else None
-    plan = dataclasses.replace(_make_plan(blocks, policy, ring, dp, sharded), precision=_precision(policy))
+    plan = dataclasses.replace(_make_plan(blocks, policy, ring, dp, sharded, disk_room), precision=_precision(policy))
+    if policy.max_grad_norm is not None and not policy.speculative_clipping:
+        plan = dataclasses.replace(plan, speculation="off (speculative_clipping=False): every update waits for "
+                                                    "the global norm, after the backward")
     if dp is not None:
         _refuse_plans_that_differ(plan, dp)
     if dp is not None and not sharded and plan.disk_weight_blocks:
@@ -94,11 +100,14 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
         if plan.grads_on_disk:
             padded = None if dp is None else _grad_record_numel(dp, sharded, policy.max_grad_norm is not None)
             grads, swap_size = plan_grad_layout(shapes, swap_size, padded)
+        shadowed = set(plan.shadowed_blocks)
+        shadows, swap_size = plan_shadow_layout([s.key for s in shapes if s.block in shadowed and s.key in records],
+                                                records, weights, swap_size)
         directory = policy.nvme_path
         if dp is not None:
             directory = os.path.join(directory, f"rank-{dp.rank}")
             os.makedirs(directory, exist_ok=True)
-        tiers.swap = SwapStore(directory, records, swap_size, weights, grads)
+        tiers.swap = SwapStore(directory, records, swap_size, weights, grads, shadows)
         try:
             tiers.staging = StagingPool(max(round_up(plan.ring_bytes, 4096), 4096))
             tiers.ring = DiskRing(tiers.swap, tiers.staging, plan.ring_bytes,
@@ -126,16 +135,32 @@ def _device_weight_budget(plan: Plan, blocks: List[Block]) -> Optional[int]:
     return plan.device_weight_budget
 
 
+def _disk_room(policy: OffloadPolicy, dp: Optional[DataParallel]) -> Optional[int]:
+    """Free disk the speculation's shadows may plan on: the swap directory's free space, shared among the ranks of
+    a node (they write to the same disk, as a rule), the least of any rank (every rank must make the same plan).
+    None: no shadows on disk to plan."""
+    speculate = policy.max_grad_norm is not None and policy.speculative_clipping
+    if not (speculate and policy.tier is Tier.NVME and policy.nvme_path):
+        return None
+    free = shutil.disk_usage(policy.nvme_path).free
+    if dp is None:
+        return free
+    return min(cast(int, room) for room in dp.all_gather_object(free // dp.local_world))
+
+
 def _make_plan(blocks: List[Block], policy: OffloadPolicy, ring: Optional[RingSize], dp: Optional[DataParallel],
-               sharded: bool) -> Plan:
+               sharded: bool, disk_room: Optional[int]) -> Plan:
     """The plan of one rank: its part of the state (and of the weights, `sharded`) among the data-parallel ranks."""
     world = 1 if dp is None else dp.world
     flow = GradFlow(policy.grad_accumulation_steps, policy.max_grad_norm is not None, policy.dtype.itemsize)
+    speculate = policy.max_grad_norm is not None and policy.speculative_clipping
     return make_plan([b.spec(policy.tier, policy.moments, world, sharded) for b in blocks], policy.tier,
-                     policy.device_memory, policy.host_memory, ring, flow, world if sharded else 1)
+                     policy.device_memory, policy.host_memory, ring, flow, world if sharded else 1, speculate,
+                     disk_room, updates_write_device=policy.device.type == "cpu")
 
 
-def _shards_weights(blocks: List[Block], policy: OffloadPolicy, dp: Optional[DataParallel]) -> bool:
+def _shards_weights(blocks: List[Block], policy: OffloadPolicy, dp: Optional[DataParallel],
+                    disk_room: Optional[int]) -> bool:
     """Whether each rank keeps a part of the weights: asked for, or (unset) when the whole weights would not fit a
     rank's host memory (the plan with them whole puts some on disk, or fails). One process: never."""
     if dp is None or policy.tier is Tier.GPU or policy.shard_weights is ShardWeights.OFF:
@@ -143,7 +168,7 @@ def _shards_weights(blocks: List[Block], policy: OffloadPolicy, dp: Optional[Dat
     if policy.shard_weights is ShardWeights.ON:
         return True
     ring = ring_size_for(_largest_part(blocks, dp, False), policy.moments) if policy.tier is Tier.NVME else None
-    return shards_weights(lambda: _make_plan(blocks, policy, ring, dp, False))
+    return shards_weights(lambda: _make_plan(blocks, policy, ring, dp, False, disk_room))
 
 
 def _largest_part(blocks: List[Block], dp: Optional[DataParallel], sharded: bool) -> int:
@@ -163,6 +188,7 @@ def _refuse_plans_that_differ(plan: Plan, dp: DataParallel) -> None:
     whether weights are sharded decide the order of the training thread's collectives (the gathers)."""
     refuse_differences(dp, {"sharded over": str(plan.shard_world), "streamed blocks": str(plan.streamed_blocks),
                             "blocks on disk": str(plan.disk_weight_blocks), "device budget": str(plan.device_budget),
+                            "speculating blocks": str(plan.shadowed_blocks),
                             "host budget": str(plan.host_budget)}, "placement plans")
 
 
@@ -175,6 +201,7 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
     trainable parameter's optimizer group. `dp`: every rank starts from rank 0's weights, and keeps the
     optimizer state of its own part of each group."""
     streamed, on_disk = set(plan.streamed_blocks), set(plan.disk_weight_blocks)
+    shadowed = set(plan.shadowed_blocks)  # speculative clipping: their state and weights get shadows
     sharded = plan.shard_world > 1
     records: List[BlockRecord] = []
     for block in blocks:
@@ -208,6 +235,9 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
                                    shard)
             home = _partitioned_home(block, group, tiers, on_disk, dp, shard) if sharded else \
                 _weight_home(block, group, policy, tiers, streamed, on_disk, state is not None)
+            if state is not None and block.name in shadowed:
+                state.store.add_shadow()
+                home.add_shadow()
             groups.append(GroupRecord(block, group, home, state))
         record = BlockRecord(block, groups, block.name in streamed, services)
         records.append(record)

@@ -41,15 +41,15 @@ UpdateSpan = Tuple[int, int, int, AdamHyper]  # elements [start, stop), the Adam
 
 
 def adamw(store: StateStore, grad: Tensor, spans: List[UpdateSpan], grad_scale: float, out: Optional[Tensor],
-          num_threads: Optional[int], out_base: int = 0) -> None:
+          num_threads: Optional[int], out_base: int = 0, shadow: bool = False) -> None:
     """One AdamW step of `spans` of the store's state, chunk by chunk; new compute weights go to `out`
     (element 0 = the group's element `out_base`: its first trainable one, or a sharded rank's part's first) or,
-    when the store keeps the weights, into the chunk's own weight area. A failure hands the chunk back
-    unwritten (`abandon`)."""
+    when the store keeps the weights, into the chunk's own weight area. `shadow`: the new state goes to the
+    store's shadow (a speculative update). A failure hands the chunk back unwritten (`abandon`)."""
     if not store.writes_compute_copy:
         out = None
     for start, stop in store.chunks():
-        chunk = store.load(start, stop)
+        chunk = store.load(start, stop, shadow)
         target, base = (out, out_base) if chunk.weights is None else (chunk.weights, start)
         try:
             for a, b, step, hyper in spans:

@@ -76,12 +76,28 @@ class DiskStore:
         """Start reading this record ahead of its update (called when the update is scheduled)."""
         self._ring.announce([self.group])
 
-    def load(self, start: int, stop: int) -> StateChunk:
+    @property
+    def shadowed(self) -> bool:
+        """Whether the swap file has a second copy of this record (speculative updates write it)."""
+        return self._ring.swap.has_shadow(self.group.key)
+
+    def add_shadow(self) -> None:
+        assert self.shadowed, "the swap layout gives a shadowed block's records their second copy"
+
+    def load(self, start: int, stop: int, shadow: bool = False) -> StateChunk:
+        """The live record's chunk in a slot; `shadow`: its `store` goes to the shadow copy."""
         sections = self._ring.load(self.group, start, stop)
-        return StateChunk(start, stop, *sections, weights=self._ring.weights_of(sections, self.group))
+        return StateChunk(start, stop, *sections, weights=self._ring.weights_of(sections, self.group), shadow=shadow)
 
     def store(self, chunk: StateChunk) -> None:
-        self._ring.store(self.group, chunk.start, chunk.stop, (chunk.master, chunk.exp_avg, chunk.exp_avg_sq))
+        self._ring.store(self.group, chunk.start, chunk.stop, (chunk.master, chunk.exp_avg, chunk.exp_avg_sq),
+                         shadow=chunk.shadow)
+
+    def commit_shadow(self) -> None:
+        """The shadow copy (written by a speculative update) becomes the live record: a switch of which copy reads
+        go to, no byte moved. Reads issued ahead of the switch are dropped (they read the old copy)."""
+        self._ring.discard(self.group)
+        self._ring.swap.flip(self.group.key)
 
     def abandon(self, chunk: StateChunk) -> None:
         """The update failed: the slot goes back unwritten and the disk keeps the old state."""

@@ -61,10 +61,20 @@ class ShardedStore:
     def announce(self) -> None:
         self.inner.announce()
 
-    def load(self, start: int, stop: int) -> StateChunk:
+    @property
+    def shadowed(self) -> bool:
+        return self.inner.shadowed
+
+    def add_shadow(self) -> None:
+        self.inner.add_shadow()
+
+    def load(self, start: int, stop: int, shadow: bool = False) -> StateChunk:
         lo = self.shard.lo
-        chunk = self.inner.load(start - lo, stop - lo)
+        chunk = self.inner.load(start - lo, stop - lo, shadow)
         return chunk._replace(start=start, stop=stop)
+
+    def commit_shadow(self) -> None:
+        self.inner.commit_shadow()
 
     def store(self, chunk: StateChunk) -> None:
         lo = self.shard.lo

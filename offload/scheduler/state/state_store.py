@@ -20,6 +20,7 @@ from offload.optim.moment_format import (
     EXP_AVG_SQ,
     Moment,
     MomentFormat,
+    QuantizedMoment,
     moment_nbytes,
     slice_moment,
     zeros_moment,
@@ -43,6 +44,7 @@ class StateChunk(NamedTuple):
     exp_avg: Moment  # in the store's `moments` format (a fp32 tensor for MomentFormat.FP32)
     exp_avg_sq: Moment
     weights: Optional[Tensor] = None
+    shadow: bool = False  # a speculative update's: `store` writes it to the store's shadow, the live state stays
 
 
 class SwapSections(NamedTuple):
@@ -61,7 +63,12 @@ class StateStore(Protocol):
     `load`, update in place, `store` (or `abandon` when the update failed: nothing is written back, though
     a store whose `load` hands out the state itself, `MemoryStore`, keeps what the update changed before it
     failed; a failed update poisons the engine either way). `discard` drops what `announce` started when the
-    update will not run. Checkpoint side (no update running): `drain`, then `reading()` / `write(fill)`."""
+    update will not run. Checkpoint side (no update running): `drain`, then `reading()` / `write(fill)`.
+
+    Speculation (docs/design.md [Note: speculative clipping]): a store with a shadow (`shadowed`) loads a chunk
+    with `shadow=True` for an update whose result may be thrown away: the chunk holds the live state, and `store`
+    puts the new state in the shadow, never over the live one. `commit_shadow` makes what the shadow holds the
+    live state (a switch, nothing copied); forgetting a speculation needs nothing of the store."""
 
     group: FlatGroup
     moments: MomentFormat  # how the chunks' exp_avg and exp_avg_sq are kept; the checkpoint side is fp32 always
@@ -79,13 +86,21 @@ class StateStore(Protocol):
 
     def announce(self) -> None: ...
 
-    def load(self, start: int, stop: int) -> StateChunk: ...
+    @property
+    def shadowed(self) -> bool: ...
+
+    def add_shadow(self) -> None:
+        """Room for a speculative update's new state (the placement asks when the plan gives the block a shadow)."""
+
+    def load(self, start: int, stop: int, shadow: bool = False) -> StateChunk: ...
 
     def store(self, chunk: StateChunk) -> None: ...
 
     def abandon(self, chunk: StateChunk) -> None: ...
 
     def discard(self) -> None: ...
+
+    def commit_shadow(self) -> None: ...
 
     def drain(self) -> None:
         """Every write of the state on its medium, reads ahead dropped (the checkpoint side's first step)."""
@@ -138,6 +153,19 @@ class MemoryStore:
         self.writes_compute_copy = not aliased
         self.exp_avg = zeros_moment(moments, n, device)
         self.exp_avg_sq = zeros_moment(moments, n, device)
+        self._shadow: Optional[Tuple[Tensor, Moment, Moment]] = None  # `add_shadow`: where speculation writes
+
+    def add_shadow(self) -> None:
+        """A second master and moments, which a speculative update writes (the placement gives one when the
+        plan affords its bytes)."""
+        assert self.writes_compute_copy, "the master weights are the compute weights: nothing to speculate into"
+        n, device = self.group.trainable_numel, self.master.device
+        self._shadow = (torch.empty_like(self.master), zeros_moment(self.moments, n, device),
+                        zeros_moment(self.moments, n, device))
+
+    @property
+    def shadowed(self) -> bool:
+        return self._shadow is not None
 
     @property
     def on_host(self) -> bool:
@@ -146,7 +174,8 @@ class MemoryStore:
     @property
     def nbytes_in_memory(self) -> int:
         own_master = 0 if not self.writes_compute_copy else self.master.nbytes
-        return own_master + 2 * moment_nbytes(self.moments, self.group.trainable_numel)
+        state = own_master + 2 * moment_nbytes(self.moments, self.group.trainable_numel)
+        return 2 * state if self._shadow is not None else state
 
     # ----- update side: one chunk, the tensors themselves; nothing to read ahead or write back -----
     def chunks(self) -> List[Span]:
@@ -155,9 +184,26 @@ class MemoryStore:
     def announce(self) -> None:
         pass
 
-    def load(self, start: int, stop: int) -> StateChunk:
-        return StateChunk(start, stop, self.master[start:stop], slice_moment(self.exp_avg, self.moments, start, stop),
-                          slice_moment(self.exp_avg_sq, self.moments, start, stop))
+    def load(self, start: int, stop: int, shadow: bool = False) -> StateChunk:
+        """The state itself; `shadow`: the shadow's, holding a copy of the live state to update in place."""
+        live = (self.master[start:stop], slice_moment(self.exp_avg, self.moments, start, stop),
+                slice_moment(self.exp_avg_sq, self.moments, start, stop))
+        if not shadow:
+            return StateChunk(start, stop, *live)
+        assert self._shadow is not None
+        master, exp_avg, exp_avg_sq = self._shadow
+        copies = (master[start:stop], slice_moment(exp_avg, self.moments, start, stop),
+                  slice_moment(exp_avg_sq, self.moments, start, stop))
+        for target, source in zip(copies, live):
+            copy_moment(target, source)
+        return StateChunk(start, stop, *copies, shadow=True)
+
+    def commit_shadow(self) -> None:
+        """The shadow (a speculative update's new state) becomes the state; the old state the next shadow."""
+        assert self._shadow is not None
+        shadow = self._shadow
+        self._shadow = (self.master, self.exp_avg, self.exp_avg_sq)
+        self.master, self.exp_avg, self.exp_avg_sq = shadow
 
     def store(self, chunk: StateChunk) -> None:
         pass
@@ -251,3 +297,14 @@ def encode_chunks(store: StateStore, master: Tensor, exp_avg: Moment, exp_avg_sq
             for which, moment, values in ((EXP_AVG, exp_avg, staged[1]), (EXP_AVG_SQ, exp_avg_sq, staged[2])):
                 piece = slice_moment(moment, store.moments, start, stop)
                 encode_moment(values.to(master.device), store.moments, which, piece)
+
+
+def copy_moment(target: Moment, source: Moment) -> None:
+    """`target` := `source`, two moments of one format (or two master weight tensors)."""
+    if isinstance(source, QuantizedMoment):
+        assert isinstance(target, QuantizedMoment)
+        target.codes.copy_(source.codes)
+        target.scales.copy_(source.scales)
+    else:
+        assert isinstance(target, Tensor)
+        target.copy_(source)

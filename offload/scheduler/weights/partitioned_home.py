@@ -43,6 +43,12 @@ class PartKeeper(Protocol):
 
     def update_target(self, trainable: int) -> Optional[Tensor]: ...
 
+    shadow: Optional[Tensor]  # where a speculative update writes (`add_shadow`); None for a part on disk
+
+    def add_shadow(self, trainable: int) -> None: ...
+
+    def commit_shadow(self) -> None: ...
+
     def read(self) -> Tensor: ...
 
     def write(self, part: Tensor) -> None: ...
@@ -59,9 +65,17 @@ class HostPart:
 
     def __init__(self, part: Tensor) -> None:
         self.host = part.detach().to("cpu", copy=True)
+        self.shadow: Optional[Tensor] = None
 
     def update_target(self, trainable: int) -> Optional[Tensor]:
         return self.host[:trainable]
+
+    def add_shadow(self, trainable: int) -> None:
+        self.shadow = torch.empty(trainable, dtype=self.host.dtype)
+
+    def commit_shadow(self) -> None:
+        assert self.shadow is not None
+        self.host[:self.shadow.numel()].copy_(self.shadow)
 
     def read(self) -> Tensor:
         return self.host
@@ -87,10 +101,17 @@ class DiskPart:
         self._record = cast(FlatGroup, part)  # the ring and the swap file read its key, dtype and numel only
         self._disk = weights
         self._read_ahead: Optional[List["PieceRead"]] = None
+        self.shadow: Optional[Tensor] = None  # the record's shadow copy is the swap file's
         weights.write_from(self._record, initial.detach().to("cpu"))
 
     def update_target(self, trainable: int) -> Optional[Tensor]:
         return None  # the store's chunks carry the new weights to the record
+
+    def add_shadow(self, trainable: int) -> None:
+        pass
+
+    def commit_shadow(self) -> None:
+        self.cancel_prefetch()  # a read ahead read the copy that is now the shadow
 
     def read(self) -> Tensor:
         out = torch.empty(self._part.numel, dtype=self._part.dtype)
@@ -141,6 +162,24 @@ class PartitionedHome:
 
     def release_source(self) -> None:
         pass  # a gather reads the part synchronously
+
+    @property
+    def shadow_nbytes(self) -> int:
+        shadow = self._keeper.shadow
+        return 0 if shadow is None else shadow.nbytes
+
+    def add_shadow(self) -> None:
+        self._keeper.add_shadow(self._trainable)
+
+    def shadow_target(self) -> Optional[Tensor]:
+        return self._keeper.shadow
+
+    def commit_shadow(self) -> None:
+        self.wait_fetched()  # a gather started ahead read the part
+        self._keeper.commit_shadow()
+
+    def forget_shadow(self) -> None:
+        pass  # the part's shadow (a host tensor, or the record's other copy) is written whole before it is read
 
     def push(self, resident: bool) -> None:
         if resident:

@@ -12,6 +12,10 @@ Callers need only these operations: where the update writes (`update_target`), b
 to the device (`push`) or all of them into a regrown buffer (`fetch`), read the current ones on the host
 (`host_weights`), replace them (`replace`, a checkpoint load). Residency, the budget and the LRU are the
 streamer's (streamer.py); CUDA events are the copy context's (tiers/copies.py).
+
+A speculative update ([Note: speculative clipping]) writes its new weights where nothing reads them: a shadow in
+host memory (`add_shadow`, `shadow_target`), or, for weights on disk, the record's shadow copy through the store's
+chunks; `commit_shadow` makes them the weights.
 """
 
 from __future__ import annotations
@@ -41,6 +45,22 @@ class WeightHome(Protocol):
     def release_source(self) -> None: ...
 
     def push(self, resident: bool) -> None: ...
+
+    @property
+    def shadow_nbytes(self) -> int:
+        """Host bytes a shadow of the trainable weights takes (0: they live on disk, the record's shadow copy)."""
+
+    def add_shadow(self) -> None: ...
+
+    def shadow_target(self) -> Optional[Tensor]:
+        """Where a speculative update writes the new weights (laid out as `update_target()`); None: the store's
+        chunks carry them to the shadow copy on disk."""
+
+    def commit_shadow(self) -> None:
+        """The speculative update's weights become the weights (the caller pushes them to the device after)."""
+
+    def forget_shadow(self) -> None:
+        """The speculative update's weights are dropped (the worker is done with them)."""
 
     def fetch(self, ahead: bool = False) -> None: ...
 
@@ -74,14 +94,32 @@ class UpdateSharing(Protocol):
 
 
 class WholeWeights:
-    """What the homes of whole weights share: a fetch ahead reads what is at home (nothing to wait for), and
-    every rank's new part of an update is gathered into each rank's weights at once."""
+    """What the homes of whole weights share: a fetch ahead reads what is at home (nothing to wait for), every
+    rank's new part of an update is gathered into each rank's weights at once, and a speculative update's weights
+    wait in a host shadow of the trainable range (copied in when committed)."""
+
+    _shadow: Optional[Tensor] = None
 
     def before_prefetch(self, owner: UpdateOwner) -> None:
         pass
 
     def share_update(self, sharing: UpdateSharing, state: Any, out: Optional[Tensor]) -> None:
         sharing.send_new_weights(state, out)
+
+    def _new_shadow(self, group: FlatGroup) -> None:
+        assert group.device_buffer is not None
+        self._shadow = torch.empty(group.trainable_numel, dtype=group.dtype, device=group.device_buffer.device)
+
+    @property
+    def shadow_nbytes(self) -> int:
+        return 0 if self._shadow is None else self._shadow.nbytes
+
+    def shadow_target(self) -> Optional[Tensor]:
+        assert self._shadow is not None, "no shadow: the plan gave this group none"
+        return self._shadow
+
+    def forget_shadow(self) -> None:
+        pass  # nothing reads a shadow before the next speculative update writes it whole
 
 
 class DeviceHome(WholeWeights):
@@ -105,6 +143,14 @@ class DeviceHome(WholeWeights):
 
     def push(self, resident: bool) -> None:
         pass
+
+    def add_shadow(self) -> None:
+        self._new_shadow(self._group)  # on the device: the CPU computing (a CUDA device's host state mirrors)
+
+    def commit_shadow(self) -> None:
+        assert self._shadow is not None
+        with torch.no_grad():
+            self._buffer[:self._group.trainable_numel].copy_(self._shadow)
 
     def fetch(self, ahead: bool = False) -> None:
         raise AssertionError("a block whose weights stay on the device is never fetched")
@@ -150,6 +196,31 @@ class HostMirror(WholeWeights):
     def release_source(self) -> None:
         """Block until the last upload has read the host copy (before anything overwrites it)."""
         self._copies.release_source(self._group.key)
+
+    def add_shadow(self) -> None:
+        """A whole copy is what the next fetch and every read of the weights take: it needs a shadow. The upload
+        source of a resident block is read only by the upload after an update, which a speculative update does not
+        make before it is committed: the speculation may write it in place (nothing to allocate or copy)."""
+        if self._whole:
+            self._shadow = self._copies.empty_host(self._group.trainable_numel, self._group.dtype)
+
+    def shadow_target(self) -> Optional[Tensor]:
+        return self._shadow if self._whole else self.update_target()
+
+    def commit_shadow(self) -> None:
+        if not self._whole:
+            return  # written in place; the push that follows the commit uploads it
+        assert self._shadow is not None
+        self.release_source()
+        self.host[:self._group.trainable_numel].copy_(self._shadow)
+
+    def forget_shadow(self) -> None:
+        """A resident block's upload source holds the dropped update's weights: the device's (the live ones) go
+        back in, since the next push uploads the whole trainable range, also parameters a later update skips."""
+        if not self._whole:
+            n = self._group.trainable_numel
+            assert self._group.device_buffer is not None
+            self.host[:n].copy_(self._group.device_buffer[:n])
 
     def push(self, resident: bool) -> None:
         if resident:
@@ -208,6 +279,15 @@ class DiskHome(WholeWeights):
 
     def release_source(self) -> None:
         pass
+
+    def add_shadow(self) -> None:
+        pass  # the weight record's shadow copy is the swap file's (the state store flips both)
+
+    def shadow_target(self) -> Optional[Tensor]:
+        return None
+
+    def commit_shadow(self) -> None:
+        self.cancel_prefetch()  # a read ahead read the copy that is now the shadow
 
     def push(self, resident: bool) -> None:
         if resident:

@@ -18,8 +18,10 @@ from torch import nn
 
 from offload.scheduler.blocks.block import build_blocks
 from offload.scheduler.modes.clipping import (
+    LastBackward,
     NoClipping,
     NormClipping,
+    Speculation,
     clip_in_place,
     clip_scale,
     global_norm,
@@ -244,6 +246,8 @@ class FakeBlock:
 
     def __init__(self, spills: bool = False) -> None:
         self.spills = spills
+        self.shadowed = False  # no speculation here (tests/test_speculative_clipping.py has it)
+        self.speculated = False
         self.calls: List[Tuple] = []
 
     def update_early(self, hypers) -> None:
@@ -274,39 +278,39 @@ class FakeNormSource:
 @pytest.mark.parametrize("clipping", ["none", "norm"])
 def test_a_clipping_mode_watches_the_last_backward_and_blocks_that_spill(clipping):
     mode = NoClipping() if clipping == "none" else NormClipping(1.0, FakeWorker([]), FakeNormSource([], (0, 1)))
-    assert mode.watches(FakeBlock(spills=False), last=True)
-    assert mode.watches(FakeBlock(spills=True), last=False)
-    assert mode.watches(FakeBlock(spills=True), last=True)
-    assert not mode.watches(FakeBlock(spills=False), last=False)
+    assert mode.watches(FakeBlock(spills=False), backward=LastBackward.DECLARED)
+    assert mode.watches(FakeBlock(spills=True), backward=LastBackward.NO)
+    assert mode.watches(FakeBlock(spills=True), backward=LastBackward.DECLARED)
+    assert not mode.watches(FakeBlock(spills=False), backward=LastBackward.NO)
 
 
 def test_no_clipping_updates_early_on_the_declared_last_backward_and_parks_otherwise():
     hypers = StepHypers([dict(g) for g in GROUPS])
     block = FakeBlock(spills=True)
-    NoClipping().block_complete(block, hypers, last=True)
+    NoClipping().block_complete(block, hypers, backward=LastBackward.DECLARED)
     assert block.calls == [("update_early", (AdamHyper.from_group(GROUPS[0]),))]
     with pytest.raises(Exception, match="between the last backward and step"):
         hypers.group_changes(0, GROUPS[0], "lr", 0.5)  # the early update's hyperparameters are kept to compare
     block.calls.clear()
-    NoClipping().block_complete(block, hypers, last=False)
+    NoClipping().block_complete(block, hypers, backward=LastBackward.NO)
     assert block.calls == [("park_grads", False)], "an earlier micro-batch's sum parks, no norms"
     quiet = FakeBlock(spills=False)
-    NoClipping().block_complete(quiet, hypers, last=False)
+    NoClipping().block_complete(quiet, hypers, backward=LastBackward.NO)
     assert quiet.calls == []
 
 
 def test_no_clipping_checks_each_block_and_scales_by_one():
     mode = NoClipping()
-    assert mode.updates_during_backward and mode.checks_each_block and math.isnan(mode.last_norm)
-    assert mode.scale_for_step([], None, 0) == 1.0  # type: ignore[arg-type]
+    assert mode.updates_in(LastBackward.DECLARED) and mode.checks_each_block and math.isnan(mode.last_norm)
+    assert mode.scale_for_step([], None, 0, ()) == 1.0  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("last", [True, False])
+@pytest.mark.parametrize("last", [LastBackward.DECLARED, LastBackward.LIKELY, LastBackward.NO])
 def test_norm_clipping_takes_the_norms_and_parks_on_every_completion(last):
     mode = NormClipping(1.0, FakeWorker([]), FakeNormSource([], (0, 1)))
-    assert not mode.updates_during_backward and not mode.checks_each_block
+    assert not mode.updates_in(LastBackward.DECLARED) and not mode.checks_each_block
     block = FakeBlock(spills=False)
-    mode.block_complete(block, StepHypers([dict(g) for g in GROUPS]), last=last)
+    mode.block_complete(block, StepHypers([dict(g) for g in GROUPS]), backward=last)
     assert block.calls == [("park_grads", True)], "never an update before the global norm"
 
 
@@ -315,16 +319,73 @@ def test_norm_clipping_waits_for_the_norm_jobs_then_asks_the_reduction():
     blocks, slots = [FakeBlock(), FakeBlock()], object()
     mode = NormClipping(0.5, FakeWorker(log), FakeNormSource(log, (3.25, 0.125)))
     assert math.isnan(mode.last_norm)
-    assert mode.scale_for_step(blocks, slots, 0) == 0.125  # type: ignore[arg-type]
+    assert mode.scale_for_step(blocks, slots, 0, ()) == 0.125  # type: ignore[arg-type]
     assert log == ["wait_all", ("global_norm", blocks, slots, 0.5)]
     assert mode.last_norm == 3.25
+
+
+class SpeculatingBlock(FakeBlock):
+    """A block whose update ran into its shadows during the last backward (or not: `speculated`)."""
+
+    def __init__(self, speculated: bool) -> None:
+        super().__init__()
+        self.shadowed = True
+        self.speculated = speculated
+
+    def speculate(self, hypers) -> None:
+        self.speculated = True
+
+    def written_since_speculation(self) -> bool:
+        return False
+
+    def commit_speculation(self) -> None:
+        self.calls.append("commit")
+        self.speculated = False
+
+    def forget_speculation(self) -> None:
+        self.calls.append("forget")
+        self.speculated = False
+
+
+class TwoRankNorms(FakeNormSource):
+    """A norm source whose `everywhere` ANDs this rank's flags with another rank's (the data-parallel answer)."""
+
+    def __init__(self, log: List, answer: Tuple[float, float], other: List[bool]) -> None:
+        super().__init__(log, answer)
+        self.other = other
+
+    def everywhere(self, flags: List[bool]) -> List[bool]:
+        self.log.append(("everywhere", list(flags)))
+        return [mine and theirs for mine, theirs in zip(flags, self.other)]
+
+
+def test_a_speculation_is_kept_only_where_every_rank_keeps_it_and_every_rank_asks_each_step():
+    """Another rank dropped block 1's speculation (a gradient cleared there): this rank forgets it too and runs
+    its update at step(), as the other rank does; a rank that speculated nothing still takes part in the collective
+    (a rank alone in it would wait forever)."""
+    hypers = StepHypers([dict(g) for g in GROUPS])
+    log: List = []
+    blocks = [SpeculatingBlock(False), SpeculatingBlock(False)]
+    mode = NormClipping(1.0, FakeWorker(log), TwoRankNorms(log, (0.5, 1.0), other=[True, False, True, False]),
+                        Speculation())
+    for block in blocks:
+        mode.block_complete(block, hypers, backward=LastBackward.DECLARED)
+    assert all(b.speculated for b in blocks)
+    assert mode.scale_for_step(blocks, None, 0, hypers.read()) == 1.0  # type: ignore[arg-type]
+    assert [b.calls for b in blocks] == [["commit"], ["forget"]]
+    assert ("everywhere", [True, True, True, False]) in log
+    log.clear()
+    quiet = [SpeculatingBlock(False), SpeculatingBlock(False)]  # this rank speculated nothing this step
+    assert mode.scale_for_step(quiet, None, 1, hypers.read()) == 1.0  # type: ignore[arg-type]
+    assert ("everywhere", [False, False, False, True]) in log, "the collective runs on every rank, every step"
+    assert [b.calls for b in quiet] == [[], []]
 
 
 @pytest.mark.parametrize("total", [float("nan"), float("inf")])
 def test_norm_clipping_skips_a_step_with_a_non_finite_norm_and_warns(total):
     mode = NormClipping(1.0, FakeWorker([]), FakeNormSource([], (total, float("nan"))))
     with pytest.warns(RuntimeWarning, match=rf"optimizer step 8 skipped: the gradient norm is {total}"):
-        assert mode.scale_for_step([], None, 7) is None  # type: ignore[arg-type]
+        assert mode.scale_for_step([], None, 7, ()) is None  # type: ignore[arg-type]
     assert str(mode.last_norm) == str(total)
 
 
@@ -346,7 +407,7 @@ def test_norm_clipping_scale_over_real_records_is_torchs_clip_coefficient(scale,
             made.give(name, grad)
         mode = NormClipping(max_norm, made.worker, made.reduction)
         in_order = [made.records[i] for i in made.order.update_order()]
-        coef = mode.scale_for_step(in_order, made.slots, 0)
+        coef = mode.scale_for_step(in_order, made.slots, 0, ())
         total, clipped = _torch_clip(made.model, grads, max_norm)
         assert mode.last_norm == float(total)
         assert coef is not None and (coef < 1.0) == (max_norm < float(total))
@@ -376,7 +437,10 @@ def test_clip_in_place_equals_torch_clip_grad_norm(scale, max_norm):
                 assert torch.equal(made.grad(name), clipped[name]), name
             else:
                 assert made.grad(name) is None, "no gradient: torch has none to scale either"
-        assert all(r.norms is None and r.shard_sumsq is None for r in in_order), "stale after the scale"
+        if max_norm < float(want_total):
+            assert all(r.norms is None and r.shard_sumsq is None for r in in_order), "stale after the scale"
+        else:  # a scale of 1 changes no bit: the norms taken before still hold
+            assert all(r.norms is not None and r.shard_sumsq == 1.0 for r in in_order if r.states)
         again = global_norm(in_order, made.slots, max_norm)[0]  # a later norm reads the clipped gradients
         assert again == float(torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(g) for g in clipped.values()])))

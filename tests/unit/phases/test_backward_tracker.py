@@ -12,6 +12,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from offload.errors import OffloadError
+from offload.scheduler.modes.clipping import LastBackward
 from offload.scheduler.phases.backward_tracker import BackwardTracker
 from offload.scheduler.records.nonfinite import NonFiniteSkips
 from offload.scheduler.torch_internals import graph_task_id
@@ -116,11 +117,12 @@ def test_a_prediction_from_the_forward_stands_in_for_the_first_profile(predictab
 def test_declared_steps_say_which_backward_is_last():
     h = Harness(declared_steps=2)
     t = h.tracker
-    assert (t.keeps_grads_on_device, t.next_is_last, t.is_last_backward) == (True, False, False)
+    no, declared = LastBackward.NO, LastBackward.DECLARED
+    assert (t.keeps_grads_on_device, t.next_backward, t.is_last_backward) == (True, no, False)
     h.backward()
-    assert (t.keeps_grads_on_device, t.next_is_last, t.is_last_backward) == (True, True, False)
+    assert (t.keeps_grads_on_device, t.next_backward, t.this_backward, t.is_last_backward) == (True, declared, no, False)
     h.backward()
-    assert (t.keeps_grads_on_device, t.next_is_last, t.is_last_backward) == (False, False, True)
+    assert (t.keeps_grads_on_device, t.next_backward, t.this_backward, t.is_last_backward) == (False, no, declared, True)
     with pytest.raises(OffloadError, match="grad_accumulation_steps=2"):
         h.backward()
     t.end_step()
@@ -128,12 +130,31 @@ def test_declared_steps_say_which_backward_is_last():
     assert t.micro_batches == 1 and t.keeps_grads_on_device
 
 
-def test_undeclared_steps_never_keep_grads_on_the_device_nor_name_a_last_backward():
+def test_undeclared_steps_never_keep_grads_on_the_device_nor_declare_a_last_backward():
     h = Harness()
     for _ in range(3):
         h.backward()
         t = h.tracker
-        assert (t.keeps_grads_on_device, t.next_is_last, t.is_last_backward) == (False, False, False)
+        assert (t.keeps_grads_on_device, t.next_backward, t.this_backward, t.is_last_backward) == \
+            (False, LastBackward.NO, LastBackward.NO, False), "no step yet: nothing to guess from"
+
+
+def test_undeclared_the_last_steps_count_of_backward_passes_says_which_is_likely_the_last():
+    h = Harness()
+    t = h.tracker
+    h.backward()
+    h.backward()
+    t.end_step()  # a step of two backward passes
+    assert t.next_backward is LastBackward.NO
+    h.backward()
+    assert (t.this_backward, t.next_backward) == (LastBackward.NO, LastBackward.LIKELY)
+    h.backward()
+    assert (t.this_backward, t.is_last_backward) == (LastBackward.LIKELY, False), "likely, never declared"
+    h.backward()
+    assert t.this_backward is LastBackward.NO, "a third: the guess was wrong"
+    t.end_step()
+    t.end_step()  # zero_grad after step(): no backward in between, the count stays
+    assert t.last_step_micro_batches == 3
 
 
 def test_a_last_backward_that_raises_partway_failed_and_one_that_completes_did_not():

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from offload.errors import OffloadError
+from offload.scheduler.modes.clipping import LastBackward
 from offload.scheduler.modes.selection import Modes
 from offload.scheduler.phases.backward import BackwardPhase
 from offload.scheduler.phases.backward_tracker import BackwardTracker
@@ -103,6 +104,9 @@ class FakeRecord:
     def zero_grads(self, set_to_none: bool) -> None:
         self._log("zero_grads", set_to_none)
 
+    def forget_speculation(self) -> None:
+        self._log("forget_speculation")
+
     # sync
     def push(self) -> None:
         self._log("push")
@@ -138,20 +142,26 @@ class FakeClipping:
         self.log = log
         self.watch = watch
         self.scale = scale
-        self.updates_during_backward = updates_during_backward
+        self.updates_during_backward = updates_during_backward  # in the declared last one
         self.checks_each_block = checks_each_block
         self.last_norm = last_norm
 
-    def watches(self, block: FakeRecord, last: bool) -> bool:
-        self.log.append(("watches", block.index, last))
+    def updates_in(self, backward: LastBackward) -> bool:
+        return self.updates_during_backward and backward is LastBackward.DECLARED
+
+    def watches(self, block: FakeRecord, backward: LastBackward) -> bool:
+        self.log.append(("watches", block.index, backward))
         return self.watch
 
-    def block_complete(self, block: FakeRecord, hypers: StepHypers, last: bool) -> None:
-        self.log.append(("block_complete", block.index, last))
+    def block_complete(self, block: FakeRecord, hypers: StepHypers, backward: LastBackward) -> None:
+        self.log.append(("block_complete", block.index, backward))
 
-    def scale_for_step(self, blocks, slots, step: int) -> Optional[float]:
+    def scale_for_step(self, blocks, slots, step: int, hypers) -> Optional[float]:
         self.log.append(("scale_for_step", [b.index for b in blocks], step))
         return self.scale
+
+    def drop_step(self) -> None:
+        self.log.append(("drop_step",))
 
 
 class FakeSavedTensors:
@@ -298,7 +308,7 @@ def test_the_first_block_of_a_later_forward_before_the_last_backward_reads_state
     kit.forward.pre_forward([kit.blocks[2]])
     assert kit.calls("disk.read_ahead_for_backward") == [], "the next backward is not the last"
     kit.tracker.begin_backward(12345)  # one backward counted: the next is the last of 2
-    assert kit.tracker.next_is_last
+    assert kit.tracker.next_backward is LastBackward.DECLARED
     kit.forward.pre_forward([kit.blocks[0]])
     assert kit.calls("disk.read_ahead_for_backward") == [], "not the forward's first block"
     kit.forward.pre_forward([kit.blocks[2]])
@@ -325,9 +335,9 @@ def test_each_gradient_goes_to_its_record_and_the_block_completes_after_its_last
     assert sorted(c for c in got if c[0] == "receive_grad") == [("receive_grad", b, i) for b in range(3)
                                                                 for i in range(2)]
     for block in range(3):  # each block's completion comes right after its second gradient, once
-        position = got.index(("block_complete", block, False))
+        position = got.index(("block_complete", block, LastBackward.NO))
         assert [c[1] for c in got[position - 2:position]] == [block, block]
-        assert got.count(("block_complete", block, False)) == 1
+        assert got.count(("block_complete", block, LastBackward.NO)) == 1
     assert [c[1] for c in got if c[0] == "block_complete"] == [2, 1, 0], "the backward's order"
     assert kit.tracker.micro_batches == 1 and kit.clock.backward_seconds > 0
     for handle in handles:
@@ -341,7 +351,7 @@ def test_a_block_is_not_completed_when_the_clipping_mode_does_not_watch_it():
         kit.tracker.predict_from_forward(record.trainable_ids, True)
     _backward(kit)
     assert len(kit.calls("receive_grad")) == 6 and kit.calls("block_complete") == []
-    assert [c[1:] for c in kit.calls("watches")] == [(c[1], False) for c in kit.calls("receive_grad")]
+    assert [c[1:] for c in kit.calls("watches")] == [(c[1], LastBackward.NO) for c in kit.calls("receive_grad")]
 
 
 def test_without_a_profile_or_a_prediction_no_block_completes(kit):
@@ -361,12 +371,12 @@ def test_the_declared_last_backward_completes_blocks_as_last_and_reads_ahead():
     for record in kit.records:
         kit.tracker.predict_from_forward(record.trainable_ids, True)
     _backward(kit)
-    assert [c[2] for c in kit.calls("block_complete")] == [False] * 3
+    assert [c[2] for c in kit.calls("block_complete")] == [LastBackward.NO] * 3
     assert kit.calls("disk.read_ahead_for_backward") == []
     kit.log.clear()
     _backward(kit)
     assert kit.calls("disk.read_ahead_for_backward") != [], "begin_backward: the last one's updates read ahead"
-    assert [c[2] for c in kit.calls("block_complete")] == [True] * 3
+    assert [c[2] for c in kit.calls("block_complete")] == [LastBackward.DECLARED] * 3
     assert not kit.tracker.failed_last_backward, "it ran to its end"
 
 
@@ -434,7 +444,7 @@ def test_the_step_reads_the_hyperparameters_now_and_forgets_the_early_ones(kit):
 def test_zero_grad_zeroes_every_record_and_ends_the_steps_backward_count(kit):
     kit.tracker.begin_backward(1)
     kit.step.zero_grad(set_to_none=False)
-    assert kit.log == [("sync.check_open",)] + [("zero_grads", b, False) for b in range(3)]
+    assert kit.log == [("sync.check_open",)] + [("zero_grads", b, False) for b in range(3)] + [("drop_step",)]
     assert kit.tracker.micro_batches == 0
 
 

@@ -42,9 +42,9 @@ class Logged:
         self.inner = inner
         self.calls: List[str] = []
 
-    def load(self, start: int, stop: int):
+    def load(self, start: int, stop: int, shadow: bool = False):
         self.calls.append("load")
-        return self.inner.load(start, stop)
+        return self.inner.load(start, stop, shadow)
 
     def discard(self) -> None:
         self.calls.append("discard")

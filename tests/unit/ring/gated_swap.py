@@ -92,12 +92,12 @@ class GatedSwap:
             self.events.append(("read weights", key, start, data.data_ptr()))
         return self.swap.read(kind, key, start, data)
 
-    def write(self, kind: RecordKind, key: str, start: int, data):
+    def write(self, kind: RecordKind, key: str, start: int, data, shadow: bool = False):
         if kind is RecordKind.STATE:
             event: Event = ("write", key, start, data[0].data_ptr())
         else:
             event = ("write weights" if kind is RecordKind.WEIGHTS else "write grads", key, start, data.data_ptr())
-        return self._written(event, [self.swap.write(kind, key, start, data)])[0]
+        return self._written(event, [self.swap.write(kind, key, start, data, shadow)])[0]
 
     def _written(self, event: Event, futures: list) -> list:
         self.events.append(event)

@@ -160,9 +160,9 @@ class CallLog:
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
 
-    def load(self, start: int, stop: int):
+    def load(self, start: int, stop: int, shadow: bool = False):
         self.calls.append(("load", start))
-        return self._inner.load(start, stop)
+        return self._inner.load(start, stop, shadow)
 
     def store(self, chunk) -> None:
         self.calls.append(("store", chunk.start))
