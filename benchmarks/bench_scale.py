@@ -6,6 +6,8 @@ built on the meta device, initialized block by block by offload, trained a few s
     python benchmarks/bench_scale.py --quick              # ~100M parameters, a smoke run of < 1 minute
     python benchmarks/bench_scale.py --max-grad-norm 1.0  # clipping: the gradients wait on disk for the norm
     python benchmarks/bench_scale.py --moments int8       # int8 Adam moments: half the state on disk
+    python benchmarks/bench_scale.py --params-target 1.2e9 --clipping-rounds 2   # speculative clipping (issue 35):
+        # no clipping, and max_grad_norm=1.0 with norms below it and above it, in separate processes, interleaved
 
 The model is transformers' `LlamaForCausalLM` from a `LlamaConfig` (hidden 2560, MLP 6912, 20 heads, vocab
 32000, untied head, layers chosen to reach `--params-target`), built under `accelerate.init_empty_weights()`
@@ -28,16 +30,18 @@ same blocks and budgets, against the plan `wrap()` made and the swap file it all
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import resource
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from collections import namedtuple
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -323,11 +327,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--max-grad-norm", type=float, default=None,
                         help="clip to this global norm: every gradient waits for it (on disk: docs/design.md "
                              "[Note: gradients on disk])")
+    parser.add_argument("--loss-scale", type=float, default=1.0,
+                        help="multiply the loss before backward: the gradients and their global norm scale with it, "
+                             "which puts the norm below or above --max-grad-norm (the update is the same either way "
+                             "below it, Adam being scale-free up to eps)")
+    parser.add_argument("--no-speculation", action="store_true",
+                        help="speculative_clipping=False: every update waits for the global norm (before issue 35)")
+    parser.add_argument("--clipping-rounds", type=int, default=None,
+                        help="run this many interleaved rounds of three runs, each its own process: no clipping, "
+                             "--max-grad-norm 1.0 with the loss x 1e-3 (norms below it: speculation kept) and x 1e3 "
+                             "(clipping fires every step), and print each run's steps and the efficiencies' medians")
+    parser.add_argument("--result-json", default=None, help=argparse.SUPPRESS)  # a child of --clipping-rounds
     parser.add_argument("--moments", choices=[m.value for m in MomentFormat], default="fp32",
                         help="how the Adam moments are kept (offload.wrap's moments=): fp32 (exact), bf16, int8")
     parser.add_argument("--quick", action="store_true",
                         help="~100M parameters (hidden 768), budgets 250MB + 200MB: a smoke run (< 1 min)")
     args = parser.parse_args(argv)
+    if args.clipping_rounds:
+        return clipping_rounds(args, argv if argv is not None else sys.argv[1:])
     if args.quick:  # weights on device, host and disk
         args.dim, args.hidden, args.heads = 768, 2048, 6
         defaults = dict(params_target=1e8, host_memory="250MB", device_memory="200MB")
@@ -394,7 +411,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         engine = offload.wrap(model, tier="nvme", nvme_path=swap_dir, dtype=torch.bfloat16, device="cpu", lr=1e-4,
                               weight_decay=0.0,
                               host_memory=host_memory, device_memory=device_memory, grad_accumulation_steps=1,
-                              max_grad_norm=args.max_grad_norm, init=init_fn, moments=moments)
+                              max_grad_norm=args.max_grad_norm, init=init_fn, moments=moments,
+                              speculative_clipping=not args.no_speculation)
         wrap_seconds = time.perf_counter() - t0
         if init_bar is not None:
             init_bar.close()
@@ -418,6 +436,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         progress = Progress(layer_list, len(engine.blocks))
         remove_observer = engine.add_observer(progress)
         losses: List[float] = []
+        norms: List[Optional[float]] = []
         stats_per_step = []
         autocast = torch.autocast("cpu", dtype=torch.bfloat16)  # norms stay fp32: a bf16 Linear after them needs it
         for step, ids in enumerate(batches, 1):
@@ -426,8 +445,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             start = time.perf_counter()
             with autocast:
                 loss = engine(input_ids=ids, labels=ids).loss
-            loss.backward()
-            engine.step()
+            (loss * args.loss_scale if args.loss_scale != 1.0 else loss).backward()
+            norm = engine.step()  # the global norm it clipped with; None without clipping
+            norms.append(None if norm is None else float(norm))
             engine.zero_grad()
             engine.synchronize()
             seconds = time.perf_counter() - start
@@ -472,6 +492,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                              wait_s=d.get("wait_seconds", 0.0),
                              io_wait_s=d.get("nvme_io_wait_seconds", 0.0),
                              early_updates=d.get("early_block_updates", 0),
+                             grad_norm=norms[step - 1] if norms[step - 1] is not None else "",
+                             speculated=d.get("speculative_updates", 0),
+                             kept=d.get("committed_speculations", 0),
                              fetches=d.get("block_fetches", 0)))
         capacity = (ram + free_before) / per_param
         t_cpu = n_params * 30 / dram
@@ -514,7 +537,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         columns = ["step", "step_s", "loss", "disk_read_GB", "disk_written_GB", "grads_to_disk_GB", "grads_from_disk_GB",
                    "T_read_s", "T_write_s", "bound_s",
                    "efficiency", "forward_s", "backward_s", "wait_s", "update_s", "io_wait_s", "early_updates",
-                   "fetches"]
+                   "grad_norm", "speculated", "kept", "fetches"]
         print_table([{k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows], columns)
 
         # ----- estimate vs plan ----------------------------------------------------------------------------------
@@ -549,6 +572,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("bytes per tier against wrap()'s plan: " + "; ".join(verdicts))
         if leftovers:
             print(f"WARNING: files left in the swap directory after close(): {leftovers}")
+        if args.result_json:
+            with open(args.result_json, "w") as f:
+                json.dump(dict(rows=rows, rss_growth_GB=(peak - rss_base) / GB), f)
         print(f"swap directory {swap_dir} removed")
 
         if not args.quick:
@@ -558,10 +584,70 @@ def main(argv: Optional[List[str]] = None) -> int:
                                             disk_read_GBps=disk.read / GB, disk_write_GBps=disk.write / GB,
                                             wrap_s=wrap_seconds, model=described.split(" (")[0],
                                             max_grad_norm=args.max_grad_norm, moments=moments.value,
+                                            loss_scale=args.loss_scale, speculation=not args.no_speculation,
                                             malloc_env=" ".join(malloc_env)) for r in rows])
         return 0
     finally:  # an error midway must not strand a 30+ GB swap file (the engine's and the probe's files live here)
         shutil.rmtree(swap_dir, ignore_errors=True)
+
+
+CLIPPING_REGIMES = {"no clipping": [], "max_grad_norm=1.0, norms below (loss x 1e-3)":
+                    ["--max-grad-norm", "1.0", "--loss-scale", "1e-3"],
+                    "max_grad_norm=1.0, clips every step (loss x 1e3)": ["--max-grad-norm", "1.0", "--loss-scale", "1e3"]}
+
+
+def clipping_rounds(args: argparse.Namespace, argv: List[str]) -> int:
+    """Issue 35's comparison: each regime runs as its own process (its own swap file, its own peak RSS), round
+    after round, so that the machine's drift falls on all three alike; the efficiency of steps 2.. (step 1 fills
+    the ring and speculates for the first time) is summarized per regime as median and range."""
+    passthrough: List[str] = []
+    skip = False
+    for arg in argv:  # the child gets this command line without the driver's own flags
+        if skip:
+            skip = False
+            continue
+        if arg.split("=")[0] in ("--clipping-rounds", "--max-grad-norm", "--loss-scale", "--result-json"):
+            skip = "=" not in arg
+            continue
+        passthrough.append(arg)
+    print(machine_header())
+    print(f"# speculative clipping at scale: {args.clipping_rounds} rounds of {len(CLIPPING_REGIMES)} runs, each its "
+          f"own process: bench_scale.py {' '.join(passthrough)} [+ the regime's flags]")
+    results: Dict[str, List[dict]] = {name: [] for name in CLIPPING_REGIMES}
+    with tempfile.TemporaryDirectory(prefix="offload-scale-rounds-") as scratch:
+        for round_ in range(1, args.clipping_rounds + 1):
+            for name, flags in CLIPPING_REGIMES.items():
+                out = os.path.join(scratch, "result.json")
+                command = [sys.executable, __file__, *passthrough, *flags, "--result-json", out]
+                print(f"# round {round_}, {name}: {' '.join(command[1:])}", flush=True)
+                done = subprocess.run(command, stdout=subprocess.DEVNULL)
+                if done.returncode != 0:
+                    print(f"round {round_}, {name}: the run failed (exit {done.returncode})", file=sys.stderr)
+                    return done.returncode
+                with open(out) as f:
+                    result = json.load(f)
+                for row in result["rows"]:
+                    results[name].append(dict(row, round=round_, regime=name, rss_growth_GB=result["rss_growth_GB"]))
+    rows = [r for runs in results.values() for r in runs]
+    columns = ["regime", "round", "step", "step_s", "efficiency", "bound_s", "grad_norm", "speculated", "kept",
+               "backward_s", "update_s", "wait_s", "disk_read_GB", "disk_written_GB", "rss_growth_GB"]
+    print_table([{k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows], columns)
+    print()
+    summary = []
+    base: Optional[float] = None
+    for name, runs in results.items():
+        eff = sorted(r["efficiency"] for r in runs if r["step"] > 1)
+        steps = sorted(r["step_s"] for r in runs if r["step"] > 1)
+        median = eff[len(eff) // 2] if len(eff) % 2 else (eff[len(eff) // 2 - 1] + eff[len(eff) // 2]) / 2
+        step_median = steps[len(steps) // 2] if len(steps) % 2 else (steps[len(steps) // 2 - 1] +
+                                                                     steps[len(steps) // 2]) / 2
+        base = median if base is None else base
+        summary.append(dict(regime=name, steps=len(eff), efficiency_median=f"{median:.3f}",
+                            efficiency_range=f"{eff[0]:.3f}-{eff[-1]:.3f}", step_s_median=f"{step_median:.2f}",
+                            vs_no_clipping=f"{median - base:+.3f}"))
+    print_table(summary, ["regime", "steps", "efficiency_median", "efficiency_range", "step_s_median",
+                          "vs_no_clipping"])
+    return 0
 
 
 if __name__ == "__main__":
