@@ -107,7 +107,8 @@ def train(case: dict, out: str) -> None:
     state = engine.state_dict()
     stats = engine.stats()
     plan = dict(shard_world=engine.plan.shard_world, disk=list(engine.plan.disk_weight_blocks),
-                swap_bytes=dist_all(swap_bytes(options.get("nvme_path"), rank)))
+                swap_bytes=dist_all(swap_bytes(options.get("nvme_path"), rank)),
+                shadow_bytes=sum(b.shadow_disk_bytes for b in engine.plan.blocks))  # speculative clipping's
     engine.close()
     ddp, ddp_optimizer = train_ddp(case) if case.get("ddp") else (None, None)
     if rank == 0:

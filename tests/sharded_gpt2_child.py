@@ -69,7 +69,8 @@ def main() -> None:
     flat = torch.cat([v.reshape(-1) for v in state.values()])
     first = flat.clone()
     dist.broadcast(first, src=0)
-    result = dict(loaded=loaded[0], marks=marks, losses=losses, growth=growth, swap_bytes=swap_bytes, shard_world=engine.plan.shard_world,
+    result = dict(loaded=loaded[0], marks=marks, losses=losses, growth=growth, swap_bytes=swap_bytes,
+                  shadow_bytes=sum(b.shadow_disk_bytes for b in engine.plan.blocks), shard_world=engine.plan.shard_world,
                   disk=list(engine.plan.disk_weight_blocks), agree=bool(torch.equal(flat, first)))
     engine.close()
     rows = [None] * world
