@@ -99,6 +99,9 @@ class GatedSwap:
             event = ("write weights" if kind is RecordKind.WEIGHTS else "write grads", key, start, data.data_ptr())
         return self._written(event, [self.swap.write(kind, key, start, data, shadow)])[0]
 
+    def has_weight_shadow(self, key: str) -> bool:
+        return self.swap.has_weight_shadow(key)
+
     def _written(self, event: Event, futures: list) -> list:
         self.events.append(event)
         if not self.hold_writes and self.fail_writes is None:
