@@ -243,8 +243,9 @@ def clipping_rows(args: argparse.Namespace) -> None:
     tier = dict(tier=args.clipping, nvme_path=swap_dir if args.clipping == "nvme" else None, device="cpu",
                 lr=1e-4, weight_decay=0.01, grad_accumulation_steps=1)
     engines = {"no clipping": offload.wrap(twin(), **tier),
-               "speculative, norms below": offload.wrap(twin(), **tier, max_grad_norm=1.0),
-               "speculative, clips every step": offload.wrap(twin(), **tier, max_grad_norm=1.0),
+               "speculative, norms below": offload.wrap(twin(), **tier, max_grad_norm=1.0, speculative_clipping=True),
+               "speculative, clips every step": offload.wrap(twin(), **tier, max_grad_norm=1.0,
+                                                             speculative_clipping=True),
                "today's clipping": offload.wrap(twin(), **tier, max_grad_norm=1.0, speculative_clipping=False)}
     compute_model, torch_model = twin(), twin()
     torch_opt = torch.optim.AdamW(torch_model.parameters(), lr=1e-4, weight_decay=0.01)

@@ -42,7 +42,7 @@ def wrap(
     moments: Union[str, MomentFormat] = "fp32",
     activations: Optional[str] = None,
     shard_weights: Optional[bool] = None,
-    speculative_clipping: bool = True,
+    speculative_clipping: Optional[bool] = None,
     weights: Optional[Union[str, os.PathLike]] = None,
     init: Optional[Callable[[nn.Module], None]] = None,
     **unknown: object,
@@ -87,7 +87,8 @@ def wrap(
             (ZeRO-3), so a machine holds one copy of the model, not one per rank; False keeps all of them on
             every rank; None (default) shards when the whole weights do not fit `host_memory`. Reading
             weights outside a forward (state_dict, save) is then a collective: every rank must do it.
-        speculative_clipping: with `max_grad_norm` (True, the default): each block updates as soon as the last
+        speculative_clipping: with `max_grad_norm` (None, the default, is True except on the cpu tier computing on
+            the CPU itself, whose updates would share the backward's cores): each block updates as soon as the last
             backward completes its gradients, as without clipping, into shadow copies of its state (in host
             memory on the cpu tier, in the swap file on the nvme tier, as far as the plan finds room: it says
             where), on the speculation that the step will not clip; `step()` keeps them when the global norm is

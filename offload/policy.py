@@ -161,7 +161,8 @@ class OffloadPolicy:
         speculative_clipping: with `max_grad_norm`, whether blocks update during the last backward anyway, into
             shadow copies of their state, on the speculation that the step will not clip (committed when it does
             not, redone from the untouched state when it does: the same bits either way). See docs/design.md
-            [Note: speculative clipping].
+            [Note: speculative clipping]. None (default): yes, except on the cpu tier computing on the CPU itself,
+            where the updates would share the backward's cores and the shadows' copies cost more than they hide.
     """
 
     tier: Tier = Tier.CPU
@@ -181,7 +182,16 @@ class OffloadPolicy:
     moments: MomentFormat = MomentFormat.FP32
     activations: Activations = Activations.KEEP
     shard_weights: ShardWeights = ShardWeights.AUTO
-    speculative_clipping: bool = True
+    speculative_clipping: Optional[bool] = None
+
+    @property
+    def speculates(self) -> bool:
+        """Whether clipping speculates (see `speculative_clipping`)."""
+        if self.max_grad_norm is None:
+            return False
+        if self.speculative_clipping is not None:
+            return self.speculative_clipping
+        return not (self.tier is Tier.CPU and self.device.type == "cpu")
 
     @property
     def step_returns_early(self) -> bool:
@@ -245,8 +255,9 @@ class OffloadPolicy:
                 "shard_weights=None")
         if not isinstance(self.moments, MomentFormat):
             raise OffloadConfigError(f"moments must be a MomentFormat, got {self.moments!r}; use MomentFormat.parse()")
-        if not isinstance(self.speculative_clipping, bool):
-            raise OffloadConfigError(f"speculative_clipping must be True or False, got {self.speculative_clipping!r}")
+        if self.speculative_clipping is not None and not isinstance(self.speculative_clipping, bool):
+            raise OffloadConfigError(
+                f"speculative_clipping must be True, False or None, got {self.speculative_clipping!r}")
         if self.overlap_step is not None and not isinstance(self.overlap_step, bool):
             raise OffloadConfigError(f"overlap_step must be True, False or None, got {self.overlap_step!r}")
 

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 import torch
@@ -36,7 +36,7 @@ REGIMES = [pytest.param(BELOW, id="norms-below"), pytest.param(ABOVE, id="clips-
 one_thread = pytest.fixture(autouse=True)(one_intraop_thread)
 
 
-def _engine(tmp_path: Path, tier: str, clip: float, speculate: bool, **options):
+def _engine(tmp_path: Path, tier: str, clip: float, speculate: Optional[bool], **options):
     torch.manual_seed(0)
     if tier == "nvme":
         options["nvme_path"] = str(tmp_path / f"swap-{speculate}")
@@ -559,6 +559,12 @@ def test_the_plan_says_where_speculation_runs_and_what_it_costs(tmp_path):
         assert disk == sum(b.state_bytes for b in engine.plan.blocks if b.shadowed) > 0
     with _engine(tmp_path, "cpu", 1.0, False) as engine:
         assert "speculative clipping: off (speculative_clipping=False)" in str(engine.plan)
+    # unset: off where the CPU computes and the cpu tier updates on the same cores; on for the nvme tier
+    with _engine(tmp_path, "cpu", 1.0, None, grad_accumulation_steps=1) as engine:
+        assert "speculative clipping: off (the cpu tier computing on the CPU" in str(engine.plan)
+        assert not engine.plan.shadowed_blocks
+    with _engine(tmp_path, "nvme", 1.0, None, grad_accumulation_steps=1) as engine:
+        assert engine.plan.shadowed_blocks, str(engine.plan)
     torch.manual_seed(0)
     with offload.wrap(TinyGPT(), tier="gpu", device="cpu", max_grad_norm=1.0) as engine:
         assert "speculative clipping: off: the gpu tier updates on the device" in str(engine.plan)

@@ -68,9 +68,12 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
     largest_record = _largest_part(blocks, dp, sharded)
     ring = ring_size_for(largest_record, policy.moments) if records else None
     plan = dataclasses.replace(_make_plan(blocks, policy, ring, dp, sharded, disk_room), precision=_precision(policy))
-    if policy.max_grad_norm is not None and not policy.speculative_clipping:
-        plan = dataclasses.replace(plan, speculation="off (speculative_clipping=False): every update waits for "
-                                                    "the global norm, after the backward")
+    if policy.max_grad_norm is not None and not policy.speculates:
+        why = ("speculative_clipping=False" if policy.speculative_clipping is False else
+               "the cpu tier computing on the CPU: updates during the backward would share its cores; "
+               "speculative_clipping=True forces it")
+        plan = dataclasses.replace(plan, speculation=f"off ({why}): every update waits for the global norm, after "
+                                                    "the backward")
     if dp is not None:
         _refuse_plans_that_differ(plan, dp)
     if dp is not None and not sharded and plan.disk_weight_blocks:
@@ -139,7 +142,7 @@ def _disk_room(policy: OffloadPolicy, dp: Optional[DataParallel]) -> Optional[in
     """Free disk the speculation's shadows may plan on: the swap directory's free space, shared among the ranks of
     a node (they write to the same disk, as a rule), the least of any rank (every rank must make the same plan).
     None: no shadows on disk to plan."""
-    speculate = policy.max_grad_norm is not None and policy.speculative_clipping
+    speculate = policy.speculates
     if not (speculate and policy.tier is Tier.NVME and policy.nvme_path):
         return None
     free = shutil.disk_usage(policy.nvme_path).free
@@ -153,7 +156,7 @@ def _make_plan(blocks: List[Block], policy: OffloadPolicy, ring: Optional[RingSi
     """The plan of one rank: its part of the state (and of the weights, `sharded`) among the data-parallel ranks."""
     world = 1 if dp is None else dp.world
     flow = GradFlow(policy.grad_accumulation_steps, policy.max_grad_norm is not None, policy.dtype.itemsize)
-    speculate = policy.max_grad_norm is not None and policy.speculative_clipping
+    speculate = policy.speculates
     return make_plan([b.spec(policy.tier, policy.moments, world, sharded) for b in blocks], policy.tier,
                      policy.device_memory, policy.host_memory, ring, flow, world if sharded else 1, speculate,
                      disk_room, updates_write_device=policy.device.type == "cpu")
