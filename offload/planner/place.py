@@ -135,7 +135,8 @@ def _shadows(blocks: Sequence[BlockSpec], placements: List[BlockPlacement], host
              updates_write_device: bool) -> Tuple[List[BlockPlacement], Optional[int], str]:
     """Speculative clipping's shadows, last blocks first, while the budgets leave room: each block's state shadow
     lives where its state does, its weight shadow where the update writes (host memory for weights kept there;
-    the device for resident weights when it is the host's CPU, none for resident weights on a GPU, whose host
+    the device for resident weights when it is the host's CPU, or host memory when the device budget is full,
+    since both are the same RAM there; none for resident weights on a GPU, whose host
     upload source nothing else reads; disk with weights on disk). (placements, host bytes left, the plan's
     line)."""
     out = list(placements)
@@ -149,11 +150,17 @@ def _shadows(blocks: Sequence[BlockSpec], placements: List[BlockPlacement], host
             weights_at = None  # the update writes a host copy that only the upload after it reads: no shadow
         # on disk the weight record's shadow is the whole record (its frozen part too), the rank's part if sharded
         weight_need = {Location.DISK: spec.weight_bytes if spec.part_weight_bytes is None else spec.part_weight_bytes}
-        need = {location: (spec.shadow_state_bytes if placed.state is location else 0)
-                + (weight_need.get(location, spec.shadow_weight_bytes) if weights_at is location else 0)
-                for location in (Location.HOST, Location.DISK, Location.DEVICE)}
         left = {Location.HOST: host_left, Location.DISK: disk_left, Location.DEVICE: device_left}
-        if any(left[at] is not None and need[at] > left[at] for at in need):  # type: ignore[operator]
+        # the CPU computing: its "device" memory is host memory, so a resident block's weight shadow may take
+        # either budget (device first)
+        choices = [weights_at, Location.HOST] if weights_at is Location.DEVICE else [weights_at]
+        for weights_at in choices:
+            need = {location: (spec.shadow_state_bytes if placed.state is location else 0)
+                    + (weight_need.get(location, spec.shadow_weight_bytes) if weights_at is location else 0)
+                    for location in (Location.HOST, Location.DISK, Location.DEVICE)}
+            if not any(left[at] is not None and need[at] > left[at] for at in need):  # type: ignore[operator]
+                break
+        else:
             missing = missing or (placed.name, (need[Location.HOST], need[Location.DISK], need[Location.DEVICE]))
             continue
         host_left = None if host_left is None else host_left - need[Location.HOST]
