@@ -95,7 +95,12 @@ def main(argv: List[str] = None) -> None:
             for step in range(3 + args.steps):
                 recorder.on = step >= 3
                 start = time.perf_counter()
-                loss = engine(idx, tgt)
+                # offload keeps norm weights fp32 when computing in bfloat16, as autocast does: the forward runs
+                # under autocast so that a norm's fp32 output meets the next layer in its dtype (CUDA's layer_norm
+                # takes no mixed dtypes; the CPU's does)
+                with torch.autocast(device_type=torch.device(args.device).type, dtype=dtype,
+                                    enabled=dtype != torch.float32):
+                    loss = engine(idx, tgt)
                 sync()
                 middle = time.perf_counter()
                 loss.backward()
