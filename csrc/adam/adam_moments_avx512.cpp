@@ -10,9 +10,9 @@
 //     flushes subnormal inputs to zero: a vector holding one takes the integer code (to_bf16).
 // Measured on one Zen 4 core with the data in L2 (bf16 gradient in, bf16 copy out): int8 3.9 cycles a parameter
 // against the F/BW kernel's 5.3, bf16 1.6 against 2.3 (the divider's bound, two divisions and a square root per
-// 16 lanes, is 1.4). The CRCs of step_crc come from adam_moments_dispatch.cpp (spans re-read from L1/L2 by crc32c's
-// vpclmulqdq path, 0.5 cycles a parameter): folding them into these loops, with crc32 chains or vpclmulqdq
-// accumulators, measured the same or slower.
+// 16 lanes, is 1.4). step_crc: the int8 step feeds the CRCs of what it writes to crc32 chains inside its loops
+// (StepCrcs, GroupCrcs: 4.3 -> 3.8 cycles a parameter, the step without CRCs 3.8); the bf16 step checksums spans
+// from L1/L2 after stepping them (carry-less folding in crc32c, as the other variants do).
 // Headers with templates are included before the target pragma, so their instantiations stay baseline x86-64.
 #include <algorithm>
 #include <cfloat>
@@ -22,6 +22,7 @@
 #include <immintrin.h>
 
 #include "adam/adam_moments.h"
+#include "common/crc32c.h"
 
 #pragma GCC push_options
 // gcc 12 warns inside its own avx512 intrinsics (their _mm512_undefined_* placeholders): a false positive.
@@ -30,7 +31,7 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 // No contraction of a*b+c into fma beyond the ones written: keep the rounding steps of adam_kernels.h.
 #pragma GCC optimize("fp-contract=off")
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bf16,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bf16,fma,f16c,sse4.2,pclmul")
 #include "adam/avx512_common.h"
 #include "adam/moment_codes.h"
 
@@ -311,6 +312,123 @@ inline float scale_from_bits(__m512i max_bits, const float* vals, int64_t count)
 // A stored scale the fast decode takes: not NaN, no infinity in the block (the sign bit clear).
 OFFLOAD_HOT bool plain_scale(float scale) { return !std::signbit(scale) && !std::isnan(scale); }
 
+// --- the CRCs of what a step writes ------------------------------------------------------------------------------
+
+// The running CRC-32C of each piece a step writes (MomentCrc), as raw states (complemented, as the crc32 instruction
+// runs them). The kernels feed them with the crc32 instruction, which runs beside the vector work (its own unit: on
+// Zen 4 a crc32 and a vector multiply or permute issue together), from the bytes of the group of 16 vectors before
+// the one being stepped (in L1). A chain of crc32 is serial (3 cycles a word), and one chain per piece fell behind
+// the vector work and stalled it; so each group's piece is cut in 256-byte ranges, one chain each (a p range is 4
+// vectors' bytes), fed in turn so each chain gets a word every ~2 cycles of vector work, and joined when the group
+// is done by carry-less shifts (crc32c_xpow).
+struct StepCrcs {
+  uint64_t s[kCrcCount];
+  uint64_t shift[4];  // keys of x^(8 d) for d = 0 (unused), 256, 512, 768 bytes
+  explicit StepCrcs(const uint32_t* crcs) {
+    for (int k = 0; k < kCrcCount; ++k) s[k] = ~crcs[k] & 0xffffffffu;
+    static const ShiftKeys keys;
+    for (int j = 0; j < 4; ++j) shift[j] = keys.k[j];
+  }
+  void store(uint32_t* crcs) const {
+    for (int k = 0; k < kCrcCount; ++k) crcs[k] = ~static_cast<uint32_t>(s[k]);
+  }
+  // Continues piece k over n bytes at data (any n: the library's path; for the ends of a range).
+  void add(int k, const void* data, int64_t n) {
+    if (n > 0) s[k] = ~crc32c(data, static_cast<size_t>(n), ~static_cast<uint32_t>(s[k])) & 0xffffffffu;
+  }
+  struct ShiftKeys {
+    uint64_t k[4];
+    ShiftKeys() : k{0, crc32c_xpow(8 * 256 - 33), crc32c_xpow(8 * 512 - 33), crc32c_xpow(8 * 768 - 33)} {}
+  };
+};
+
+OFFLOAD_HOT uint64_t load64(const void* p) {
+  uint64_t w;
+  std::memcpy(&w, p, 8);
+  return w;
+}
+
+// A raw CRC state after 256 * j more zero bytes (j = 1..3).
+OFFLOAD_HOT uint64_t crc_shift(uint64_t state, uint64_t key) {
+  const __m128i product = _mm_clmulepi64_si128(_mm_cvtsi64_si128(static_cast<int64_t>(state)),
+                                               _mm_cvtsi64_si128(static_cast<int64_t>(key)), 0x00);
+  return _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(product)));
+}
+
+// One piece of a group of 16 vectors: kBytes per vector (a multiple of 16), 16 * kBytes in all, as kChains = kBytes / 16
+// ranges of 256 bytes. Chain 0 continues the piece's state; the others start from 0.
+template <int kBytes>
+struct PieceChains {
+  static constexpr int kChains = kBytes / 16;
+  static_assert(kBytes % 16 == 0 && kChains >= 1 && kChains <= 4, "256-byte ranges, at most 4");
+  uint64_t c[kChains];
+  OFFLOAD_HOT void start(uint64_t state) {
+    c[0] = state;
+    for (int j = 1; j < kChains; ++j) c[j] = 0;
+  }
+  // Vector q's bytes (kBytes at group + q * kBytes) go to chain q % kChains, at (q / kChains) * kBytes of its range.
+  OFFLOAD_HOT void feed(const uint8_t* group, int q) {
+    const int j = q % kChains;
+    const uint8_t* at = group + 256 * j + (q / kChains) * kBytes;
+#pragma GCC unroll 8
+    for (int w = 0; w < kBytes / 8; ++w) c[j] = _mm_crc32_u64(c[j], load64(at + 8 * w));
+  }
+  OFFLOAD_HOT uint64_t finish(const uint64_t* shift) const {
+    uint64_t state = c[kChains - 1];
+    for (int j = 0; j + 1 < kChains; ++j) state ^= crc_shift(c[j], shift[kChains - 1 - j]);
+    return state;
+  }
+};
+
+// The chains of every piece of one group: p (64 bytes a vector), out (kOutBytes a value; 0: none), both moments
+// (kCodeBytes a value).
+template <int kOutBytes, int kCodeBytes>
+struct GroupCrcs {
+  PieceChains<64> p;
+  PieceChains<16 * kCodeBytes> m, v;
+  PieceChains<kOutBytes ? 16 * kOutBytes : 16> out;
+  const uint8_t *gp, *gm, *gv, *gout;  // the group's bytes of each piece
+  OFFLOAD_HOT void start(const StepCrcs& crc, const MomentBuffers& b, int64_t first) {
+    gp = reinterpret_cast<const uint8_t*>(b.p + first);
+    gm = static_cast<const uint8_t*>(b.m) + kCodeBytes * first;
+    gv = static_cast<const uint8_t*>(b.v) + kCodeBytes * first;
+    p.start(crc.s[kCrcParam]);
+    m.start(crc.s[kCrcExpAvg]);
+    v.start(crc.s[kCrcExpAvgSq]);
+    if constexpr (kOutBytes > 0) {
+      gout = static_cast<const uint8_t*>(b.out) + kOutBytes * first;
+      out.start(crc.s[kCrcOut]);
+    }
+  }
+  OFFLOAD_HOT void feed(int q) {
+    p.feed(gp, q);
+    m.feed(gm, q);
+    v.feed(gv, q);
+    if constexpr (kOutBytes > 0) out.feed(gout, q);
+  }
+  OFFLOAD_HOT void finish(StepCrcs& crc) const {
+    crc.s[kCrcParam] = p.finish(crc.shift);
+    crc.s[kCrcExpAvg] = m.finish(crc.shift);
+    crc.s[kCrcExpAvgSq] = v.finish(crc.shift);
+    if constexpr (kOutBytes > 0) crc.s[kCrcOut] = out.finish(crc.shift);
+  }
+};
+
+// Bytes of one out value of a step (0: no out).
+template <DType O, bool kHasOut>
+constexpr int out_bytes() {
+  return !kHasOut ? 0 : O == DType::kFloat32 ? 4 : 2;
+}
+
+// The pieces of elements [begin, end) from memory (the ends of a range, that no later vector carried).
+inline void crc_range(StepCrcs& crc, const MomentBuffers& b, int out_size, int code_size, int64_t begin, int64_t end) {
+  const int64_t n = end - begin;
+  crc.add(kCrcParam, b.p + begin, 4 * n);
+  if (out_size > 0) crc.add(kCrcOut, static_cast<const uint8_t*>(b.out) + out_size * begin, out_size * n);
+  crc.add(kCrcExpAvg, static_cast<const uint8_t*>(b.m) + code_size * begin, code_size * n);
+  crc.add(kCrcExpAvgSq, static_cast<const uint8_t*>(b.v) + code_size * begin, code_size * n);
+}
+
 // --- the step --------------------------------------------------------------------------------------------------
 
 // The operands of one call, in locals (the compiler reloads a struct's pointers after every store through them).
@@ -356,6 +474,20 @@ void step_bf16(const MomentBuffers& b, const AdamConstants& constants, int64_t b
   for (; i < end; i += kLanes) bf16_vector<G, O, kHasOut>(o, m16, v16, c, i, lanes(end - i));
 }
 
+// The bf16 step with its CRCs: spans of 4096 elements, each read back from L1/L2 right after it is stepped (carry-less
+// folding in crc32c). The crc32 chains of the int8 step do not pay here: the bf16 step writes 10 bytes a parameter
+// in 1.6 cycles, and chaining them all made the crc32 unit its bottleneck (2.5 cycles a parameter against 2.2);
+// chaining p and m alone measured the same as this.
+template <DType G, DType O, bool kHasOut>
+void step_bf16_crc(const MomentBuffers& b, const AdamConstants& constants, int64_t begin, int64_t end, StepCrcs* crc) {
+  constexpr int64_t kSpan = 4096;
+  for (int64_t start = begin; start < end; start += kSpan) {
+    const int64_t stop = std::min(end, start + kSpan);
+    step_bf16<G, O, kHasOut>(b, constants, start, stop);
+    crc_range(*crc, b, out_bytes<O, kHasOut>(), 2, start, stop);
+  }
+}
+
 // Decodes the block [start, stop) element by element (a block with a NaN or infinite scale: rare) into m and s.
 inline void decode_block_scalar(const MomentBuffers& b, int64_t start, int64_t stop, float* m, float* s) {
   const MomentMaps& maps = moment_maps();
@@ -377,12 +509,23 @@ struct NewBlock {
   bool fast;  // both scales take the vector encoder
 };
 
+// The block's new scales into the CRCs of the scales pieces.
+OFFLOAD_HOT void int8_scale_crcs(const NewBlock& nb, StepCrcs* crc) {
+  uint32_t m_bits, s_bits;
+  std::memcpy(&m_bits, &nb.m_scale, 4);
+  std::memcpy(&s_bits, &nb.s_scale, 4);
+  crc->s[kCrcExpAvgScales] = _mm_crc32_u32(static_cast<uint32_t>(crc->s[kCrcExpAvgScales]), m_bits);
+  crc->s[kCrcExpAvgSqScales] = _mm_crc32_u32(static_cast<uint32_t>(crc->s[kCrcExpAvgSqScales]), s_bits);
+}
+
 // The first sweep over an int8 block [start, start + count) (count = kInt8Block when kFull): decode m and sqrt(v)
 // 64 at a time and run the Adam maths on them, into `nb` with the running maxima of their magnitudes; then the
 // block's new scales (stored: its old ones are read).
-template <DType G, DType O, bool kHasOut, bool kFull>
+// kCrc: each vector also carries the bytes of the same 16 elements of the block before (`start - kInt8Block`, whose
+// codes are written) into *crc, and the block's new scales go into theirs.
+template <DType G, DType O, bool kHasOut, bool kFull, bool kCrc>
 OFFLOAD_HOT void int8_update(const MomentBuffers& b, const Operands& o, const Constants512& c, const Int8Codec& codec,
-                             int64_t start, int64_t count, NewBlock& nb) {
+                             int64_t start, int64_t count, NewBlock& nb, StepCrcs* crc) {
   const uint8_t* mc = static_cast<const uint8_t*>(b.m);
   const uint8_t* vc = static_cast<const uint8_t*>(b.v);
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
@@ -405,11 +548,14 @@ OFFLOAD_HOT void int8_update(const MomentBuffers& b, const Operands& o, const Co
     }
   }
   __m512i m_max = _mm512_setzero_si512(), s_max = _mm512_setzero_si512();
+  [[maybe_unused]] GroupCrcs<out_bytes<O, kHasOut>(), 1> g;
+  if constexpr (kCrc) g.start(*crc, b, start - kInt8Block);
 #pragma GCC unroll 16
   for (int64_t at = 0; at < count; at += kLanes) {
     const __mmask16 k = kFull ? static_cast<__mmask16>(0xffff) : lanes(count - at);
     __m512 m = _mm512_load_ps(nb.m + at), s = _mm512_load_ps(nb.s + at);
     adam16<G, O, kHasOut>(o, c, start + at, k, m, s);
+    if constexpr (kCrc) g.feed(static_cast<int>(at / kLanes));
     _mm512_store_ps(nb.m + at, m);
     _mm512_store_ps(nb.s + at, s);
     const __m512i m_bits = _mm512_and_si512(_mm512_castps_si512(m), abs_mask);
@@ -422,11 +568,13 @@ OFFLOAD_HOT void int8_update(const MomentBuffers& b, const Operands& o, const Co
       s_max = _mm512_mask_max_epu32(s_max, k, s_max, s_bits);
     }
   }
+  if constexpr (kCrc) g.finish(*crc);
   nb.m_scale = scale_from_bits(m_max, nb.m, count);
   nb.s_scale = scale_from_bits(s_max, nb.s, count);
   nb.fast = Int8Codec::encodes_fast(nb.m_scale) && Int8Codec::encodes_fast(nb.s_scale);
   b.m_scales[blk] = nb.m_scale;
   b.v_scales[blk] = nb.s_scale;
+  if constexpr (kCrc) int8_scale_crcs(nb, crc);
 }
 
 // The second sweep: the codes of the block computed into `nb`, 64 at a time.
@@ -453,47 +601,73 @@ OFFLOAD_HOT void int8_encode(const MomentBuffers& b, const Int8Codec& codec, con
 // Each block in two sweeps (the scale needs the whole block before any code is written). Interleaving the codes of
 // block k - 1 with the update of block k, so that the divider (the Adam maths' divisions and square roots) and the
 // lookups would work side by side, measured slower (4.3 cycles a parameter against 4.0).
-template <DType G, DType O, bool kHasOut>
-void step_int8(const MomentBuffers& b, const AdamConstants& constants, int64_t begin, int64_t end) {
+// With kCrc, the update of block k carries block k - 1's bytes into the CRCs (crc16 in int8_update), and the last
+// full block and a partial one are read back at the end.
+template <DType G, DType O, bool kHasOut, bool kCrc>
+void step_int8(const MomentBuffers& b, const AdamConstants& constants, int64_t begin, int64_t end, StepCrcs* crc) {
   const Constants512 c(constants);
   const Operands o(b);
   const Int8Codec& codec = int8_codec();
   NewBlock nb;
   int64_t start = begin;
+  if (start + kInt8Block <= end) {
+    int8_update<G, O, kHasOut, true, false>(b, o, c, codec, start, kInt8Block, nb, crc);
+    if constexpr (kCrc) int8_scale_crcs(nb, crc);
+    int8_encode<true>(b, codec, nb, start, kInt8Block);
+    start += kInt8Block;
+  }
   for (; start + kInt8Block <= end; start += kInt8Block) {
-    int8_update<G, O, kHasOut, true>(b, o, c, codec, start, kInt8Block, nb);
+    int8_update<G, O, kHasOut, true, kCrc>(b, o, c, codec, start, kInt8Block, nb, crc);
     int8_encode<true>(b, codec, nb, start, kInt8Block);
   }
+  const int64_t pending = start > begin ? start - kInt8Block : begin;  // the first element not yet in the CRCs
   if (start < end) {
-    int8_update<G, O, kHasOut, false>(b, o, c, codec, start, end - start, nb);
+    int8_update<G, O, kHasOut, false, false>(b, o, c, codec, start, end - start, nb, crc);
+    if constexpr (kCrc) int8_scale_crcs(nb, crc);
     int8_encode<false>(b, codec, nb, start, end - start);
+  }
+  if constexpr (kCrc) crc_range(*crc, b, out_bytes<O, kHasOut>(), 1, pending, end);
+}
+
+template <DType G, DType O, bool kHasOut, bool kCrc>
+void step_format(const MomentBuffers& b, const AdamConstants& c, int64_t begin, int64_t end, StepCrcs* crc) {
+  if (b.format == MomentFormat::kBFloat16) {
+    if constexpr (kCrc) step_bf16_crc<G, O, kHasOut>(b, c, begin, end, crc);
+    else step_bf16<G, O, kHasOut>(b, c, begin, end);
+  }
+  else step_int8<G, O, kHasOut, kCrc>(b, c, begin, end, crc);
+}
+
+template <DType G, bool kCrc>
+void step_out(const MomentBuffers& b, const AdamConstants& c, int64_t begin, int64_t end, StepCrcs* crc) {
+  if (!b.out) return step_format<G, DType::kFloat32, false, kCrc>(b, c, begin, end, crc);
+  switch (b.out_dtype) {
+    case DType::kBFloat16: return step_format<G, DType::kBFloat16, true, kCrc>(b, c, begin, end, crc);
+    case DType::kFloat16: return step_format<G, DType::kFloat16, true, kCrc>(b, c, begin, end, crc);
+    default: return step_format<G, DType::kFloat32, true, kCrc>(b, c, begin, end, crc);
   }
 }
 
-template <DType G, DType O, bool kHasOut>
-void step_format(const MomentBuffers& b, const AdamConstants& c, int64_t begin, int64_t end) {
-  if (b.format == MomentFormat::kBFloat16) step_bf16<G, O, kHasOut>(b, c, begin, end);
-  else step_int8<G, O, kHasOut>(b, c, begin, end);
-}
-
-template <DType G>
-void step_out(const MomentBuffers& b, const AdamConstants& c, int64_t begin, int64_t end) {
-  if (!b.out) return step_format<G, DType::kFloat32, false>(b, c, begin, end);
-  switch (b.out_dtype) {
-    case DType::kBFloat16: return step_format<G, DType::kBFloat16, true>(b, c, begin, end);
-    case DType::kFloat16: return step_format<G, DType::kFloat16, true>(b, c, begin, end);
-    default: return step_format<G, DType::kFloat32, true>(b, c, begin, end);
+template <bool kCrc>
+void step_grad(const MomentBuffers& b, const AdamConstants& c, int64_t begin, int64_t end, StepCrcs* crc) {
+  switch (b.g_dtype) {
+    case DType::kBFloat16: return step_out<DType::kBFloat16, kCrc>(b, c, begin, end, crc);
+    case DType::kFloat16: return step_out<DType::kFloat16, kCrc>(b, c, begin, end, crc);
+    default: return step_out<DType::kFloat32, kCrc>(b, c, begin, end, crc);
   }
 }
 
 }  // namespace
 
 void moment_step_avx512(const MomentBuffers& b, const AdamConstants& c, int64_t begin, int64_t end) {
-  switch (b.g_dtype) {
-    case DType::kBFloat16: return step_out<DType::kBFloat16>(b, c, begin, end);
-    case DType::kFloat16: return step_out<DType::kFloat16>(b, c, begin, end);
-    default: return step_out<DType::kFloat32>(b, c, begin, end);
-  }
+  step_grad<false>(b, c, begin, end, nullptr);
+}
+
+void moment_step_crc_avx512(const MomentBuffers& b, const AdamConstants& c, int64_t begin, int64_t end,
+                            uint32_t* crcs) {
+  StepCrcs crc(crcs);
+  step_grad<true>(b, c, begin, end, &crc);
+  crc.store(crcs);
 }
 
 void moment_encode_avx512(const float* src, void* codes, float* scales, MomentFormat format, int which,
