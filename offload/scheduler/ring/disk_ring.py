@@ -271,8 +271,9 @@ class DiskRing:
     def _write_chunk(self, slot: Slot, group: "FlatGroup", start: int, stop: int, shadow: bool,
                      seals: Optional[ChunkSeals] = None) -> List["IOFuture"]:
         state, weights = seals if seals is not None else (None, None)
+        extra = tuple({} if crcs is None else {"crcs": crcs} for crcs in (state, weights))
         return self._chunk_io(functools.partial(self._store.write, shadow=shadow), slot, group, start, stop,
-                              ({"crcs": state}, {"crcs": weights}))
+                              (extra[0], extra[1]))
 
     def _chunk_io(self, move: Callable[..., "IOFuture"], slot: Slot, group: "FlatGroup", start: int,
                   stop: int, extra: Tuple[Dict[str, Any], Dict[str, Any]] = ({}, {})) -> List["IOFuture"]:
