@@ -576,39 +576,3 @@ def test_the_plan_says_where_speculation_runs_and_what_it_costs(tmp_path):
         assert engine.plan.blocks[-1].shadowed and not all(b.shadowed for b in engine.plan.blocks), said
         assert "no room for their shadows" in said and "raise host_memory" in said
         assert sum(b.shadow_host_bytes for b in engine.plan.blocks) <= 60_000
-
-
-def test_speculating_gradients_park_on_disk_when_that_lets_more_blocks_speculate():
-    """With speculative clipping the last backward's updates consume the gradients, and step() reads them again
-    only when it clips. A host budget that holds every gradient but then has no room for the weight shadows of
-    blocks streamed from host memory parks the gradients on disk instead (written once), and every block gets
-    its shadow; a budget that holds both keeps them in memory (no disk write); without speculation the same
-    tight budget keeps them in memory, since every step would read them back."""
-    from offload.planner.place import make_plan
-    from offload.planner.plan import BlockSpec, GradFlow
-    from offload.planner.ring import ring_size_for
-    from offload.policy import Tier
-
-    mib = 1 << 20
-    blocks = [BlockSpec(f"layer.{i}", 64 * mib, 384 * mib, 64 * mib, largest_grad_bytes=mib,
-                        shadow_state_bytes=384 * mib, shadow_weight_bytes=64 * mib) for i in range(8)]
-    ring = ring_size_for(mib)
-    device = 2 * 64 * mib + mib  # two blocks in flight and autograd's largest gradient: the weights stream
-    weights, grads = 8 * 64 * mib, 8 * 64 * mib
-    # the ring worth having, the weights and the gradients, and less than one weight shadow (64 MiB) beside
-    host = weights + grads + ring.minimum + 2 * (ring.preferred - ring.minimum) + 2 * mib
-    flow = GradFlow(declared_steps=1, clipping=True, itemsize=2)
-
-    def plan(host_budget: int, speculate: bool):
-        return make_plan(blocks, Tier.NVME, device, host_budget, ring, flow, speculate=speculate,
-                         disk_room=1 << 40)
-
-    waiting, speculating = plan(host, False), plan(host, True)
-    assert not waiting.grads_on_disk and waiting.grad_window_bytes is None, str(waiting)
-    assert speculating.grads_on_disk and speculating.grad_window_bytes is not None, str(speculating)
-    kept = make_plan(blocks, Tier.NVME, device, host, ring, flow, speculate=True, disk_room=1 << 40,
-                     park_waiting_grads=False)  # what keeping them in memory gives
-    assert len(kept.shadowed_blocks) < len(speculating.shadowed_blocks), (str(kept), str(speculating))
-    # a budget that holds the gradients and every shadow keeps them in memory
-    roomy = plan(host + weights + ring.preferred, True)
-    assert not roomy.grads_on_disk and len(roomy.shadowed_blocks) == len(blocks), str(roomy)

@@ -22,7 +22,7 @@ from offload.policy import Tier
 def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[int],
               host_budget: Optional[int], ring: Optional[RingSize] = None, grads: Optional[GradFlow] = None,
               shard_world: int = 1, speculate: bool = False, disk_room: Optional[int] = None,
-              updates_write_device: bool = False, park_waiting_grads: Optional[bool] = None) -> Plan:
+              updates_write_device: bool = False) -> Plan:
     """Place each block; raises OffloadConfigError naming the block or budget that cannot work.
 
     nvme tier (`ring` given): host memory holds the gradients (all of them; or a window of GRAD_WINDOW_BLOCKS
@@ -39,9 +39,7 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
     what the budgets leave (`disk_room`: free bytes where the swap file goes, None: not measured), last blocks of
     the forward first, since their gradients complete first in the backward ([Note: speculative clipping]).
     `updates_write_device`: the compute device is the host's CPU, so an update writes a resident block's weights on
-    the device itself, and their shadow is device memory (else a host copy). `park_waiting_grads`: gradients that
-    wait for the global norm go to disk (True), stay in host memory when they fit (False), or (None) whichever
-    lets more blocks speculate."""
+    the device itself, and their shadow is device memory (else a host copy)."""
     grads = grads if grads is not None else GradFlow()
     if not blocks:
         raise OffloadConfigError("the model has no parameters to offload")
@@ -86,7 +84,7 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
     on_device = device_budget is None  # declared accumulation's earlier micro-batches sum on the device
     if tier is Tier.NVME:
         ring = ring or RingSize(0, 0)
-        window, on_disk = _grad_home(blocks, host_left, ring, grads, on_device, bool(park_waiting_grads))
+        window, on_disk = _grad_home(blocks, host_left, ring, grads, on_device)
         host_left, ring_bytes = _reserve_nvme_host(blocks, host_left, ring, window, grads)
     device_left: Optional[int] = None
     if device_budget is not None:
@@ -125,17 +123,8 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
     if tier is Tier.NVME and ring is not None:
         ring_bytes += read_ahead_bytes(host_left, ring_bytes, sum(b.state_bytes for b in blocks),
                                        ring.preferred // MAX_DEPTH)
-    plan = Plan(tier, tuple(placements), device_budget, host_budget, ring_bytes, window, workspace, on_disk,
+    return Plan(tier, tuple(placements), device_budget, host_budget, ring_bytes, window, workspace, on_disk,
                 disk_traffic, on_device, shard_world, speculation=said)
-    if park_waiting_grads is None and speculate and tier is Tier.NVME and window is None and host_budget is not None:
-        # [Note: speculative clipping] where the gradients wait: kept in host memory they may leave blocks without
-        # the shadows that memory would hold; parked on disk they are written once and read back only for a step
-        # that clips. The plan with more blocks speculating wins; a tie keeps them in memory (no disk write).
-        parked = make_plan(blocks, tier, device_budget, host_budget, ring, grads, shard_world, speculate, disk_room,
-                           updates_write_device, park_waiting_grads=True)
-        if len(parked.shadowed_blocks) > len(plan.shadowed_blocks):
-            return parked
-    return plan
 
 
 DISK_SLACK = 64 << 20  # free disk the shadows leave: the layout's padding, the layout file, the checkpoints' temporaries
@@ -207,9 +196,8 @@ def grad_window_bytes(blocks: Sequence[BlockSpec], count: int = GRAD_WINDOW_BLOC
 
 
 def _grad_home(blocks: Sequence[BlockSpec], host_left: Optional[int], ring: RingSize, flow: GradFlow,
-               micro_batches_on_device: bool, park: bool = False) -> Tuple[Optional[int], bool]:
-    """(host window bytes or None for all of them, whether gradients that must wait go to disk). `park`: they go
-    to disk even when they would all fit (speculative clipping's choice, in `make_plan`)."""
+               micro_batches_on_device: bool) -> Tuple[Optional[int], bool]:
+    """(host window bytes or None for all of them, whether gradients that must wait go to disk)."""
     if host_left is None:
         return None, False  # no budget: every gradient stays in host memory
     window = grad_window_bytes(blocks)
@@ -219,7 +207,7 @@ def _grad_home(blocks: Sequence[BlockSpec], host_left: Optional[int], ring: Ring
     earlier_wait = (flow.declared_steps or 1) > 1 and not micro_batches_on_device
     if flow.consumed_in_backward and not earlier_wait:
         return window, False  # the fast path: the last backward's updates consume each block's gradient
-    if not park and sum(b.grad_bytes for b in blocks) + ring.minimum <= host_left:
+    if sum(b.grad_bytes for b in blocks) + ring.minimum <= host_left:
         return None, False  # they all fit
     return window, True
 
