@@ -62,7 +62,6 @@ class DiskRing:
         self._reads: Dict[ChunkKey, InFlight] = {}  # reads issued ahead, not yet loaded
         self._checked_out: Dict[ChunkKey, Optional[Slot]] = {}  # chunks being updated: from `load` to `store`
         self._announced: Dict[ChunkKey, Tuple["FlatGroup", int, int]] = {}  # to read ahead, in this order
-        self._issue: Callable[[Callable[[], None]], None] = _at_once  # where announced reads are submitted
         self.chunks_loaded = 0
         self.chunks_read_ahead = 0
 
@@ -92,12 +91,6 @@ class DiskRing:
         n = group.trainable_numel
         return [(start, min(start + self.chunk_numel, n)) for start in range(0, n, self.chunk_numel)]
 
-    def submit_reads_on(self, run: Callable[[Callable[[], None]], None]) -> None:
-        """`run(chore)` submits the reads `announce` asks for: the step worker's `soon`, so that the training
-        thread, which announces, never submits disk I/O itself (a syscall and a wake-up of the I/O threads per
-        chunk, which a small model's step pays in full). Unset: at once, on the caller's thread."""
-        self._issue = run
-
     def announce(self, groups: List["FlatGroup"], replace: bool = False) -> None:
         """These groups will be updated soon, in this order: read their chunks ahead as slots allow. A chunk
         already announced or read ahead is not announced again; `replace` drops earlier announcements not
@@ -110,10 +103,7 @@ class DiskRing:
                     key = (group.key, a)
                     if key not in self._announced and key not in self._reads:
                         self._announced[key] = (group, a, b)
-        self._issue(self._read_ahead_deferring)
-
-    def _read_ahead_deferring(self) -> None:
-        with self._order.deferring_errors():  # off the worker's own loads: errors fail its next load
+        with self._order.deferring_errors():  # the training thread: errors fail the worker's next load
             self._read_ahead()
 
     # ----- the worker's side -------------------------------------------------------------------------
@@ -319,7 +309,3 @@ class DiskRing:
                     raise
                 self._reads[key] = InFlight(slot, group, start, stop, futures)
                 self.chunks_read_ahead += 1
-
-
-def _at_once(chore: Callable[[], None]) -> None:
-    chore()

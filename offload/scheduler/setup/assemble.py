@@ -52,8 +52,6 @@ def assemble(blocks: List[Block], module: nn.Module, policy: OffloadPolicy, plan
     try:
         if tiers.grad_pool is not None:
             tiers.grad_pool.bind(worker)  # an update running or queued will give bytes back
-        if tiers.ring is not None:
-            tiers.ring.submit_reads_on(worker.soon)  # the training thread announces, the worker submits
         reduction = reduction_for(dp, worker, num_threads)
         modes = Modes(disk, reduction, clipping_for(policy.max_grad_norm, worker, reduction, bool(plan.shadowed_blocks)))
         counters, order = StepCounters(), ForwardOrder(len(blocks))

@@ -49,7 +49,6 @@ class StepWorker:
         self.num_threads = num_threads
         self._tracer = tracer if tracer is not None else Tracer()
         self._queue: List[Job] = []
-        self._chores: Dict[Callable[[], None], None] = {}  # `soon`'s, in order, each once
         self._pending: Dict[int, Future] = {}
         self._sequence = 0
         self._stopping = threading.Event()
@@ -59,15 +58,15 @@ class StepWorker:
         # this worker, and the observer only weakly (it reaches the blocks, hence this worker), so a dropped
         # engine's pipeline and worker can be collected, and this worker's finalizer then stops the thread.
         self._thread = threading.Thread(target=_serve, name="offload-step", daemon=True,
-                                        args=(self._lock, self._queue, self._chores, self._stopping, num_threads,
+                                        args=(self._lock, self._queue, self._stopping, num_threads,
                                               None if observer is None else weakref.ref(observer)))
         self._thread.start()
         # [Note: stop the worker before the interpreter exits] a daemon thread still inside a native call
         # (an Adam step, a disk wait) when Python finalizes is killed as it takes the GIL back, unwinding
         # through C++ that cannot unwind: "terminate called without an active exception" and a core dump
         # instead of the user's traceback. At exit, queued updates are dropped and the current one finishes.
-        self._at_exit = weakref.finalize(self, _stop_thread, self._lock, self._queue, self._chores, self._stopping,
-                                         self._thread, os.getpid())
+        self._at_exit = weakref.finalize(self, _stop_thread, self._lock, self._queue, self._stopping, self._thread,
+                                         os.getpid())
 
     def submit(self, block_index: int, work: Callable[[], object], priority: float = 0.0) -> Future:
         """Queue `work` for the block; lower `priority` runs earlier, same block in submission order."""
@@ -80,21 +79,6 @@ class StepWorker:
             self._pending[block_index] = future
             self._lock.notify()
         return future
-
-    def soon(self, chore: Callable[[], None]) -> None:
-        """Run `chore` on this thread: at once when called there, else before its next job (once, however often
-        it is asked for meanwhile). The training thread hands off work that must not hold it, such as submitting
-        the disk reads of announced chunks (a syscall per chunk, and a wake-up of the I/O threads). A chore keeps
-        its own errors (the ring's are raised at the worker's next load): it must not raise."""
-        if self.on_own_thread():
-            chore()
-            return
-        with self._lock:
-            if not self._stopping.is_set():
-                self._chores[chore] = None
-                self._lock.notify()
-                return
-        chore()  # closed: nobody else will
 
     def has_work(self) -> bool:
         """Whether any submitted work is still queued or running."""
@@ -204,32 +188,20 @@ class StepWorker:
         return threading.current_thread() is self._thread
 
 
-def _serve(lock: threading.Condition, queue: List[Job], chores: Dict[Callable[[], None], None],
-           stopping: threading.Event, num_threads: int, observer: "Optional[weakref.ref[QueueObserver]]") -> None:
-    """The worker thread: run the chores asked for (`soon`), then queued jobs by priority, until stopped and the
-    queue is empty. Holds no reference to the StepWorker, and none to a finished job or chore (its update holds
-    the pipeline) while it waits."""
+def _serve(lock: threading.Condition, queue: List[Job], stopping: threading.Event, num_threads: int,
+           observer: "Optional[weakref.ref[QueueObserver]]") -> None:
+    """The worker thread: run queued jobs by priority until stopped and the queue is empty. Holds no reference
+    to the StepWorker, and none to a finished job (its update holds the pipeline) while it waits."""
     torch.set_num_threads(num_threads)
     while True:
         with lock:
-            while not queue and not chores and not stopping.is_set():
+            while not queue and not stopping.is_set():
                 lock.wait()
-            todo = list(chores)
-            chores.clear()
-            if not todo:
-                if not queue:
-                    return
-                queue.sort(key=lambda job: (job[0], job[1]))
-                _priority, _seq, _block, work, future = queue.pop(0)
-                upcoming = [job[2] for job in queue]
-        if todo:
-            for chore in todo:
-                try:
-                    chore()
-                except BaseException:  # noqa: BLE001, S110 - chores keep their errors; a stray one must not end the thread
-                    pass
-            todo = chore = None  # type: ignore[assignment]
-            continue
+            if not queue:
+                return
+            queue.sort(key=lambda job: (job[0], job[1]))
+            _priority, _seq, _block, work, future = queue.pop(0)
+            upcoming = [job[2] for job in queue]
         if future.set_running_or_notify_cancel():
             try:
                 told = None if observer is None else observer()
@@ -249,8 +221,8 @@ def _update_raised(future: Future, exc: BaseException) -> bool:
     return future.cancelled() or future.exception() is exc
 
 
-def _stop_thread(lock: threading.Condition, queue: List[Job], chores: Dict[Callable[[], None], None],
-                 stopping: threading.Event, thread: threading.Thread, owner_pid: int) -> None:
+def _stop_thread(lock: threading.Condition, queue: List[Job], stopping: threading.Event,
+                 thread: threading.Thread, owner_pid: int) -> None:
     """At interpreter exit, or when a worker never closed is collected (weakref.finalize runs it then, unless
     `close` did already): drop the queued updates, let the running one finish, and join the thread while
     Python is still whole. Not in a forked child: the thread does not exist there, and the lock may have been
@@ -261,7 +233,6 @@ def _stop_thread(lock: threading.Condition, queue: List[Job], chores: Dict[Calla
         for job in queue:
             job[4].cancel()
         queue.clear()
-        chores.clear()
         stopping.set()
         lock.notify_all()
     if thread is threading.current_thread():

@@ -130,21 +130,3 @@ def test_a_write_error_reaped_by_a_weight_prefetch_is_raised_by_drain(tmp_path):
         with pytest.raises(OSError, match="write failed"):
             ring.drain()
         ring.drain()  # reported once
-
-
-def test_announced_reads_are_submitted_where_the_ring_is_told_not_by_the_announcer(tmp_path):
-    """With `submit_reads_on` (the step worker's `soon` in an engine) the thread that announces submits no disk
-    I/O: the reads start when the chore runs, on the worker."""
-    with gated_ring(tmp_path, _one_layer(), 4 * min_ring_bytes()) as (ring, swap, groups):
-        group = groups[0]
-        ring.write_fresh(group, _fill(1.0))
-        ring.flush_writes()
-        chores = []
-        ring.submit_reads_on(chores.append)
-        reads_before = sum(e[0] == "read" for e in swap.events)
-        ring.announce([group])
-        assert sum(e[0] == "read" for e in swap.events) == reads_before and len(chores) == 1
-        chores.pop()()  # the worker runs it
-        assert sum(e[0] == "read" for e in swap.events) == reads_before + 1
-        assert ring.stats()["nvme_chunks_read_ahead"] == 1
-        ring.drain()
