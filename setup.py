@@ -55,11 +55,12 @@ def cuda_setting():
 
 def extension():
     debug = os.environ.get("OFFLOAD_DEBUG", "0") == "1"
-    sources = sorted(str(p.relative_to(HERE)) for p in HERE.glob("csrc/**/*.cpp") if "cuda" not in p.parts)
+    # bindings.cpp #includes every *_bind.cpp (all the Python glue, cuda/'s too): one translation unit.
+    sources = sorted(str(p.relative_to(HERE)) for p in HERE.glob("csrc/**/*.cpp") if not p.name.endswith("_bind.cpp"))
+    depends = sorted(str(p.relative_to(HERE)) for p in HERE.glob("csrc/**/*") if p.suffix in (".h", ".cpp"))
     macros, include_dirs, library_dirs, libraries = [], ["csrc"], [], ["dl", "pthread"]
     use_cuda, cuda_home = cuda_setting()
     if use_cuda:
-        sources += sorted(str(p.relative_to(HERE)) for p in HERE.glob("csrc/cuda/*.cpp"))
         macros.append(("OFFLOAD_WITH_CUDA", "1"))
         include_dirs.append(str(cuda_home / "include"))
         library_dirs += [str(d) for d in (cuda_home / "lib64", cuda_home / "targets" / "x86_64-linux" / "lib") if d.exists()]
@@ -70,6 +71,7 @@ def extension():
     return Pybind11Extension(
         "offload._C",
         sources,
+        depends=depends,  # a changed header or *_bind.cpp rebuilds too
         include_dirs=include_dirs,
         define_macros=macros,
         library_dirs=library_dirs,
