@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_header, print_table, summarize  # noqa: E402
 
 HERE = Path(__file__).resolve().parent.parent
+sys.path.insert(1, str(HERE))  # the machine header imports this checkout's offload, installed or not
 
 
 def _table(output: str) -> Dict[str, float]:

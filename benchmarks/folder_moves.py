@@ -47,6 +47,7 @@ class MoveCounter:
         self.calls: Dict[str, int] = collections.Counter()
         self.pairs: Dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self._folders: Dict[str, Optional[str]] = {}
+        self.files: Dict[str, Dict[str, None]] = collections.defaultdict(dict)  # per thread, in first-call order
         self._lock = threading.Lock()
         self.active = False  # installed before the engine starts its threads, counting only while set
 
@@ -67,6 +68,7 @@ class MoveCounter:
         thread = "training" if threading.current_thread() is threading.main_thread() else "engine"
         with self._lock:
             self.calls[thread] += 1
+            self.files[thread].setdefault(str(Path(frame.f_code.co_filename).resolve().relative_to(PACKAGE)), None)
             if caller != callee:
                 self.moves[thread] += 1
                 self.pairs[thread][f"{caller} -> {callee}"] += 1
@@ -91,6 +93,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--top", type=int, default=8, help="the most frequent folder pairs to print per thread")
+    parser.add_argument("--files", action="store_true", help="also the files of offload/ each thread calls into, "
+                                                             "in the order of their first call")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     xs = [torch.randn(8, 256, generator=torch.Generator().manual_seed(i)) for i in range(2)]
@@ -120,6 +124,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
         assert weights <= 1e-5, weights
         engine.close()
     result = {"moves": dict(counter.moves), "calls": dict(counter.calls),
+              "files": {t: list(files) for t, files in counter.files.items()},
               "top": {t: counter.pairs[t].most_common(args.top) for t in counter.pairs}}
     if args.json:
         print(json.dumps(result))
@@ -129,6 +134,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
                   "calls inside offload")
             for pair, count in counter.pairs[thread].most_common(args.top):
                 print(f"  {count:6d}  {pair}")
+            if args.files:
+                files = list(counter.files[thread])
+                folders = {str(Path(f).parent) for f in files}
+                print(f"  {len(files)} files in {len(folders)} folders: " + ", ".join(files))
         print("the step matches torch.optim.AdamW + clip_grad_norm_ (1e-5)")
     return result
 

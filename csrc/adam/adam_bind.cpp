@@ -25,11 +25,6 @@ DType parse_dtype(int code, const char* what) {
   return static_cast<DType>(code);
 }
 
-template <typename T>
-T* address(uintptr_t ptr) {
-  return reinterpret_cast<T*>(ptr);
-}
-
 void check_numel(int64_t numel) {
   if (numel < 0) throw std::invalid_argument("numel must be >= 0, got " + std::to_string(numel));
 }

@@ -46,11 +46,6 @@ void check_which(int which) {
   }
 }
 
-template <typename T>
-T* address(uintptr_t ptr) {
-  return reinterpret_cast<T*>(ptr);
-}
-
 }  // namespace
 
 void bind_adam_moments(py::module_& m) {

@@ -47,9 +47,11 @@ class GradPool:
         """Take `nbytes`, waiting while the window is full and an update will give some back (`wait=False`:
         the worker itself, which nothing else would free bytes for)."""
         with self._changed:
+            updates: Optional[Updates] = None  # asked once, when the window is full: whether this thread may wait
             while self.in_use and self.in_use + nbytes > self.budget_bytes:
-                if not wait or self._updates is None or self._updates.on_own_thread() \
-                        or not self._updates.has_work():
+                if updates is None and wait and self._updates is not None and not self._updates.on_own_thread():
+                    updates = self._updates
+                if updates is None or not updates.has_work():
                     self.over_budget_events += 1
                     break
                 self._changed.wait(WAIT_SLICE_SECONDS)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from offload.errors import OffloadError
-from offload.optim.functional import sum_of_squares
+from offload.optim.functional import Fp32Scratch, sum_of_squares
 from offload.scheduler.blocks.block import FlatGroup
 from offload.scheduler.records.held_grad import HeldGrad
 from offload.tiers.copies import CopyContext, GradDownloads
@@ -41,36 +41,6 @@ class GradDiskBytes:
     def __init__(self) -> None:
         self.written = 0
         self.read = 0
-
-
-class Fp32Scratch:
-    """Where half-precision gradients become fp32 for their norms. `torch.linalg.vector_norm(x, dtype=float32)`
-    converts into a fresh tensor, and for a large gradient its fresh pages cost more than the norm (page faults:
-    5x the time of converting into a kept buffer, measured on an 82M-element bf16 gradient). Converting into this
-    buffer and taking the norm of that gives the same bits: the same fp32 tensor, reduced the same way, from the
-    same alignment. One buffer, the size of the largest gradient converted, kept (the peak was there already);
-    a second thread meanwhile converts as torch does."""
-
-    def __init__(self) -> None:
-        self._buffer: Optional[Tensor] = None
-        self._lock = threading.Lock()
-
-    def norm(self, piece: Tensor) -> float:
-        if piece.dtype == torch.float32 or not self._lock.acquire(blocking=False):
-            return float(torch.linalg.vector_norm(piece, 2, dtype=torch.float32))
-        try:
-            n = piece.numel()
-            if self._buffer is None or self._buffer.numel() < n:
-                self._buffer = None
-                self._buffer = torch.empty(n, dtype=torch.float32)
-            scratch = self._buffer[:n]
-            scratch.copy_(piece.reshape(-1))
-            return float(torch.linalg.vector_norm(scratch, 2))
-        finally:
-            self._lock.release()
-
-
-FP32_SCRATCH = Fp32Scratch()
 
 
 class GradOwner(Protocol):
@@ -326,11 +296,12 @@ class GradHome:
     """The flat gradient of a group's trainable range and which of its parameters have one since `zero`.
     `device`: where it is kept (the host, or the compute device on the gpu tier); `copies`: the device's copy
     context, where gradients that leave the device for the host are counted (`off_device`); `buffer` and
-    `parking`: see the module docstring (None: a `FixedBuffer`, `KeptParking`)."""
+    `parking`: see the module docstring (None: a `FixedBuffer`, `KeptParking`); `scratch`: where half-precision
+    gradients become fp32 for their norms (one per engine, freed at its close)."""
 
     def __init__(self, group: FlatGroup, device: torch.device, copies: CopyContext, off_device: bool,
                  padded_numel: Optional[int] = None, pool: Optional[GradPool] = None,
-                 parking: Optional[DiskParking] = None) -> None:
+                 parking: Optional[DiskParking] = None, scratch: Optional[Fp32Scratch] = None) -> None:
         n = padded_numel if padded_numel is not None else group.trainable_numel
         self.numel = n  # the trainable range, padded to whole shards in data-parallel mode (zeros beyond it)
         self.group = group
@@ -349,6 +320,7 @@ class GradHome:
         self.held = [HeldGrad(slot.param, slot.name, self, i) for i, slot in enumerate(group.trainable_slots)]
         self.owner: Optional[GradOwner] = None  # set by the block's record
         self.disk_bytes = GradDiskBytes()  # moved to and from the swap file (a disk parking's only)
+        self._scratch = scratch if scratch is not None else Fp32Scratch()  # the engine's, shared by its homes
 
     @property
     def nbytes(self) -> int:
@@ -543,7 +515,7 @@ class GradHome:
                         norms.append((slot.param, 0.0))
                         continue
                     piece = self.grad[slot.offset:slot.offset + slot.numel]
-                    norms.append((slot.param, FP32_SCRATCH.norm(piece)))
+                    norms.append((slot.param, self._scratch.norm(piece)))
             return norms
 
     def all_finite(self, num_threads: Optional[int] = None) -> bool:

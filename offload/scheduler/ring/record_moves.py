@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Callable, List, NamedTuple, Optional, Tuple
 
 from torch import Tensor
 
+from offload.io.future import wait_all
 from offload.planner.ring import SLOT_BYTES_PER_ELEMENT
-from offload.scheduler.ring.ring_slots import KEEP_FOR_LOAD
+from offload.scheduler.ring.ring_slots import KEEP_FOR_LOAD, InFlight
 from offload.tiers.disk import RecordKind
 
 if TYPE_CHECKING:
@@ -76,10 +77,14 @@ class RecordMoves:
                 self._slots.give_back(slot)
 
     def write_from(self, group: "FlatGroup", src: Tensor) -> None:
-        """Write the group's record (all of `src`: its weights or its gradient), through the slots. Writes go
-        in the updates' chunks, so each piece they seal is one an update's read covers whole and verifies. Weights
-        with a shadow copy are written to both copies: a speculative update writes only the trainable range of
-        the shadow, so the frozen rest must already be there when a commit makes it the live copy."""
+        """Write the group's record (all of `src`: its weights or its gradient), through the slots. A gradient's
+        pieces are copied into slots and their writes registered in flight, as an update's chunks are, so a
+        parked gradient's writes overlap the worker's next update instead of holding it (a read of the record or
+        a drain waits for them); weights are written through before this returns, since a prefetch of them may
+        follow at once and would find the range still being written. Writes go in the updates' chunks, so each
+        piece they seal is one an update's read covers whole and verifies. Weights with a shadow copy are
+        written to both copies: a speculative update writes only the trainable range of the shadow, so the
+        frozen rest must already be there when a commit makes it the live copy."""
         self._order.wait_for_writes_of(group, 0, group.numel)
         copies = (False, True) if self._kind is RecordKind.WEIGHTS and self._store.has_weight_shadow(group.key) \
             else (False,)
@@ -88,10 +93,23 @@ class RecordMoves:
             try:
                 staged = _staged(slot, start, stop, src)
                 staged.copy_(src[start:stop])
-                self._order.wait([self._store.write(self._kind, group.key, start, staged, shadow=shadow)
-                                  for shadow in copies])
-            finally:
+            except BaseException:
                 self._slots.give_back(slot)
+                raise
+            with self._slots.lock:  # submitted and registered at once: a prefetch never sees the range unwritten
+                futures: List["IOFuture"] = []
+                try:
+                    for shadow in copies:
+                        futures.append(self._store.write(self._kind, group.key, start, staged, shadow=shadow))
+                except BaseException:  # what was submitted finishes before the slot goes back
+                    try:
+                        wait_all(futures)
+                    finally:
+                        self._slots.give_back_locked(slot)
+                    raise
+                self._order.register_locked(InFlight(slot, group, start, stop, futures))
+        if self._kind is RecordKind.WEIGHTS:
+            self._order.wait_for_writes_of(group, 0, group.numel)
 
     def start_read(self, group: "FlatGroup", itemsize: int) -> Optional[List[PieceRead]]:
         """Issue reads of the group's disk-resident weights into free slots without blocking (a prefetch);

@@ -278,8 +278,8 @@ def _grad_home(group: FlatGroup, on_host: bool, policy: OffloadPolicy, tiers: Ti
         assert tiers.grad_pool is not None and tiers.ring is not None
         parked = None if shard is None or policy.max_grad_norm is None else (shard.lo, shard.hi)
         return GradHome(group, device, tiers.copies, on_host, padded_numel, tiers.grad_pool,
-                        DiskParking(tiers.ring.grads, parked))
-    return GradHome(group, device, tiers.copies, on_host, padded_numel, tiers.grad_pool)
+                        DiskParking(tiers.ring.grads, parked), tiers.norm_scratch)
+    return GradHome(group, device, tiers.copies, on_host, padded_numel, tiers.grad_pool, scratch=tiers.norm_scratch)
 
 
 def _weight_home(block: Block, group: FlatGroup, policy: OffloadPolicy, tiers: Tiers, streamed: set, on_disk: set,

@@ -17,7 +17,7 @@ from offload.scheduler.blocks.block import FlatGroup, build_blocks
 from offload.scheduler.ring.disk_ring import DiskRing
 from offload.tiers.disk import RecordKind, SwapStore
 from offload.tiers.host import StagingPool
-from offload.tiers.swap_layout import plan_swap_layout, plan_weight_layout
+from offload.tiers.swap_layout import plan_grad_layout, plan_swap_layout, plan_weight_layout
 
 # (what, group key, first element, address of the slot's bytes); what: "read", "write", "write done" (all of
 # its requests waited for), "read weights", "write weights", "write weights done"
@@ -74,6 +74,7 @@ class GatedSwap:
     def __init__(self, swap: SwapStore) -> None:
         self.swap = swap
         self.weights = swap.weights
+        self.grads = swap.grads
         self.events: List[Event] = []
         self.hold_writes = False
         self.fail_writes: Optional[BaseException] = None
@@ -127,16 +128,20 @@ def groups_of(model: nn.Module, dtype: torch.dtype = torch.float32):
 
 @contextlib.contextmanager
 def gated_ring(tmp_path, model: nn.Module, ring_bytes: int, depth: int = 4, weights_on_disk: bool = False,
-               dtype: torch.dtype = torch.float32) -> Iterator[Tuple[DiskRing, GatedSwap, List[FlatGroup]]]:
+               dtype: torch.dtype = torch.float32, grads_on_disk: bool = False) -> Iterator[Tuple[DiskRing, GatedSwap, List[FlatGroup]]]:
     """(ring, its GatedSwap, the model's flat groups) over a real swap file in `tmp_path`; the compute weights
-    on disk too when `weights_on_disk`. Everything is closed after."""
+    on disk too when `weights_on_disk`, a
+    gradient record per group when `grads_on_disk`. Everything is closed after."""
     blocks, groups = groups_of(model, dtype)
     shapes = [g.shape(b.name) for b in blocks for g in b.groups]
     records, size = plan_swap_layout(shapes)
     weights = None
     if weights_on_disk:
         weights, size = plan_weight_layout(shapes, size)
-    swap = SwapStore(str(tmp_path), records, size, weights)
+    grads = None
+    if grads_on_disk:
+        grads, size = plan_grad_layout(shapes, size)
+    swap = SwapStore(str(tmp_path), records, size, weights, grads)
     pool = StagingPool(ring_bytes)
     gated = GatedSwap(swap)
     try:

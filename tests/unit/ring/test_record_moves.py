@@ -81,3 +81,24 @@ def test_a_prefetch_leaves_the_chunk_path_its_slots(tmp_path):
         handle = ring.weights.start_read(small, 4)  # one piece: leaves KEEP_FOR_CHUNKS free
         assert handle is not None and len(ring._slots.free) >= KEEP_FOR_CHUNKS
         ring.weights.cancel_read(handle)
+
+
+def test_a_parked_gradients_writes_stay_in_flight_and_its_read_waits_for_them(tmp_path):
+    """A gradient parked on disk does not hold the worker while it is written (its pieces' writes are
+    registered in flight, as an update's chunks are); reading it back first waits for them."""
+    with gated_ring(tmp_path, nn.Sequential(nn.Linear(256, 101)), min_ring_bytes(), grads_on_disk=True) as (
+            ring, swap, groups):
+        group = groups[0]
+        swap.hold_writes = True
+        grad = torch.randn(group.trainable_numel)
+        ring.grads.write_from(group, grad)  # returns with its writes still held
+        started = sum(e[0] == "write grads" for e in swap.events)
+        done = sum(e[0] == "write grads done" for e in swap.events)
+        assert ring._order.in_flight() > 0 and done < started, (done, started)  # only those a slot was needed for
+        swap.finish_writes()
+        back = torch.empty_like(grad)
+        ring.grads.read_into(group, back, _copy)
+        assert torch.equal(back, grad)
+        check_no_slot_reused_in_flight(swap.events)
+        ring.drain()
+        assert len(ring._slots.free) == ring.depth

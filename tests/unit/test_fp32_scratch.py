@@ -1,11 +1,11 @@
-"""The norms of half-precision gradients through a kept fp32 buffer are torch's own (grad_home.Fp32Scratch)."""
+"""The norms of half-precision gradients through a kept fp32 buffer are torch's own (optim/functional.py, Fp32Scratch)."""
 
 import threading
 
 import pytest
 import torch
 
-from offload.scheduler.records.grad_home import Fp32Scratch
+from offload.optim.functional import Fp32Scratch
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -27,3 +27,19 @@ def test_a_second_thread_meanwhile_converts_as_torch_does():
         worker.start()
         worker.join(timeout=30)
     assert got == [want]
+
+
+def test_the_engine_frees_its_buffer_at_close(tmp_path):
+    """One buffer per engine, shared by its gradient homes and freed at close (not a process-wide one)."""
+    import offload
+    from tests.models import TinyGPT, make_batches
+
+    torch.manual_seed(0)
+    engine = offload.wrap(TinyGPT(), tier="cpu", device="cpu", dtype=torch.bfloat16, max_grad_norm=1.0)
+    idx, tgt = make_batches(1, 1, seed=0)[0][0]
+    engine(idx, tgt).backward()
+    engine.step()
+    scratch = engine._pipeline._tiers.norm_scratch  # the engine's own
+    assert scratch._buffer is not None and scratch._buffer.dtype == torch.float32
+    engine.close()
+    assert scratch._buffer is None
