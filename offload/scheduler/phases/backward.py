@@ -16,7 +16,7 @@ from offload.scheduler.phases.forward import ForwardPhase
 from offload.scheduler.phases.phase_clock import PhaseClock
 from offload.scheduler.records.slot_table import SlotTable
 from offload.scheduler.state.hypers import StepHypers
-from offload.scheduler.torch_internals import eager, graph_task_id
+from offload.scheduler.torch_internals import graph_task_id
 
 
 class BackwardPhase:
@@ -29,7 +29,6 @@ class BackwardPhase:
         self._clipping = clipping
         self._hypers = hypers
 
-    @eager
     def begin_backward(self) -> None:
         """The first gradient of the module's outputs in a graph task. The task counts as a backward only at
         its first accumulated gradient (`on_grad`): `torch.autograd.grad` (a gradient penalty) passes here
@@ -41,7 +40,6 @@ class BackwardPhase:
             if self._clipping.updates_in(self._tracker.next_backward):
                 self._forward.read_ahead_for_backward()
 
-    @eager
     def on_grad(self, param: nn.Parameter) -> None:
         """A parameter's gradient is complete for this backward."""
         ref = self._slots.by_id[id(param)]

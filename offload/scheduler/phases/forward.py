@@ -21,7 +21,7 @@ from offload.scheduler.phases.backward_tracker import BackwardTracker
 from offload.scheduler.phases.phase_clock import PhaseClock
 from offload.scheduler.records.block_record import BlockRecord
 from offload.scheduler.records.forward_order import ForwardOrder
-from offload.scheduler.torch_internals import eager, is_backward
+from offload.scheduler.torch_internals import is_backward
 from offload.scheduler.weights.streamer import WeightStreamer
 
 
@@ -41,7 +41,6 @@ class ForwardPhase:
         self.saved_tensors = saved_tensors
         self._root_grad_enabled = False  # whether the root forward in progress records a graph
 
-    @eager
     def begin_root_forward(self, tokens: Optional[int] = None) -> None:
         """Time the forward; when streaming, autograd saves streamed weights as handles (fetched again in
         backward); `tokens`: the size of the batch's token input, for the plan's activations per token."""
@@ -53,14 +52,12 @@ class ForwardPhase:
         context.__enter__()
         self._saved_tensor_hooks.append(context)
 
-    @eager
     def end_root_forward(self) -> None:
         if self._saved_tensor_hooks:
             self._saved_tensor_hooks.pop().__exit__(None, None, None)
         self.saved_tensors.meter.end()
         self._clock.forward_ends()
 
-    @eager
     def pre_forward(self, blocks: List[Block]) -> None:
         """Get each block ready for its module's forward. Runs in forward, under no_grad, and for checkpoint
         recompute during backward (there a streamed block stays pinned until the backward ends)."""
@@ -82,7 +79,6 @@ class ForwardPhase:
                     and self._modes.clipping.updates_in(self._tracker.next_backward):
                 self.read_ahead_for_backward()  # the disk is otherwise idle during the forward
 
-    @eager
     def post_forward(self, blocks: List[Block]) -> None:
         """The module no longer needs these blocks (also after an exception)."""
         for block in blocks:

@@ -8,6 +8,9 @@
 - a `__deepcopy__` on each module holding parameters: a plain PyTorch copy of the current weights
   (records/model_copy.py).
 Each hook is a bound method of a named object: nothing anonymous stands between autograd and the phases.
+The forward and backward hooks are registered as `eager(...)`: torch.compile runs them as they are (a graph
+break). That happens here, at wrap(), not when offload is imported: `torch.compiler.disable` imports dynamo
+(about 1.2 s), which `import offload` alone (the CLI, `doctor`) does not need.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from offload.scheduler.activations.meter import token_count
 from offload.scheduler.blocks.block import Block
 from offload.scheduler.records.block_record import BlockRecord
 from offload.scheduler.records.model_copy import ModelCopies
-from offload.scheduler.torch_internals import flatten
+from offload.scheduler.torch_internals import eager, flatten
 
 
 class ForwardHooks(Protocol):
@@ -97,6 +100,7 @@ class RootHooks:
         self._forward = forward
         self._backward = backward
         self._state_dicts = state_dicts
+        self._output_grad = eager(self.output_grad)  # registered on each forward's outputs
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "RootHooks":
         return self  # as OwnerHooks.__deepcopy__
@@ -112,7 +116,7 @@ class RootHooks:
             return
         for leaf in _tensors_in(output):
             if leaf.requires_grad and leaf.grad_fn is not None:
-                leaf.register_hook(self.output_grad)
+                leaf.register_hook(self._output_grad)
 
     def output_grad(self, grad: torch.Tensor) -> None:
         self._backward.begin_backward()
@@ -145,6 +149,7 @@ class HookSet:
         blocks' records, which a deepcopy reads streamed weights through."""
         blocks_of_module: Dict[int, List[Block]] = {}
         modules: Dict[int, nn.Module] = {}
+        on_grad = eager(backward.on_grad)
         for block in blocks:
             for slot in block.slots:
                 for module in owners.get(id(slot.param), []):
@@ -153,18 +158,18 @@ class HookSet:
                         listed.append(block)
                     modules[id(module)] = module
                 if slot.trainable:
-                    self._handles.append(slot.param.register_post_accumulate_grad_hook(backward.on_grad))
+                    self._handles.append(slot.param.register_post_accumulate_grad_hook(on_grad))
         for key, module in modules.items():
             hooks = OwnerHooks(blocks_of_module[key], forward, state_dicts)
-            self._handles.append(module.register_forward_pre_hook(hooks.pre_forward))
-            self._handles.append(module.register_forward_hook(hooks.post_forward, always_call=True))
+            self._handles.append(module.register_forward_pre_hook(eager(hooks.pre_forward)))
+            self._handles.append(module.register_forward_hook(eager(hooks.post_forward), always_call=True))
             self._handles.append(module.register_state_dict_pre_hook(hooks.before_state_dict))
             # a partial, not the bound method: torch marks the hook it is given with an attribute
             self._handles.append(module.register_state_dict_post_hook(functools.partial(OwnerHooks.after_state_dict,
                                                                                         hooks)))
             self._handles.append(module.register_load_state_dict_pre_hook(hooks.before_load_state_dict))
         root_hooks = RootHooks(forward, backward, state_dicts)
-        self._handles.append(root.register_forward_hook(root_hooks.hook_outputs))
+        self._handles.append(root.register_forward_hook(eager(root_hooks.hook_outputs)))
         # model.load_state_dict(): the engine's copies of the weights (master, host mirrors) follow it (a
         # sub-module's load is caught by the parameters' version counters, [Note: weights written after wrap()]).
         self._handles.append(root.register_load_state_dict_pre_hook(root_hooks.before_load_state_dict))
@@ -174,8 +179,9 @@ class HookSet:
         self._handles.append(root.register_state_dict_post_hook(functools.partial(RootHooks.after_state_dict,
                                                                                   root_hooks)))
         # The root's context encloses everything above: entered before any pre-hook, left after every hook.
-        self._handles.append(root.register_forward_pre_hook(root_hooks.enter, prepend=True, with_kwargs=True))
-        self._handles.append(root.register_forward_hook(root_hooks.exit, always_call=True))
+        self._handles.append(root.register_forward_pre_hook(eager(root_hooks.enter), prepend=True,
+                                                            with_kwargs=True))
+        self._handles.append(root.register_forward_hook(eager(root_hooks.exit), always_call=True))
         # copy.deepcopy(model) or of a sub-module: a plain copy, current weights, no engine hooks (model_copy.py)
         self._copies = ModelCopies(root, records, sync.synchronize, self._handles)
 
