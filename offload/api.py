@@ -43,6 +43,7 @@ def wrap(
     activations: Optional[str] = None,
     shard_weights: Optional[bool] = None,
     speculative_clipping: Optional[bool] = None,
+    zero_quantized_weights: bool = False,
     weights: Optional[Union[str, os.PathLike]] = None,
     init: Optional[Callable[[nn.Module], None]] = None,
     **unknown: object,
@@ -95,6 +96,11 @@ def wrap(
             at or below `max_grad_norm` and redoes them from the untouched state, clipped, when it is not: the
             same bits either way, only the time differs. After a step that clipped it waits until the norm has
             stayed below the threshold for a while. False: every update waits for the global norm.
+        zero_quantized_weights: with sharded weights (ZeRO++'s qwZ, DeepSpeed's key of the same name): the
+            gathers for the forward and backward send each rank's part as int8 blocks of 256 with a scale each,
+            about half the bytes of bf16 weights (a quarter of fp32), and compute with the decoded weights. This
+            changes the maths (the loss moves by the quantization error); the fp32 master weights, the update and
+            every read of the weights (state_dict, save) stay exact. Default False: exact gathers.
         weights: a pretrained checkpoint to fill the model from, block by block as it is placed (a
             `.safetensors` file, a directory of Hugging Face shards, or an offload checkpoint directory):
             the model may be built on the meta device (`accelerate.init_empty_weights()`), so it never
@@ -128,6 +134,7 @@ def wrap(
         activations=Activations.parse(activations),
         shard_weights=ShardWeights.parse(shard_weights),
         speculative_clipping=speculative_clipping,
+        zero_quantized_weights=zero_quantized_weights,
     )
     if policy.tier is Tier.NVME:
         _check_nvme_path(policy.nvme_path)

@@ -26,6 +26,7 @@ from torch import Tensor
 from offload.distributed.gather_check import USE, GatherCheck
 from offload.distributed.guard import warn_launched_without_process_group
 from offload.distributed.launchers import local_place
+from offload.distributed.quantized_gather import Int8Blocks
 from offload.errors import OffloadError
 from offload.scheduler.torch_internals import default_group_timeout
 
@@ -85,6 +86,19 @@ class DataParallel:
         # each gather announced first on a gloo group (gather_check.py): the gathers' own group where it is gloo
         self.gather_check = GatherCheck(world, rank, self.gather_group if self.backend == "gloo" else
                                         dist.new_group(ranks, timeout=timeout, backend="gloo"))
+        self.weight_codes: Optional[Int8Blocks] = None  # zero_quantized_weights: the gathers for compute send these
+
+    def quantize_weight_gathers(self, codes: Int8Blocks) -> None:
+        """The gathers that feed compute send each part as `codes` (ZeRO++'s qwZ, quantized_gather.py); reads of
+        the weights stay exact."""
+        self.weight_codes = codes
+
+    def gathered_nbytes(self, part: Shard, itemsize: int, kind: int = USE) -> int:
+        """Bytes one gather of a group brings to this rank from the others."""
+        others = part.n - part.numel
+        if self.weight_codes is None or kind != USE:
+            return others * itemsize
+        return (self.world - 1) * self.weight_codes.packed_nbytes(part.size)
 
     @staticmethod
     def from_environment() -> Optional["DataParallel"]:
@@ -166,6 +180,8 @@ class DataParallel:
         if size == 0:
             return None
         self.gather_check.announce(key, part.n, kind)
+        if self.weight_codes is not None and kind == USE:
+            return self._gather_codes(self.weight_codes, full, mine, part, async_op)
         if mine.numel() == size:
             sent = mine
         else:
@@ -190,6 +206,36 @@ class DataParallel:
                 if hi > lo:
                     full[lo:hi].copy_(out[:hi - lo])
             assert buffers
+
+        if async_op:
+            return finish
+        finish()
+        return None
+
+    def _gather_codes(self, codes: Int8Blocks, full: Tensor, mine: Tensor, part: Shard,
+                      async_op: bool) -> Optional[Callable[[], None]]:
+        """`gather_weights` with each rank's part sent as `codes` and decoded into `full` by every rank (its own
+        part too: every rank then computes with the same weights)."""
+        size = part.size
+        if mine.numel() < size:  # a short last part: sent at the full part's length, as every rank's
+            mine = torch.cat([mine, mine.new_zeros(size - mine.numel())])
+        sent = codes.encode(mine)
+        received = [torch.empty_like(sent) for _ in range(self.world)]
+        work = dist.all_gather(received, sent, group=self.gather_group, async_op=async_op)
+        buffers = (sent, received)  # alive until the gather that reads and writes them is done
+
+        def finish() -> None:
+            if work is not None:
+                work.wait()
+            assert buffers
+            for rank, packed in enumerate(received):
+                lo, hi = min(rank * size, part.n), min((rank + 1) * size, part.n)
+                if hi - lo == size:
+                    codes.decode(packed, size, full[lo:hi])
+                elif hi > lo:
+                    decoded = full.new_empty(size)
+                    codes.decode(packed, size, decoded)
+                    full[lo:hi].copy_(decoded[:hi - lo])
 
         if async_op:
             return finish

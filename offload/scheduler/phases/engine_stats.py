@@ -27,7 +27,9 @@ def engine_stats(counters: StepCounters, nonfinite: NonFiniteSkips, clock: Phase
                bytes_grads_from_disk=sum(h.disk_bytes.read for h in homes))
     parts = [g.home for r in records for g in r.groups if isinstance(g.home, PartitionedHome)]
     out.update(weight_gathers=sum(h.gathers for h in parts),  # sharded weights: groups made whole, and the
-               bytes_weights_gathered=sum(h.bytes_gathered for h in parts))  # other ranks' bytes that brought
+               bytes_weights_gathered=sum(h.bytes_gathered for h in parts),  # other ranks' bytes that brought
+               # of those, the gathers' for a forward or backward (zero_quantized_weights sends these as codes)
+               bytes_weights_gathered_for_compute=sum(h.bytes_gathered_for_compute for h in parts))
     out.update(host_state_bytes=sum(s.host_bytes for r in records for s in r.states),
                # this rank's fp32 master weights and moments, on any tier (data-parallel: its parts only)
                optimizer_state_bytes=sum(s.optimizer_state_bytes for r in records for s in r.states))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import warnings
 from typing import Any, Callable, Dict, List, Optional, cast
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 from offload._system import return_freed_memory, unmap_large_allocations
 from offload.distributed.agreement import refuse_differences
 from offload.distributed.data_parallel import DataParallel, Shard
+from offload.distributed.quantized_gather import Int8Blocks
 from offload.errors import OffloadConfigError
 from offload.planner.place import make_plan, shards_weights
 from offload.planner.plan import GradFlow, Plan
@@ -68,6 +70,17 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
     largest_record = _largest_part(blocks, dp, sharded)
     ring = ring_size_for(largest_record, policy.moments) if records else None
     plan = dataclasses.replace(_make_plan(blocks, policy, ring, dp, sharded, disk_room), precision=_precision(policy))
+    if policy.zero_quantized_weights:
+        if dp is not None and sharded:
+            codes = Int8Blocks()
+            dp.quantize_weight_gathers(codes)
+            plan = dataclasses.replace(plan, weight_gathers=f"for compute as {codes.describe()}: about "
+                                       f"{(1 + 4 / codes.block) / policy.dtype.itemsize:.2f}x the bytes of "
+                                       f"{str(policy.dtype).replace('torch.', '')} weights; reads of them exact")
+        else:
+            warnings.warn("offload: zero_quantized_weights=True has no effect here: the weights are not sharded "
+                          "(one process, tier='gpu', or whole weights that fit host_memory with shard_weights=None; "
+                          "shard_weights=True shards them)", RuntimeWarning, stacklevel=4)
     if policy.max_grad_norm is not None and not policy.speculates:
         why = ("speculative_clipping=False" if policy.speculative_clipping is False else
                "the cpu tier computing on the CPU: updates during the backward would share its cores; "

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from offload.distributed.data_parallel import DataParallel, Shard
-from offload.distributed.gather_check import READ
+from offload.distributed.gather_check import READ, USE
 from offload.scheduler.blocks.block import FlatGroup
 from offload.scheduler.weights.weight_home import UpdateOwner, UpdateSharing
 
@@ -156,6 +156,7 @@ class PartitionedHome:
         self._gathering: Optional[Callable[[], None]] = None  # a gather started ahead (`fetch(ahead=True)`)
         self.gathers = 0  # for engine.stats(): gathers made, and the other ranks' bytes they brought
         self.bytes_gathered = 0
+        self.bytes_gathered_for_compute = 0  # of those, the gathers' for a forward or backward (not reads)
 
     def update_target(self) -> Optional[Tensor]:
         return self._keeper.update_target(self._trainable)
@@ -202,7 +203,7 @@ class PartitionedHome:
         with torch.no_grad():
             self._gathering = self._dp.gather_weights(buffer, self._keeper.read().to(buffer.device), self._part,
                                                       async_op=ahead, key=self._group.key)
-        self._count_gather()
+        self._count_gather(USE)
 
     def wait_fetched(self) -> None:
         gathering, self._gathering = self._gathering, None
@@ -215,12 +216,15 @@ class PartitionedHome:
         assert self._group.device_buffer is not None
         whole = torch.empty(self._group.numel, dtype=self._group.dtype, device=self._group.device_buffer.device)
         self._dp.gather_weights(whole, self._keeper.read().to(whole.device), self._part, key=self._group.key, kind=READ)
-        self._count_gather()
+        self._count_gather(READ)
         return whole.to("cpu")
 
-    def _count_gather(self) -> None:
+    def _count_gather(self, kind: int) -> None:
+        nbytes = self._dp.gathered_nbytes(self._part, self._group.dtype.itemsize, kind)
         self.gathers += 1
-        self.bytes_gathered += (self._group.numel - self._part.numel) * self._group.dtype.itemsize
+        self.bytes_gathered += nbytes
+        if kind == USE:
+            self.bytes_gathered_for_compute += nbytes
 
     def replace(self, flat: Tensor, resident: bool) -> None:
         self.wait_fetched()
