@@ -400,6 +400,11 @@ struct GroupCrcs {
       out.start(crc.s[kCrcOut]);
     }
   }
+  // The chains carry zeros instead (a range's first block: nothing before it; its chains are dropped).
+  OFFLOAD_HOT void carry_zeros() {
+    alignas(64) static const uint8_t zeros[64 * kLanes] = {};  // the largest piece of a group: p
+    gp = gm = gv = gout = zeros;
+  }
   OFFLOAD_HOT void feed(int q) {
     p.feed(gp, q);
     m.feed(gm, q);
@@ -635,12 +640,14 @@ OFFLOAD_HOT void int8_scale_crcs(const NewBlock& nb, StepCrcs* crc) {
 
 // The first sweep over an int8 block [start, start + count) (count = kInt8Block when kFull): decode m and sqrt(v)
 // 64 at a time and run the Adam maths on them, into `nb` with the running maxima of their magnitudes; then the
-// block's new scales (stored: its old ones are read).
-// kCrc: each vector also carries the bytes of the same 16 elements of the block before (`start - kInt8Block`, whose
-// codes are written) into *crc, and the block's new scales go into theirs.
-template <DType G, DType O, bool kHasOut, bool kFull, bool kCrc>
+// block's new scales (stored: its old ones are read) and their CRCs.
+// A full block's vectors also carry the bytes of the same 16 elements of the block before (`start - kInt8Block`,
+// whose codes are written) into *crc; the first block of a range (`first`) has none before it: its chains carry
+// zeros and are dropped. A partial block (the range's last; once per call) leaves its bytes to crc_range and is
+// not unrolled: its code would cost compile time and nothing measurable at run time.
+template <DType G, DType O, bool kHasOut, bool kFull>
 OFFLOAD_HOT void int8_update(const MomentBuffers& b, const Operands& o, const Constants512& c, const Int8Codec& codec,
-                             int64_t start, int64_t count, NewBlock& nb, StepCrcs* crc) {
+                             int64_t start, int64_t count, NewBlock& nb, StepCrcs* crc, bool first) {
   const uint8_t* mc = static_cast<const uint8_t*>(b.m);
   const uint8_t* vc = static_cast<const uint8_t*>(b.v);
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
@@ -649,47 +656,52 @@ OFFLOAD_HOT void int8_update(const MomentBuffers& b, const Operands& o, const Co
   const bool plain = plain_scale(m_stored) && plain_scale(v_stored);
   if (!plain) decode_block_scalar(b, start, start + count, nb.m, nb.s);
   const __m512 m_scale = _mm512_set1_ps(m_stored), v_scale = _mm512_set1_ps(v_stored);
+  auto decode64 = [&](int64_t at, __mmask64 k) __attribute__((always_inline)) {
+    __m512 m[4], s[4];
+    codec.decode_m(mc + start + at, k, m_scale, m);
+    codec.decode_sqrt_v(vc + start + at, k, v_scale, s);
+    for (int q = 0; q < 4; ++q) {
+      _mm512_store_ps(nb.m + at + 16 * q, m[q]);
+      _mm512_store_ps(nb.s + at + 16 * q, s[q]);
+    }
+  };
   if (__builtin_expect(plain, 1)) {  // decode first: the map tables and the Adam constants do not share registers
+    if constexpr (kFull) {
 #pragma GCC unroll 4
-    for (int64_t at = 0; at < count; at += 64) {
-      const __mmask64 k = kFull ? ~__mmask64{0} : lanes64(count - at);
-      __m512 m[4], s[4];
-      codec.decode_m(mc + start + at, k, m_scale, m);
-      codec.decode_sqrt_v(vc + start + at, k, v_scale, s);
-      for (int q = 0; q < 4; ++q) {
-        _mm512_store_ps(nb.m + at + 16 * q, m[q]);
-        _mm512_store_ps(nb.s + at + 16 * q, s[q]);
-      }
+      for (int64_t at = 0; at < kInt8Block; at += 64) decode64(at, ~__mmask64{0});
+    } else {
+      for (int64_t at = 0; at < count; at += 64) decode64(at, lanes64(count - at));
     }
   }
   __m512i m_max = _mm512_setzero_si512(), s_max = _mm512_setzero_si512();
-  [[maybe_unused]] GroupCrcs<out_bytes<O, kHasOut>(), 1> g;
-  if constexpr (kCrc) g.start(*crc, b, start - kInt8Block);
-#pragma GCC unroll 16
-  for (int64_t at = 0; at < count; at += kLanes) {
-    const __mmask16 k = kFull ? static_cast<__mmask16>(0xffff) : lanes(count - at);
+  auto update16 = [&](int64_t at, __mmask16 k) __attribute__((always_inline)) {
     __m512 m = _mm512_load_ps(nb.m + at), s = _mm512_load_ps(nb.s + at);
     adam16<G, O, kHasOut>(o, c, start + at, k, m, s);
-    if constexpr (kCrc) g.feed(static_cast<int>(at / kLanes));
     _mm512_store_ps(nb.m + at, m);
     _mm512_store_ps(nb.s + at, s);
-    const __m512i m_bits = _mm512_and_si512(_mm512_castps_si512(m), abs_mask);
-    const __m512i s_bits = _mm512_and_si512(_mm512_castps_si512(s), abs_mask);
-    if (kFull) {
-      m_max = _mm512_max_epu32(m_max, m_bits);
-      s_max = _mm512_max_epu32(s_max, s_bits);
-    } else {  // masked: past the block's end the values are not the block's
-      m_max = _mm512_mask_max_epu32(m_max, k, m_max, m_bits);
-      s_max = _mm512_mask_max_epu32(s_max, k, s_max, s_bits);
+    // masked: past the block's end the values are not the block's
+    m_max = _mm512_mask_max_epu32(m_max, k, m_max, _mm512_and_si512(_mm512_castps_si512(m), abs_mask));
+    s_max = _mm512_mask_max_epu32(s_max, k, s_max, _mm512_and_si512(_mm512_castps_si512(s), abs_mask));
+  };
+  if constexpr (kFull) {
+    GroupCrcs<out_bytes<O, kHasOut>(), 1> g;
+    g.start(*crc, b, start - kInt8Block);
+    if (first) g.carry_zeros();
+#pragma GCC unroll 16
+    for (int64_t at = 0; at < kInt8Block; at += kLanes) {
+      update16(at, static_cast<__mmask16>(0xffff));
+      g.feed(static_cast<int>(at / kLanes));
     }
+    if (!first) g.finish(*crc);
+  } else {
+    for (int64_t at = 0; at < count; at += kLanes) update16(at, lanes(count - at));
   }
-  if constexpr (kCrc) g.finish(*crc);
   nb.m_scale = scale_from_bits(m_max, nb.m, count);
   nb.s_scale = scale_from_bits(s_max, nb.s, count);
   nb.fast = Int8Codec::encodes_fast(nb.m_scale) && Int8Codec::encodes_fast(nb.s_scale);
   b.m_scales[blk] = nb.m_scale;
   b.v_scales[blk] = nb.s_scale;
-  if constexpr (kCrc) int8_scale_crcs(nb, crc);
+  int8_scale_crcs(nb, crc);
 }
 
 // The second sweep: the codes of the block computed into `nb`, 64 at a time.
@@ -705,43 +717,41 @@ OFFLOAD_HOT void int8_encode(const MomentBuffers& b, const Int8Codec& codec, con
   }
   const __m512 m_inv = _mm512_set1_ps(Int8Codec::inverse(nb.m_scale));
   const __m512 s_inv = _mm512_set1_ps(Int8Codec::inverse(nb.s_scale));
-#pragma GCC unroll 4
-  for (int64_t at = 0; at < count; at += 64) {
-    const __mmask64 k = kFull ? ~__mmask64{0} : lanes64(count - at);
+  auto encode64 = [&](int64_t at, __mmask64 k) __attribute__((always_inline)) {
     _mm512_mask_storeu_epi8(mc + at, k, codec.m_codes(nb.m + at, m_inv));
     _mm512_mask_storeu_epi8(vc + at, k, codec.v_codes(nb.s + at, s_inv));
+  };
+  if constexpr (kFull) {
+#pragma GCC unroll 4
+    for (int64_t at = 0; at < kInt8Block; at += 64) encode64(at, ~__mmask64{0});
+  } else {
+    for (int64_t at = 0; at < count; at += 64) encode64(at, lanes64(count - at));
   }
 }
 
 // Each block in two sweeps (the scale needs the whole block before any code is written). Interleaving the codes of
 // block k - 1 with the update of block k, so that the divider (the Adam maths' divisions and square roots) and the
 // lookups would work side by side, measured slower (4.3 cycles a parameter against 4.0).
-// With kCrc, the update of block k carries block k - 1's bytes into the CRCs (crc16 in int8_update), and the last
-// full block and a partial one are read back at the end.
-template <DType G, DType O, bool kHasOut, bool kCrc>
+// The CRCs always ride along (a step without them passes scratch ones: ~2% of its time, against a second copy of
+// the step's code): the update of block k carries block k - 1's bytes into them, and the last full block and a
+// partial one are read back at the end.
+template <DType G, DType O, bool kHasOut>
 void step_int8(const MomentBuffers& b, const AdamConstants& constants, int64_t begin, int64_t end, StepCrcs* crc) {
   const Constants512 c(constants);
   const Operands o(b);
   const Int8Codec& codec = int8_codec();
   NewBlock nb;
   int64_t start = begin;
-  if (start + kInt8Block <= end) {
-    int8_update<G, O, kHasOut, true, false>(b, o, c, codec, start, kInt8Block, nb, crc);
-    if constexpr (kCrc) int8_scale_crcs(nb, crc);
-    int8_encode<true>(b, codec, nb, start, kInt8Block);
-    start += kInt8Block;
-  }
   for (; start + kInt8Block <= end; start += kInt8Block) {
-    int8_update<G, O, kHasOut, true, kCrc>(b, o, c, codec, start, kInt8Block, nb, crc);
+    int8_update<G, O, kHasOut, true>(b, o, c, codec, start, kInt8Block, nb, crc, start == begin);
     int8_encode<true>(b, codec, nb, start, kInt8Block);
   }
   const int64_t pending = start > begin ? start - kInt8Block : begin;  // the first element not yet in the CRCs
   if (start < end) {
-    int8_update<G, O, kHasOut, false, false>(b, o, c, codec, start, end - start, nb, crc);
-    if constexpr (kCrc) int8_scale_crcs(nb, crc);
+    int8_update<G, O, kHasOut, false>(b, o, c, codec, start, end - start, nb, crc, true);
     int8_encode<false>(b, codec, nb, start, end - start);
   }
-  if constexpr (kCrc) crc_range(*crc, b, out_bytes<O, kHasOut>(), 1, pending, end);
+  crc_range(*crc, b, out_bytes<O, kHasOut>(), 1, pending, end);
 }
 
 template <DType G, DType O, bool kHasOut, bool kCrc>
@@ -750,16 +760,39 @@ void step_format(const MomentBuffers& b, const AdamConstants& c, int64_t begin, 
     if constexpr (kCrc) step_bf16_crc<G, O, kHasOut>(b, c, begin, end, crc);
     else step_bf16<G, O, kHasOut>(b, c, begin, end);
   }
-  else step_int8<G, O, kHasOut, kCrc>(b, c, begin, end, crc);
+  else if constexpr (kCrc) step_int8<G, O, kHasOut>(b, c, begin, end, crc);
+  else {
+    const uint32_t none[kCrcCount] = {};
+    StepCrcs scratch(none);
+    step_int8<G, O, kHasOut>(b, c, begin, end, &scratch);
+  }
 }
 
+// p of [begin, end) into out in out's dtype, rounded as the fused store rounds it; and into out's CRC.
+template <DType O>
+void cast_out(const MomentBuffers& b, int64_t begin, int64_t end, StepCrcs* crc) {
+  for (int64_t i = begin; i < end; i += kLanes) {
+    const __mmask16 k = lanes(end - i);
+    store_out<O>(b.out, i, _mm512_maskz_loadu_ps(k, b.p + i), k);
+  }
+  constexpr int kBytes = O == DType::kFloat32 ? 4 : 2;
+  if (crc) crc->add(kCrcOut, static_cast<const uint8_t*>(b.out) + kBytes * begin, kBytes * (end - begin));
+}
+
+// Only out = none and out dtype = grad dtype are compiled into the step (the engine's gradient home and compute
+// weights share the group's compute dtype); any other out dtype is the step without out, then a cast of p (its
+// bytes are the same: one rounding of the same p). Each fused (G, O) pair would cost seconds of compile time.
 template <DType G, bool kCrc>
 void step_out(const MomentBuffers& b, const AdamConstants& c, int64_t begin, int64_t end, StepCrcs* crc) {
   if (!b.out) return step_format<G, DType::kFloat32, false, kCrc>(b, c, begin, end, crc);
+  if (b.out_dtype == G) return step_format<G, G, true, kCrc>(b, c, begin, end, crc);
+  MomentBuffers without_out = b;
+  without_out.out = nullptr;
+  step_format<G, DType::kFloat32, false, kCrc>(without_out, c, begin, end, crc);
   switch (b.out_dtype) {
-    case DType::kBFloat16: return step_format<G, DType::kBFloat16, true, kCrc>(b, c, begin, end, crc);
-    case DType::kFloat16: return step_format<G, DType::kFloat16, true, kCrc>(b, c, begin, end, crc);
-    default: return step_format<G, DType::kFloat32, true, kCrc>(b, c, begin, end, crc);
+    case DType::kBFloat16: return cast_out<DType::kBFloat16>(b, begin, end, crc);
+    case DType::kFloat16: return cast_out<DType::kFloat16>(b, begin, end, crc);
+    default: return cast_out<DType::kFloat32>(b, begin, end, crc);
   }
 }
 
