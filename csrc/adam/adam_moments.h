@@ -47,7 +47,11 @@ struct MomentMaps {
   // In a block holding an infinity the second-highest value means infinity: the midpoint between its two
   // neighbours (map[N-3] and 1) then splits the finite values between them.
   float m_skip_mid, v_skip_mid;
+  // The search-free encoder's lines (moment_code::plain_code), by the binade slot of y: u = y * a - b.
+  float m_line_a[32], m_line_b[32], v_line_a[32], v_line_b[32];
 };
+// Binades of y below 2^(kLineFirstExp - 126) share slot 0 of the lines: all lie in decade 0.
+constexpr int kLineFirstExp = 96;
 const MomentMaps& moment_maps();
 
 struct MomentBuffers {
@@ -104,7 +108,7 @@ struct MomentKernels {
   void moment_decode_##isa(const void*, const float*, MomentFormat, int, float*, int64_t, int64_t);       \
   void moment_step_crc_##isa(const MomentBuffers&, const AdamConstants&, int64_t, int64_t, uint32_t*);
 OFFLOAD_MOMENT_KERNELS(scalar)
-OFFLOAD_MOMENT_KERNELS(avx2)      // the scalar loops compiled for AVX2 + FMA + F16C
+OFFLOAD_MOMENT_KERNELS(avx2)      // AVX2 + FMA + F16C: 8 lanes, the int8 maps looked up with gathers
 OFFLOAD_MOMENT_KERNELS(avx512bw)  // AVX-512 F/BW: the int8 maps and midpoints in registers as 16-bit planes
 OFFLOAD_MOMENT_KERNELS(avx512)    // + VBMI and AVX512_BF16: byte planes, 64 codes a lookup
 #undef OFFLOAD_MOMENT_KERNELS

@@ -54,10 +54,28 @@ void build_map(int decades, float (&values)[N], float (&mids)[N - 1], float& ski
   skip_mid = static_cast<float>((static_cast<double>(values[N - 3]) + static_cast<double>(values[N - 1])) / 2);
 }
 
+// The lines of moment_code::plain_code: for binade slot s of y, those of its lowest decade d, u = y * a[d] - b[d],
+// which puts decade d's inner midpoints at the half-integers between its codes (as adam_moments_avx512.cpp's
+// Encoder builds them).
+void build_lines(int decades, float (&a)[32], float (&b)[32]) {
+  for (int s = 0; s < 32; ++s) {
+    const double bottom = s == 0 ? 0.0 : std::ldexp(1.0, kLineFirstExp + s - 127);
+    int d = 0;
+    for (int i = 0; i + 1 < decades; ++i) {
+      if (static_cast<float>(std::pow(10.0, i + 1 - decades)) <= bottom) ++d;  // y >= 10^(i+1-decades): decade > i
+    }
+    const double k = std::ldexp(1.0, d + 1);
+    a[s] = static_cast<float>(k / (0.9 * std::pow(10.0, d - decades + 1)));
+    b[s] = static_cast<float>(k / 9.0 - k + 1.5);
+  }
+}
+
 MomentMaps make_maps() {
   MomentMaps maps;
   build_map(6, maps.m, maps.m_mid, maps.m_skip_mid);
   build_map(7, maps.v, maps.v_mid, maps.v_skip_mid);
+  build_lines(6, maps.m_line_a, maps.m_line_b);
+  build_lines(7, maps.v_line_a, maps.v_line_b);
   return maps;
 }
 

@@ -29,13 +29,15 @@ inline float encode_block(const float* vals, uint8_t* codes, int64_t count, int 
   const float scale = moment_code::block_scale(finite_max, nan, inf);
   const bool inf_block = moment_code::holds_inf(scale);
   const float inv = moment_code::inverse(moment_code::magnitude_scale(scale));
-  for (int64_t i = 0; i < count; ++i) codes[i] = moment_code::encode(vals[i], inv, which, inf_block, maps);
+  if (!moment_code::plain_encode_scale(scale)) {  // rare: the search, and the marks of an infinity
+    for (int64_t i = 0; i < count; ++i) codes[i] = moment_code::encode(vals[i], inv, which, inf_block, maps);
+  } else if (which == kExpAvg) {
+    for (int64_t i = 0; i < count; ++i) codes[i] = moment_code::plain_encode_m(vals[i], inv, maps);
+  } else {
+    for (int64_t i = 0; i < count; ++i) codes[i] = moment_code::plain_encode_sqrt_v(vals[i], inv, maps);
+  }
   return scale;
 }
-
-inline float decode_m(uint8_t c, float scale) { return moment_code::decode(c, scale, kExpAvg, moment_maps()); }
-
-inline float decode_sqrt_v(uint8_t c, float scale) { return moment_code::decode(c, scale, kExpAvgSq, moment_maps()); }
 
 // The maths of scalar::adam_element on decoded m, v: updates p (and out), returns the new m and v.
 inline void adam_math(const MomentBuffers& b, const AdamConstants& c, int64_t i, float& m, float& v) {
@@ -62,15 +64,23 @@ inline void step_bf16(const MomentBuffers& b, const AdamConstants& c, int64_t be
 }
 
 inline void step_int8(const MomentBuffers& b, const AdamConstants& c, int64_t begin, int64_t end) {
+  const MomentMaps& maps = moment_maps();
   uint8_t* mc = static_cast<uint8_t*>(b.m);
   uint8_t* vc = static_cast<uint8_t*>(b.v);
   float new_m[kInt8Block], new_s[kInt8Block];
   for (int64_t start = begin; start < end; start += kInt8Block) {
     const int64_t stop = std::min(end, start + kInt8Block), blk = start / kInt8Block;
     const float m_scale = b.m_scales[blk], v_scale = b.v_scales[blk];
+    const bool plain = moment_code::plain_decode_scale(m_scale) && moment_code::plain_decode_scale(v_scale);
     for (int64_t i = start; i < stop; ++i) {
-      float m = decode_m(mc[i], m_scale);
-      const float s = decode_sqrt_v(vc[i], v_scale);
+      float m, s;
+      if (plain) {
+        m = moment_code::plain_decode_m(mc[i], m_scale, maps);
+        s = moment_code::plain_decode_sqrt_v(vc[i], v_scale, maps);
+      } else {
+        m = moment_code::decode(mc[i], m_scale, kExpAvg, maps);
+        s = moment_code::decode(vc[i], v_scale, kExpAvgSq, maps);
+      }
       float v = s * s;
       adam_math(b, c, i, m, v);
       new_m[i - start] = m;
@@ -110,14 +120,20 @@ inline void decode_range(const void* codes, const float* scales, MomentFormat fo
     for (int64_t i = begin; i < end; ++i) out[i] = scalar::bf16_to_float(static_cast<const uint16_t*>(codes)[i]);
     return;
   }
+  const MomentMaps& maps = moment_maps();
   const uint8_t* c8 = static_cast<const uint8_t*>(codes);
-  for (int64_t i = begin; i < end; ++i) {
-    const float scale = scales[i / kInt8Block];
-    if (which == kExpAvg) {
-      out[i] = decode_m(c8[i], scale);
-    } else {
-      const float s = decode_sqrt_v(c8[i], scale);
-      out[i] = s * s;
+  for (int64_t start = begin; start < end; start += kInt8Block) {
+    const int64_t stop = std::min(end, start + kInt8Block);
+    const float scale = scales[start / kInt8Block];
+    const bool plain = moment_code::plain_decode_scale(scale);
+    for (int64_t i = start; i < stop; ++i) {
+      if (which == kExpAvg) {
+        out[i] = plain ? moment_code::plain_decode_m(c8[i], scale, maps) : moment_code::decode(c8[i], scale, kExpAvg, maps);
+      } else {
+        const float s = plain ? moment_code::plain_decode_sqrt_v(c8[i], scale, maps)
+                              : moment_code::decode(c8[i], scale, kExpAvgSq, maps);
+        out[i] = s * s;
+      }
     }
   }
 }
