@@ -44,6 +44,7 @@ def wrap(
     shard_weights: Optional[bool] = None,
     speculative_clipping: Optional[bool] = None,
     zero_quantized_weights: bool = False,
+    zero_quantized_gradients: bool = False,
     weights: Optional[Union[str, os.PathLike]] = None,
     init: Optional[Callable[[nn.Module], None]] = None,
     **unknown: object,
@@ -101,6 +102,10 @@ def wrap(
             about half the bytes of bf16 weights (a quarter of fp32), and compute with the decoded weights. This
             changes the maths (the loss moves by the quantization error); the fp32 master weights, the update and
             every read of the weights (state_dict, save) stay exact. Default False: exact gathers.
+        zero_quantized_gradients: under several processes (ZeRO++'s qgZ): the gradients' reduce-scatter sends
+            each rank's pieces as int8 blocks through all-to-alls, summed in fp32 where they land; across several
+            machines in two levels (within each machine, then one machine-sum per machine across them), so about
+            an eighth of fp32's bytes cross machines. Changes the maths by the quantization error. Default False.
         weights: a pretrained checkpoint to fill the model from, block by block as it is placed (a
             `.safetensors` file, a directory of Hugging Face shards, or an offload checkpoint directory):
             the model may be built on the meta device (`accelerate.init_empty_weights()`), so it never
@@ -135,6 +140,7 @@ def wrap(
         shard_weights=ShardWeights.parse(shard_weights),
         speculative_clipping=speculative_clipping,
         zero_quantized_weights=zero_quantized_weights,
+        zero_quantized_gradients=zero_quantized_gradients,
     )
     if policy.tier is Tier.NVME:
         _check_nvme_path(policy.nvme_path)

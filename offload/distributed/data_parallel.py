@@ -87,6 +87,8 @@ class DataParallel:
         self.gather_check = GatherCheck(world, rank, self.gather_group if self.backend == "gloo" else
                                         dist.new_group(ranks, timeout=timeout, backend="gloo"))
         self.weight_codes: Optional[Int8Blocks] = None  # zero_quantized_weights: the gathers for compute send these
+        self.grad_codes: Optional[Int8Blocks] = None  # zero_quantized_gradients: the reduce-scatters send these
+        self._levels: "Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]]" = None  # their two levels, if any
 
     def quantize_weight_gathers(self, codes: Int8Blocks) -> None:
         """The gathers that feed compute send each part as `codes` (ZeRO++'s qwZ, quantized_gather.py); reads of
@@ -160,8 +162,57 @@ class DataParallel:
     def reduce_scatter_mean(self, full: Tensor, shard: Shard, out: Tensor) -> None:
         """`out` (shard.size elements) = the mean over ranks of `full[shard range]` (`full`: shard.padded
         elements, the same on every rank in layout)."""
+        if self.grad_codes is not None:
+            self._reduce_scatter_codes(self.grad_codes, full, shard, out)
+            return
         dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=self.group)
         out.div_(self.world)
+
+    def quantize_gradient_reduction(self, codes: Int8Blocks) -> None:
+        """The gradients' reduce-scatter sends each rank's pieces as `codes` through all-to-alls (ZeRO++'s qgZ),
+        summed in fp32 where they land; in two levels where the ranks span several machines (within each machine
+        first, then one piece per machine across them), so what crosses machines is already a machine's sum.
+        Every rank calls it at setup (it makes the two levels' groups)."""
+        self.grad_codes = codes
+        self._levels = self._node_groups()
+
+    @property
+    def reduces_in_two_levels(self) -> bool:
+        """Whether the quantized reduce-scatter runs within each machine, then across machines."""
+        return self._levels is not None
+
+    def _node_groups(self) -> "Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]]":
+        """(this machine's ranks, the ranks of this local rank on every machine) where the launcher numbered
+        several machines' ranks contiguously (torchrun, accelerate, deepspeed do), else None: one level."""
+        local, nodes = self.local_world, self.world // self.local_world
+        numbered = local > 1 and nodes > 1 and self.world % local == 0 and self.local_rank == self.rank % local
+        if not all(self.all_gather_object((numbered, local))[r] == (True, local) for r in range(self.world)):
+            return None  # decided alike on every rank: the groups below are made by all or by none
+        timeout = default_group_timeout()
+        mine_within = mine_across = None
+        for node in range(nodes):  # every rank makes every group, in the same order
+            group = dist.new_group(list(range(node * local, (node + 1) * local)), timeout=timeout)
+            if node == self.rank // local:
+                mine_within = group
+        for place in range(local):
+            group = dist.new_group(list(range(place, self.world, local)), timeout=timeout)
+            if place == self.rank % local:
+                mine_across = group
+        assert mine_within is not None and mine_across is not None
+        return mine_within, mine_across
+
+    def _reduce_scatter_codes(self, codes: Int8Blocks, full: Tensor, shard: Shard, out: Tensor) -> None:
+        """`reduce_scatter_mean` with every piece sent as `codes` (see `quantize_gradient_reduction`)."""
+        size = shard.size
+        if self._levels is None:
+            total = _exchange_codes(codes, full.view(self.world, size), self.group)
+        else:  # rank = machine * local + place; piece j goes to rank j
+            within, across = self._levels
+            local, nodes = self.local_world, self.world // self.local_world
+            by_place = full.view(nodes, local, size).transpose(0, 1).reshape(local, nodes * size)
+            machine_sums = _exchange_codes(codes, by_place, within)  # my place's pieces of every machine
+            total = _exchange_codes(codes, machine_sums.view(nodes, size), across)
+        out.copy_(total.div_(self.world))
 
     def all_gather(self, full: Tensor, mine: Tensor) -> None:
         """`full` (world * mine.numel() elements) = every rank's `mine`, in rank order (bytes: any dtype)."""
@@ -277,3 +328,19 @@ class DataParallel:
 
 def _bytes(tensor: Tensor) -> Tensor:
     return tensor.reshape(-1).view(torch.uint8)
+
+
+def _exchange_codes(codes: Int8Blocks, pieces: Tensor, group: "dist.ProcessGroup") -> Tensor:
+    """Row k of `pieces` (one per member of `group`, in group rank order) goes to member k as `codes`; returns the
+    fp32 sum, in member order, of the rows the members sent this rank."""
+    members, size = pieces.shape
+    sent = torch.cat([codes.encode(piece) for piece in pieces])
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=group)
+    nbytes = codes.packed_nbytes(size)
+    total = torch.zeros(size, dtype=torch.float32, device=pieces.device)
+    decoded = torch.empty(size, dtype=torch.float32, device=pieces.device)
+    for member in range(members):
+        codes.decode(received[member * nbytes:(member + 1) * nbytes], size, decoded)
+        total.add_(decoded)
+    return total

@@ -55,4 +55,4 @@ class Int8Blocks:
         out.copy_(values.view(-1)[:numel])
 
     def describe(self) -> str:
-        return f"int8 blocks of {self.block} with an fp32 scale each (zero_quantized_weights)"
+        return f"int8 blocks of {self.block} with an fp32 scale each"

@@ -74,13 +74,23 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
         if dp is not None and sharded:
             codes = Int8Blocks()
             dp.quantize_weight_gathers(codes)
-            plan = dataclasses.replace(plan, weight_gathers=f"for compute as {codes.describe()}: about "
+            plan = dataclasses.replace(plan, weight_gathers=f"for compute as {codes.describe()} (zero_quantized_weights): about "
                                        f"{(1 + 4 / codes.block) / policy.dtype.itemsize:.2f}x the bytes of "
                                        f"{str(policy.dtype).replace('torch.', '')} weights; reads of them exact")
         else:
             warnings.warn("offload: zero_quantized_weights=True has no effect here: the weights are not sharded "
                           "(one process, tier='gpu', or whole weights that fit host_memory with shard_weights=None; "
                           "shard_weights=True shards them)", RuntimeWarning, stacklevel=4)
+    if policy.zero_quantized_gradients:
+        if dp is not None:
+            codes = Int8Blocks()
+            dp.quantize_gradient_reduction(codes)
+            levels = "within each machine, then across machines" if dp.reduces_in_two_levels else "one level"
+            plan = dataclasses.replace(plan, grad_reduction=f"as {codes.describe()} through all-to-alls, {levels} "
+                                                          "(zero_quantized_gradients)")
+        else:
+            warnings.warn("offload: zero_quantized_gradients=True has no effect in one process: there is no "
+                          "gradient to reduce across ranks", RuntimeWarning, stacklevel=4)
     if policy.max_grad_norm is not None and not policy.speculates:
         why = ("speculative_clipping=False" if policy.speculative_clipping is False else
                "the cpu tier computing on the CPU: updates during the backward would share its cores; "
