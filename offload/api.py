@@ -98,7 +98,7 @@ def wrap(
             same bits either way, only the time differs. After a step that clipped it waits until the norm has
             stayed below the threshold for a while. False: every update waits for the global norm.
         zero_quantized_weights: with sharded weights (ZeRO++'s qwZ, DeepSpeed's key of the same name): the
-            gathers for the forward and backward send each rank's part as int8 blocks of 256 with a scale each,
+            gathers for the forward and backward send each rank's part as int8 blocks of 64 with a scale each,
             about half the bytes of bf16 weights (a quarter of fp32), and compute with the decoded weights. This
             changes the maths (the loss moves by the quantization error); the fp32 master weights, the update and
             every read of the weights (state_dict, save) stay exact. Default False: exact gathers.

@@ -209,7 +209,7 @@ def test_zero_plus_plus_options_train_near_exact_sharding_with_fewer_bytes(tmp_p
     """ZeRO++'s quantized weight gathers (`zero_quantized_weights=True`: the forward and backward compute with
     weights gathered as int8 blocks) and quantized gradient reduction (`zero_quantized_gradients=True`), alone and
     together: the loss stays within 2% of exact sharded training at every step, every rank holds the same weights,
-    and the gathers for compute bring about a quarter of fp32's bytes (1 + 4/256 bytes an element)."""
+    and the gathers for compute bring about a quarter of fp32's bytes (1 + 4/64 bytes an element)."""
     exact = dict(name="cpu-sharded-exact", tier="cpu", steps=6, micro=1, shard_weights=True, lr=1e-3)
     cases = [exact, dict(exact, name="cpu-sharded-qwz", zero_quantized_weights=True),
              dict(exact, name="nvme-sharded-qwz", tier="nvme", zero_quantized_weights=True, max_grad_norm=1.0),
@@ -234,3 +234,35 @@ def test_zero_plus_plus_options_train_near_exact_sharding_with_fewer_bytes(tmp_p
         assert 0.2 < compute / exact_compute <= 0.3, (case["name"], compute / exact_compute)
         reads = stats["bytes_weights_gathered"] - compute  # state_dict after each step: exact gathers, as many bytes
         assert reads == exact_stats["bytes_weights_gathered"] - exact_compute > 0
+
+
+def test_zero_plus_plus_resumes_bit_exactly_and_its_checkpoint_loads_without_the_options(tmp_path):
+    """With qwZ and qgZ on, a run resumed from its checkpoint logs the uninterrupted run's losses and ends with its
+    weights bit for bit (the checkpoint holds the exact master weights; the codes are recomputed from them); the
+    same checkpoint loads into exact sharded training, which continues from the very weights saved."""
+    options = dict(tier="nvme", micro=1, lr=1e-3, shard_weights=True, zero_quantized_weights=True,
+                   zero_quantized_gradients=True)
+    run_ranks(tmp_path, [
+        dict(options, name="through", steps=4, save="ck-zpp", save_at=2),
+        dict(options, name="resumed", steps=4, load="ck-zpp", skip=2),
+        dict(options, name="exact-after", steps=2, load="ck-zpp", skip=2, zero_quantized_weights=False,
+             zero_quantized_gradients=False),
+        dict(options, name="exact-continues", steps=4, load="ck-zpp", skip=2, zero_quantized_weights=False,
+             zero_quantized_gradients=False),
+    ])
+    through = torch.load(tmp_path / "through.pt", weights_only=False)
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=False)
+    assert resumed["losses"] == through["losses"][2:] and all(resumed["agree"])
+    for name, value in through["weights"].items():
+        assert torch.equal(resumed["weights"][name], value), name
+    exact = torch.load(tmp_path / "exact-after.pt", weights_only=False)
+    assert exact["losses"] == [] and all(torch.equal(exact["weights"][n], v) for n, v in
+                                         _saved_weights(tmp_path / "ck-zpp").items())
+    continued = torch.load(tmp_path / "exact-continues.pt", weights_only=False)["losses"]
+    assert len(continued) == 2 and all(abs(a - b) <= 0.02 * abs(b) for a, b in zip(continued, through["losses"][2:]))
+
+
+def _saved_weights(directory) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "model.safetensors"))

@@ -88,7 +88,19 @@ class DataParallel:
                                         dist.new_group(ranks, timeout=timeout, backend="gloo"))
         self.weight_codes: Optional[Int8Blocks] = None  # zero_quantized_weights: the gathers for compute send these
         self.grad_codes: Optional[Int8Blocks] = None  # zero_quantized_gradients: the reduce-scatters send these
+        # bytes this rank received from the others, by what moved and whether the sender is on another machine
+        # (ranks numbered machine by machine, `local_world` each, as the launchers number them)
+        self.traffic = {f"bytes_{what}_{where}": 0 for what in ("weights", "grads")
+                        for where in ("within_machine", "across_machines")}
         self._levels: "Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]]" = None  # their two levels, if any
+
+    def _received(self, what: str, senders: Sequence[int], nbytes: int) -> None:
+        """Count `nbytes` received from each rank of `senders` other than this one."""
+        machine = self.rank // self.local_world
+        for rank in senders:
+            if rank != self.rank:
+                where = "within_machine" if rank // self.local_world == machine else "across_machines"
+                self.traffic[f"bytes_{what}_{where}"] += nbytes
 
     def quantize_weight_gathers(self, codes: Int8Blocks) -> None:
         """The gathers that feed compute send each part as `codes` (ZeRO++'s qwZ, quantized_gather.py); reads of
@@ -166,6 +178,7 @@ class DataParallel:
             self._reduce_scatter_codes(self.grad_codes, full, shard, out)
             return
         dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=self.group)
+        self._received("grads", range(self.world), out.nbytes)
         out.div_(self.world)
 
     def quantize_gradient_reduction(self, codes: Int8Blocks) -> None:
@@ -206,17 +219,22 @@ class DataParallel:
         size = shard.size
         if self._levels is None:
             total = _exchange_codes(codes, full.view(self.world, size), self.group)
+            self._received("grads", range(self.world), codes.packed_nbytes(size))
         else:  # rank = machine * local + place; piece j goes to rank j
             within, across = self._levels
             local, nodes = self.local_world, self.world // self.local_world
+            machine, place = divmod(self.rank, local)
             by_place = full.view(nodes, local, size).transpose(0, 1).reshape(local, nodes * size)
             machine_sums = _exchange_codes(codes, by_place, within)  # my place's pieces of every machine
+            self._received("grads", range(machine * local, (machine + 1) * local), codes.packed_nbytes(nodes * size))
             total = _exchange_codes(codes, machine_sums.view(nodes, size), across)
+            self._received("grads", range(place, self.world, local), codes.packed_nbytes(size))
         out.copy_(total.div_(self.world))
 
     def all_gather(self, full: Tensor, mine: Tensor) -> None:
         """`full` (world * mine.numel() elements) = every rank's `mine`, in rank order (bytes: any dtype)."""
         dist.all_gather_into_tensor(_bytes(full), _bytes(mine), group=self.group)
+        self._received("weights", range(self.world), mine.nbytes)
 
     # ----- collectives of the training thread ---------------------------------------------------------
     def gather_weights(self, full: Tensor, mine: Tensor, part: Shard, async_op: bool = False, key: str = "",
@@ -248,6 +266,7 @@ class DataParallel:
                 short.append((lo, hi, outputs[-1]))
         work = dist.all_gather([_bytes(out) for out in outputs], _bytes(sent), group=self.gather_group,
                                async_op=async_op)
+        self._received("weights", range(self.world), sent.nbytes)
         buffers = (sent, outputs)  # alive until the gather that reads and writes them is done
 
         def finish() -> None:
@@ -273,6 +292,7 @@ class DataParallel:
         sent = codes.encode(mine)
         received = [torch.empty_like(sent) for _ in range(self.world)]
         work = dist.all_gather(received, sent, group=self.gather_group, async_op=async_op)
+        self._received("weights", range(self.world), sent.nbytes)
         buffers = (sent, received)  # alive until the gather that reads and writes them is done
 
         def finish() -> None:
