@@ -97,7 +97,8 @@ RIVALS = {  # key: label
     "offload-nvme-sharded-disk": "offload nvme sharded, weights on disk",
     "offload-cpu-sharded-qwz": "offload cpu sharded, quantized weight gathers (qwZ)",
     "offload-cpu-sharded-qgz": "offload cpu sharded, quantized gradient reduction (qgZ)",
-    "offload-cpu-sharded-zpp": "offload cpu sharded, qwZ + qgZ",
+    "offload-cpu-sharded-hpz": "offload cpu sharded, secondary partition per node (hpZ)",
+    "offload-cpu-sharded-zpp": "offload cpu sharded, qwZ + hpZ + qgZ",
     "ddp": "torch DDP + AdamW",
     "deepspeed": "DeepSpeed ZeRO-2, CPU offload",
     "deepspeed-zero3": "DeepSpeed ZeRO-3, CPU offload",
@@ -110,7 +111,9 @@ OFFLOAD = {  # rival: (tier, shard_weights, small host and device budgets, ZeRO+
     "offload-nvme-sharded-disk": ("nvme", True, True, {}),
     "offload-cpu-sharded-qwz": ("cpu", True, False, {"zero_quantized_weights": True}),
     "offload-cpu-sharded-qgz": ("cpu", True, False, {"zero_quantized_gradients": True}),
-    "offload-cpu-sharded-zpp": ("cpu", True, False, {"zero_quantized_weights": True, "zero_quantized_gradients": True}),
+    "offload-cpu-sharded-hpz": ("cpu", True, False, {"zero_hpz_partition_size": "node"}),
+    "offload-cpu-sharded-zpp": ("cpu", True, False, {"zero_quantized_weights": True, "zero_quantized_gradients": True,
+                                                     "zero_hpz_partition_size": "node"}),
 }
 SHARDED_EXACT = "offload-cpu-sharded"  # what the ZeRO++ rows' bytes are compared with
 TRAFFIC = ("bytes_weights_within_machine", "bytes_weights_across_machines", "bytes_grads_within_machine",
@@ -373,6 +376,7 @@ def worker(spec_path: str) -> None:
     meter.install()  # before wrap(): the engine calls dist.<name> at call time
     if args.worker in OFFLOAD:
         tier, sharded, small, zero_plus_plus = OFFLOAD[args.worker]
+        zero_plus_plus = {k: local_world if v == "node" else v for k, v in zero_plus_plus.items()}  # hpZ: a node
         options = dict(dtype=dtype, device=device, lr=args.lr, weight_decay=0.0, grad_accumulation_steps=1,
                        shard_weights=sharded, **zero_plus_plus)  # explicit: None could shard the replicated rows
         if small:

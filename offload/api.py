@@ -45,6 +45,7 @@ def wrap(
     speculative_clipping: Optional[bool] = None,
     zero_quantized_weights: bool = False,
     zero_quantized_gradients: bool = False,
+    zero_hpz_partition_size: int = 1,
     weights: Optional[Union[str, os.PathLike]] = None,
     init: Optional[Callable[[nn.Module], None]] = None,
     **unknown: object,
@@ -106,6 +107,10 @@ def wrap(
             each rank's pieces as int8 blocks through all-to-alls, summed in fp32 where they land; across several
             machines in two levels (within each machine, then one machine-sum per machine across them), so about
             an eighth of fp32's bytes cross machines. Changes the maths by the quantization error. Default False.
+        zero_hpz_partition_size: with sharded weights (ZeRO++'s hpZ): > 1 makes ranks in consecutive groups of this
+            many (set it to the ranks of one machine, LOCAL_WORLD_SIZE) keep a 1/size part of each block from its
+            forward's gather, so the backward gathers it within the machine. Exact; costs that part in host
+            memory between a block's forward and its update (the plan says how much). Default 1: off.
         weights: a pretrained checkpoint to fill the model from, block by block as it is placed (a
             `.safetensors` file, a directory of Hugging Face shards, or an offload checkpoint directory):
             the model may be built on the meta device (`accelerate.init_empty_weights()`), so it never
@@ -141,6 +146,7 @@ def wrap(
         speculative_clipping=speculative_clipping,
         zero_quantized_weights=zero_quantized_weights,
         zero_quantized_gradients=zero_quantized_gradients,
+        zero_hpz_partition_size=zero_hpz_partition_size,
     )
     if policy.tier is Tier.NVME:
         _check_nvme_path(policy.nvme_path)

@@ -170,6 +170,9 @@ class OffloadPolicy:
         zero_quantized_gradients: data-parallel mode: the gradients' reduce-scatter sends each rank's pieces as
             int8 blocks through all-to-alls, summed in fp32 where they land, within each machine first and then
             across machines (ZeRO++'s qgZ). Changes the maths by the quantization error. Off by default.
+        zero_hpz_partition_size: with sharded weights, > 1 makes ranks in consecutive groups of this many (the ranks
+            of one machine: LOCAL_WORLD_SIZE) keep a secondary part of each block from its forward's gather, so
+            the backward's gathers stay within the group (ZeRO++'s hpZ). Exact. 1 (default): off.
     """
 
     tier: Tier = Tier.CPU
@@ -192,6 +195,7 @@ class OffloadPolicy:
     speculative_clipping: Optional[bool] = None
     zero_quantized_weights: bool = False
     zero_quantized_gradients: bool = False
+    zero_hpz_partition_size: int = 1
 
     @property
     def speculates(self) -> bool:
@@ -270,6 +274,12 @@ class OffloadPolicy:
         for name in ("zero_quantized_weights", "zero_quantized_gradients"):
             if not isinstance(getattr(self, name), bool):
                 raise OffloadConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        size = self.zero_hpz_partition_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise OffloadConfigError(f"zero_hpz_partition_size must be an int >= 1 (1: off), got {size!r}")
+        if size > 1 and self.shard_weights is ShardWeights.OFF:
+            raise OffloadConfigError("zero_hpz_partition_size > 1 keeps secondary parts of sharded weights, and "
+                                     "shard_weights=False keeps them whole on every rank: set shard_weights=True")
         if self.zero_quantized_weights and self.shard_weights is ShardWeights.OFF:
             raise OffloadConfigError("zero_quantized_weights=True quantizes the gathers of sharded weights, and "
                                      "shard_weights=False keeps them whole on every rank: set shard_weights=True")

@@ -266,3 +266,25 @@ def _saved_weights(directory) -> dict:
     from safetensors.torch import load_file
 
     return load_file(str(directory / "model.safetensors"))
+
+
+def test_a_secondary_partition_keeps_the_backward_gathers_within_the_group_and_changes_no_bit(tmp_path):
+    """ZeRO++'s hpZ (`zero_hpz_partition_size=2` on 4 ranks): each block's forward gathers from all 4 ranks, its
+    backward from the 2 of the rank's group; training is bit for bit what it is without it (exact, and with
+    quantized weight gathers: the secondary part holds the decoded weights the forward used), and exact sharding
+    gathers fewer bytes for compute (with qwZ the group's gathers move compute-dtype bytes, not codes: more
+    bytes in all, fewer across machines, which bench_dp measures)."""
+    base = dict(tier="cpu", steps=3, micro=1, shard_weights=True, lr=1e-3)
+    cases = [dict(base, name="sharded4"), dict(base, name="hpz4", zero_hpz_partition_size=2),
+             dict(base, name="qwz4", zero_quantized_weights=True),
+             dict(base, name="qwz-hpz4", zero_quantized_weights=True, zero_hpz_partition_size=2)]
+    run_ranks(tmp_path, cases, nproc=4)
+    results = {c["name"]: torch.load(tmp_path / f"{c['name']}.pt", weights_only=False) for c in cases}
+    assert_matches("sharded4", results["sharded4"], reference(base))
+    for plain, with_hpz in (("sharded4", "hpz4"), ("qwz4", "qwz-hpz4")):
+        a, b = results[plain], results[with_hpz]
+        assert a["losses"] == b["losses"] and all(b["agree"]), (plain, a["losses"], b["losses"])
+        assert all(torch.equal(a["weights"][n], b["weights"][n]) for n in a["weights"])
+    plain, with_hpz = results["sharded4"]["stats"], results["hpz4"]["stats"]
+    assert with_hpz["bytes_weights_gathered_for_compute"] < plain["bytes_weights_gathered_for_compute"]
+    assert with_hpz["weight_gathers"] == plain["weight_gathers"]

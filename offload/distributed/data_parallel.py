@@ -64,6 +64,19 @@ class Shard:
         return Shard(n, n, 0, 1)
 
 
+@dataclass(frozen=True)
+class SecondaryGroup:
+    """The ranks `[first, first + size)` sharing hpZ's secondary partition (see `make_secondary_partition`)."""
+
+    group: "dist.ProcessGroup"
+    first: int
+    size: int
+
+    def part_of(self, n: int, rank: int) -> Shard:
+        """This rank's secondary part of a group of `n` elements."""
+        return Shard(n, -(-n // self.size) if n else 0, rank - self.first, self.size)
+
+
 class DataParallel:
     """The process group this engine trains over, and this rank's place in it."""
 
@@ -93,6 +106,7 @@ class DataParallel:
         self.traffic = {f"bytes_{what}_{where}": 0 for what in ("weights", "grads")
                         for where in ("within_machine", "across_machines")}
         self._levels: "Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]]" = None  # their two levels, if any
+        self.secondary: Optional[SecondaryGroup] = None  # zero_hpz_partition_size: this rank's group
 
     def _received(self, what: str, senders: Sequence[int], nbytes: int) -> None:
         """Count `nbytes` received from each rank of `senders` other than this one."""
@@ -188,6 +202,29 @@ class DataParallel:
         Every rank calls it at setup (it makes the two levels' groups)."""
         self.grad_codes = codes
         self._levels = self._node_groups()
+
+    def make_secondary_partition(self, size: int) -> None:
+        """ZeRO++'s hpZ: ranks in consecutive groups of `size` (a machine's, where `size` is the ranks per machine)
+        keep a secondary part of each block they gathered, so that its next gathers stay within the group
+        (`gather_secondary`). Every rank calls it at setup (it makes every group's process group)."""
+        timeout = default_group_timeout()
+        for first in range(0, self.world, size):  # every rank makes every group, in the same order
+            group = dist.new_group(list(range(first, first + size)), timeout=timeout)
+            if first <= self.rank < first + size:
+                self.secondary = SecondaryGroup(group, first, size)
+
+    def gather_secondary(self, full: Tensor, mine: Tensor, part: Shard) -> None:
+        """`full` (the group's `part.n` elements) = every secondary part of the rank's group (`mine`: this rank's,
+        `part.size` elements, the last one padded), gathered within the group: the backward's gathers of hpZ."""
+        secondary = self.secondary
+        assert secondary is not None
+        pieces = [torch.empty_like(mine) for _ in range(secondary.size)]
+        dist.all_gather(pieces, mine, group=secondary.group)
+        self._received("weights", range(secondary.first, secondary.first + secondary.size), mine.nbytes)
+        for index, piece in enumerate(pieces):
+            lo, hi = min(index * part.size, part.n), min((index + 1) * part.size, part.n)
+            if hi > lo:
+                full[lo:hi].copy_(piece[:hi - lo])
 
     @property
     def reduces_in_two_levels(self) -> bool:

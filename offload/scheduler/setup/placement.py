@@ -81,6 +81,22 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
             warnings.warn("offload: zero_quantized_weights=True has no effect here: the weights are not sharded "
                           "(one process, tier='gpu', or whole weights that fit host_memory with shard_weights=None; "
                           "shard_weights=True shards them)", RuntimeWarning, stacklevel=4)
+    if policy.zero_hpz_partition_size > 1:
+        size = policy.zero_hpz_partition_size
+        if dp is not None and sharded:
+            if dp.world % size:
+                raise OffloadConfigError(f"zero_hpz_partition_size={size} must divide the {dp.world} ranks: use the "
+                                         f"ranks of one machine ({dp.local_world})")
+            dp.make_secondary_partition(size)
+            kept = sum(-(-g.numel // size) * g.dtype.itemsize for b in blocks for g in b.groups)
+            where = ("within each machine" if dp.local_world % size == 0 else
+                     f"in groups of {size} ranks, which span machines ({dp.local_world} ranks each)")
+            plan = dataclasses.replace(plan, secondary_partition=f"{size} ranks {where}; up to "
+                                       f"{kept / 2**20:.1f} MiB per rank of host memory, not in the budgets above, "
+                                       "from a block's forward to its update (zero_hpz_partition_size)")
+        else:
+            warnings.warn("offload: zero_hpz_partition_size has no effect here: the weights are not sharded",
+                          RuntimeWarning, stacklevel=4)
     if policy.zero_quantized_gradients:
         if dp is not None:
             codes = Int8Blocks()
