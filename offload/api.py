@@ -110,7 +110,8 @@ def wrap(
         zero_hpz_partition_size: with sharded weights (ZeRO++'s hpZ): > 1 makes ranks in consecutive groups of this
             many (set it to the ranks of one machine, LOCAL_WORLD_SIZE) keep a 1/size part of each block from its
             forward's gather, so the backward gathers it within the machine. Exact; costs that part in host
-            memory between a block's forward and its update (the plan says how much). Default 1: off.
+            memory between a block's forward and its update (the plan says how much; within host_memory, else
+            wrap() raises naming the budget). Default 1: off.
         weights: a pretrained checkpoint to fill the model from, block by block as it is placed (a
             `.safetensors` file, a directory of Hugging Face shards, or an offload checkpoint directory):
             the model may be built on the meta device (`accelerate.init_empty_weights()`), so it never

@@ -278,7 +278,9 @@ def test_a_secondary_partition_keeps_the_backward_gathers_within_the_group_and_c
     cases = [dict(base, name="sharded4"), dict(base, name="hpz4", zero_hpz_partition_size=2),
              dict(base, name="qwz4", zero_quantized_weights=True),
              dict(base, name="qwz-hpz4", zero_quantized_weights=True, zero_hpz_partition_size=2)]
-    run_ranks(tmp_path, cases, nproc=4)
+    over_budget = dict(base, name="hpz-over-budget", zero_hpz_partition_size=2, expect_error=True,
+                       host_memory=HOST // 2 + 120_000)  # the parts of the weights fit, not the secondary parts too
+    run_ranks(tmp_path, cases + [over_budget], nproc=4)
     results = {c["name"]: torch.load(tmp_path / f"{c['name']}.pt", weights_only=False) for c in cases}
     assert_matches("sharded4", results["sharded4"], reference(base))
     for plain, with_hpz in (("sharded4", "hpz4"), ("qwz4", "qwz-hpz4")):
@@ -286,5 +288,7 @@ def test_a_secondary_partition_keeps_the_backward_gathers_within_the_group_and_c
         assert a["losses"] == b["losses"] and all(b["agree"]), (plain, a["losses"], b["losses"])
         assert all(torch.equal(a["weights"][n], b["weights"][n]) for n in a["weights"])
     plain, with_hpz = results["sharded4"]["stats"], results["hpz4"]["stats"]
+    refused = (tmp_path / "hpz-over-budget-rank0.txt").read_text()  # its parts would not fit host_memory: said
+    assert "raise host_memory to at least" in refused and "or use zero_hpz_partition_size=1" in refused
     assert with_hpz["bytes_weights_gathered_for_compute"] < plain["bytes_weights_gathered_for_compute"]
     assert with_hpz["weight_gathers"] == plain["weight_gathers"]
