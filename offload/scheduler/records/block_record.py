@@ -218,7 +218,8 @@ class BlockRecord:
             if part.ready:
                 assert part.group.state is not None
                 part.group.state.store.announce()  # its reads (disk) start now, ahead of the worker reaching it
-        services.streamer.invalidate(self.block)  # disk reads a prefetch started would be stale
+        if self.streamed:
+            services.streamer.invalidate(self.block)  # disk reads a prefetch started would be stale
         job = UpdateJob(self, parts, grad_scale, check_finite, services.counters.steps, speculative)
         services.worker.submit(self.block.index, job, self.priority())
         services.counters.block_updates += 1
@@ -424,6 +425,16 @@ class BlockRecord:
         self.shard_sumsq = None
 
     # ----- its weights --------------------------------------------------------------------------------
+    def enter_forward(self, following: Optional["BlockRecord"], in_backward: bool) -> None:
+        """Get ready for its module's forward: parameters still in the engine's buffers, a write through them
+        kept (before the wait: a write made while the update was pending is refused), its pending update waited
+        for and its new weights pushed (before a fetch, which reads the home anyway), then, when it streams, made
+        resident with `following` (the next block of the recorded forward order) prefetched."""
+        self.refuse_moved_parameters()
+        self.keep_writes()
+        self.settle(counted=True)
+        self.make_resident(following, in_backward)
+
     def refuse_moved_parameters(self) -> None:
         if self.block.residency is Residency.RESIDENT and not all(g.params_in_place() for g in self.block.groups):
             raise OffloadError(
@@ -455,9 +466,11 @@ class BlockRecord:
         return self.is_settled()
 
     def leave_forward(self) -> None:
-        """The module is done with the block (also after an exception)."""
-        self.services.streamer.leave_forward(self.block)
-        self.unpin()
+        """The module is done with the block (also after an exception); a block that does not stream was never
+        made resident for it (`make_resident`), so there is nothing to let go."""
+        if self.streamed:
+            self.services.streamer.leave_forward(self.block)
+            self.unpin()
 
     def unpin(self) -> None:
         self.services.streamer.unpin(self.block.index)
