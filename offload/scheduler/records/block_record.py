@@ -208,6 +208,11 @@ class BlockRecord:
         `check_finite`: skip groups whose gradients hold inf/NaN (no global norm decides). `speculative`: into
         the shadows (`speculate`)."""
         self.keep_writes()
+        self._submit_update(hypers, grad_scale, check_finite, speculative)
+
+    def _submit_update(self, hypers: Tuple[AdamHyper, ...], grad_scale: float, check_finite: bool,
+                       speculative: bool) -> None:
+        """`schedule_update` once the writes through the parameters are kept."""
         parts = [GroupUpdate(g, g.state.grads.ready_indices(), g.state.hypers_of(hypers),
                              g.home.shadow_target() if speculative else g.home.update_target(), g.home.target_base)
                  for g in self.groups if g.state is not None]
@@ -243,7 +248,7 @@ class BlockRecord:
         self.keep_writes()  # before the flag: a write kept now forgets no speculation (the job below reads it)
         self.speculated = True
         self.services.counters.speculative_updates += 1
-        self.schedule_update(hypers, 1.0, check_finite=False, speculative=True)
+        self._submit_update(hypers, 1.0, check_finite=False, speculative=True)
 
     def commit_speculation(self) -> None:
         """The step scales by 1: the speculative update's state and weights become the block's (a switch of the
