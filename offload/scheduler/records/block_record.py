@@ -100,8 +100,9 @@ class GradReduction(Protocol):
     def runs_every_update(self, has_trainable: bool) -> bool:
         """Whether a block's update runs even when no parameter of it has a gradient here."""
 
-    def check_arrival(self, block: BlockRecord) -> None:
-        """A gradient of the block arrives (its step's average, if taken, is taken back or refused)."""
+    def take_back_average(self, block: BlockRecord) -> None:
+        """A gradient of the block arrives after its step's gradients were averaged (`block.reduced`): the
+        average is taken back into this rank's share of the sum."""
 
     def check_torch_reads(self, block: BlockRecord) -> None:
         """Torch code reads the block's held gradients (a clip): refused where they are not what it expects."""
@@ -364,7 +365,8 @@ class BlockRecord:
         """See `GradOwner.before_grad_arrives`."""
         self.wait_for_update(counted=False)  # the last update (or parking) may still read the gradients
         self.forget_speculation()  # it stepped on a gradient without this one
-        self.services.reduction.check_arrival(self)
+        if self.reduced:  # data-parallel: averaged already (a spilled gradient parks averaged; a clip)
+            self.services.reduction.take_back_average(self)
         self.norms = None  # of a sum this gradient changes
 
     def take_leftover_grads(self, refs: List[SlotRef]) -> None:

@@ -211,7 +211,7 @@ def test_local_reduction_shares_nothing_and_checks_nothing(net):
     reduction = net.reduction
     assert reduction.send_new_weights(state, out) is None
     assert torch.equal(out, kept) and state.steps == [0, 0]
-    reduction.check_arrival(record)
+    reduction.take_back_average(record)
     reduction.check_torch_reads(record)
     assert torch.equal(state.grads.buffer(), before)
     assert reduction.zero_waits is False
