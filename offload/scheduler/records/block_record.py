@@ -443,7 +443,7 @@ class BlockRecord:
         self.make_resident(following, in_backward)
 
     def refuse_moved_parameters(self) -> None:
-        if self.block.residency is Residency.RESIDENT and not all(g.params_in_place() for g in self.block.groups):
+        if self.block.residency is Residency.RESIDENT and not all(g.params_in_place() for g in self.groups):
             raise OffloadError(
                 f"the parameters of block {self.block.name!r} no longer point into the engine's buffers: the model "
                 "was moved or converted after offload.wrap() (model.to(), .double(), .half(), .cuda()), so "
