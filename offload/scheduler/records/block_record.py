@@ -25,9 +25,9 @@ from offload.scheduler.records.grad_home import released_gradient
 from offload.scheduler.records.group import GroupRecord, GroupState
 from offload.scheduler.records.held_grad import HeldGrad
 from offload.scheduler.records.nonfinite import NonFiniteSkips
+from offload.scheduler.records.pending_guard import PendingGuard
 from offload.scheduler.state.adamw import AdamHyper
 from offload.scheduler.torch_internals import after_backward
-from offload.scheduler.weights.pending_guard import PendingGuard
 from offload.scheduler.weights.streamer import WeightStreamer
 from offload.scheduler.worker.counters import StepCounters
 from offload.scheduler.worker.step_worker import StepWorker
@@ -199,7 +199,7 @@ class BlockRecord:
 
     def guard_while_pending(self) -> None:
         """step() returns early: a resident block whose update is pending reads through until it settles
-        (weights/pending_guard.py); a streamed one reads through outside its forward anyway."""
+        (records/pending_guard.py); a streamed one reads through outside its forward anyway."""
         if not self.streamed and (not self.is_settled() or self.needs_push):
             self.services.guard.guard(self.block)
 
