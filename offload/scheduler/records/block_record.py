@@ -13,6 +13,7 @@ What a record holds per step (`updated_early`, `norms`, `shard_sumsq`) is reset 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import List, NamedTuple, Optional, Protocol, Tuple
 
@@ -132,8 +133,8 @@ class BlockServices:
 
 
 class BlockRecord:
-    """One block during training. Its residency is `block.residency`; its pending update is the worker's,
-    found by `block.index`."""
+    """One block during training. Its residency is `block.residency`; its pending job (an update, a parking) is
+    `job`, the future the worker gave it, until waited for."""
 
     def __init__(self, block: Block, groups: List[GroupRecord], streamed: bool, services: BlockServices) -> None:
         self.block = block
@@ -141,6 +142,7 @@ class BlockRecord:
         self.streamed = streamed
         self.services = services
         self.trainable_ids = [id(s.param) for s in block.slots if s.trainable]  # BackwardTracker's keys
+        self.job: Optional[Future] = None  # its last job submitted to the worker, until `wait_for_update`
         self.needs_push = False  # updated weights not yet sent to the device
         self.updated_early = False  # updated during the last backward, before step()
         self.speculated = False  # a speculative update was scheduled, neither committed nor forgotten yet
@@ -171,12 +173,17 @@ class BlockRecord:
     # ----- its update -----------------------------------------------------------------------------------
     def is_settled(self) -> bool:
         """No update of the block is pending: its weights at home are final."""
-        return not self.services.worker.is_pending(self.block.index)
+        return self.job is None or self.job.done()
 
     def wait_for_update(self, counted: bool) -> None:
-        """Wait for the block's pending update (an update that finished with an error raises here).
-        `counted`: the wait is the forward's, reported as waiting time."""
-        blocked = self.services.worker.wait(self.block.index, self.block.name)  # an error of the update raises
+        """Wait for the block's pending job (one that finished with an error raises here, and once any job of the
+        worker failed every wait does: [Note: a failed update poisons the engine]). `counted`: the wait is the
+        forward's, reported as waiting time. Nothing submitted since the last wait and nothing failed: no wait."""
+        worker = self.services.worker
+        if self.job is None and worker.failure is None:
+            return
+        blocked = worker.wait(self.block.index, self.block.name)  # an error of the job raises (`job` stays)
+        self.job = None
         if counted:
             self.services.counters.wait_seconds += blocked
 
@@ -227,7 +234,7 @@ class BlockRecord:
         if self.streamed:
             services.streamer.invalidate(self.block)  # disk reads a prefetch started would be stale
         job = UpdateJob(self, parts, grad_scale, check_finite, services.counters.steps, speculative)
-        services.worker.submit(self.block.index, job, self.priority())
+        self.job = services.worker.submit(self.block.index, job, self.priority())
         services.counters.block_updates += 1
         services.order.known = True
         if self.pushes and not speculative:
@@ -289,7 +296,7 @@ class BlockRecord:
     def park_grads(self, norms: bool) -> None:
         """The block's gradients are complete for this backward and wait for a later use: queue, on the worker,
         their norms (`norms`: clipping) and their parking (to disk, for a disk parking)."""
-        self.services.worker.submit(self.block.index, ParkJob(self, norms), self.priority())
+        self.job = self.services.worker.submit(self.block.index, ParkJob(self, norms), self.priority())
 
     # ----- on the worker ------------------------------------------------------------------------------
     def run_update(self, job: UpdateJob) -> None:
@@ -413,7 +420,7 @@ class BlockRecord:
         states = self.states
         self.forget_speculation()
         if self.services.reduction.zero_waits or any(s.grads.must_wait_to_zero(set_to_none) for s in states):
-            self.services.worker.wait(self.block.index)
+            self.wait_for_update(counted=False)
         self.forget_averages()
         for state in states:
             state.grads.zero(set_to_none)
