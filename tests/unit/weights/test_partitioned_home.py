@@ -42,6 +42,10 @@ class ThreeRanks:
         self.peers = peers
         self.calls: List[Tuple[str, int, bool, Tensor]] = []  # (key, kind, async_op, what this rank sent)
         self.finished = 0
+        self.secondary = None  # no hpZ (zero_hpz_partition_size): every gather is a whole one
+
+    def gathered_nbytes(self, part: Shard, itemsize: int, kind: int = USE) -> int:
+        return (part.n - part.numel) * itemsize
 
     def weight_part(self, numel: int) -> Shard:
         return Shard(numel, -(-numel // self.world), self.rank, self.world)
