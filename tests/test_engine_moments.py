@@ -156,6 +156,61 @@ def test_the_nvme_tier_moves_and_stores_about_half_the_bytes_with_int8(tmp_path)
     assert int8[1] <= 0.6 * fp32[1], (int8, fp32)
 
 
+@pytest.mark.skipif(offload._native._C is None, reason="the step computes CRC-32C with offload._C")
+@pytest.mark.parametrize("moments", COMPRESSED)
+@pytest.mark.parametrize("weights_on_disk", [False, True])
+def test_the_nvme_update_seals_its_chunks_with_the_steps_crcs(moments, weights_on_disk, tmp_path, monkeypatch):
+    """The update's chunk writes are sealed with the CRCs the moment step computed while writing them ([Note: step
+    CRCs]), the compute weights' too when they live on disk, nothing read back; every later read of those chunks
+    verifies against them (a wrong CRC raises OffloadIntegrityError), and the run equals the cpu tier's."""
+    from offload.tiers.disk_checksums import RecordChecksums
+    from tests.models import TinyGPT
+    from tests.test_engine_streaming import BUDGET
+
+    given, computed = [], []
+    seal = RecordChecksums.seal
+
+    def spy(self, pieces, crcs=None):
+        (given if crcs is not None else computed).append(len(pieces))
+        if crcs is not None:  # they are the checksums of the bytes being written
+            assert list(crcs) == [offload.checksum.crc32c(p.data) for p in pieces]
+        return seal(self, pieces, crcs)
+
+    monkeypatch.setattr(RecordChecksums, "seal", spy)
+
+    def run(tier: str):
+        torch.manual_seed(0)
+        directory = tmp_path / tier
+        directory.mkdir()
+        extra = {}
+        if tier == "nvme":
+            extra = dict(nvme_path=str(directory))
+            if weights_on_disk:
+                extra.update(device_memory=BUDGET, host_memory={"int8": 360 << 10, "bf16": 232 << 10}[moments])
+        engine = offload.wrap(TinyGPT(), tier, dtype=torch.float32, device="cpu", lr=1e-2, moments=moments, **extra)
+        gen = torch.Generator().manual_seed(2)
+        losses = []
+        for _ in range(4):
+            idx, tgt = (torch.randint(0, 64, (4, 16), generator=gen) for _ in range(2))
+            loss = engine(idx, tgt)
+            loss.backward()
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.item())
+        engine.synchronize()
+        plan = engine.plan
+        engine.close()
+        return losses, plan
+
+    nvme, plan = run("nvme")
+    assert bool(plan.disk_weight_blocks) == weights_on_disk
+    pieces = 5 if moments == "int8" else 3  # master, each moment's codes (and scales)
+    assert given.count(pieces) >= 4, (given, computed)  # every update's chunks
+    if weights_on_disk:
+        assert 1 in given  # the compute weights the step wrote as its `out`
+    assert nvme == run("cpu")[0]
+
+
 def test_wrap_refuses_an_unknown_moments_setting():
     with pytest.raises(offload.OffloadConfigError, match=r"moments='fp8'.*'fp32', 'bf16', 'int8'"):
         offload.wrap(_model(), "cpu", moments="fp8")

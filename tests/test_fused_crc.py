@@ -137,6 +137,23 @@ def test_every_grad_and_out_dtype(isa, fmt, grad_dtype, out_dtype):
 
 @needs_native
 @pytest.mark.parametrize("fmt", ["bf16", "int8"])
+@pytest.mark.parametrize("with_crcs", [True, False])
+@pytest.mark.parametrize("grad_dtype, out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, None),
+                                                   (torch.float16, torch.float32)])
+def test_every_variant_writes_the_scalar_kernels_bytes(fmt, with_crcs, grad_dtype, out_dtype):
+    """p, codes, scales and out of every kernel variant are the scalar kernel's, bit for bit, on a realistic state over
+    several steps: whole groups and blocks (the AVX-512 int8 step's crc32 chains), a partial block, a tail."""
+    n = 9 * 4096 + 3 * INT8_BLOCK + 37
+    runs = {isa: _run(isa, fmt, n, seed=4, steps=3, grad_dtype=grad_dtype, out_dtype=out_dtype,
+                      with_crcs=with_crcs) for isa in _isas()}
+    for isa, (results, crcs) in runs.items():
+        _assert_same(results, runs["scalar"][0])
+        for got, want in crcs:
+            assert got == want, isa
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
 def test_blocks_with_infinities_and_nans(fmt):
     """The rare paths (a block's scale NaN or marking an infinity, a gradient whose square overflows, subnormals)
     write the same bytes on every variant, and their CRCs are those of the bytes."""

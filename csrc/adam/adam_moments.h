@@ -83,9 +83,10 @@ enum MomentCrc : int {
 };
 
 // A range kernel that also continues the CRCs of what it writes: crcs[kCrcCount] hold the CRC-32C of the pieces
-// before `begin` (0 at the start of a piece) and receive those up to `end`. Every variant steps spans of a few
-// thousand elements and checksums each span's pieces right after, while they are in L1/L2 (adam_moments_dispatch.cpp):
-// one pass over DRAM.
+// before `begin` (0 at the start of a piece) and receive those up to `end`, in one pass over DRAM: the portable
+// variants step spans of a few thousand elements and checksum each span's pieces right after, while they are in
+// L1/L2 (adam_moments_dispatch.cpp); the AVX-512 int8 step feeds crc32 chains inside its loops
+// (adam_moments_avx512.cpp).
 using MomentStepCrcFn = void (*)(const MomentBuffers&, const AdamConstants&, int64_t begin, int64_t end,
                                  uint32_t* crcs);
 

@@ -347,13 +347,28 @@ void step_format(const MomentBuffers& b, const AdamConstants& c, int64_t begin, 
   else step_int8<G, O, kHasOut>(b, c, begin, end);
 }
 
+// p of [begin, end) into out in out's dtype, rounded as the fused store rounds it.
+template <DType O>
+void cast_out(const MomentBuffers& b, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; i += kLanes) {
+    const __mmask16 k = lanes(end - i);
+    store16<O, false>(b.out, i, _mm512_maskz_loadu_ps(k, b.p + i), k);
+  }
+}
+
+// Only out = none and out dtype = grad dtype are fused into the step (the engine's case); any other out dtype is the
+// step without out, then a cast of p (the same bytes: one rounding of the same p), as in adam_moments_avx512.cpp.
 template <DType G>
 void step_out(const MomentBuffers& b, const AdamConstants& c, int64_t begin, int64_t end) {
   if (!b.out) return step_format<G, DType::kFloat32, false>(b, c, begin, end);
+  if (b.out_dtype == G) return step_format<G, G, true>(b, c, begin, end);
+  MomentBuffers without_out = b;
+  without_out.out = nullptr;
+  step_format<G, DType::kFloat32, false>(without_out, c, begin, end);
   switch (b.out_dtype) {
-    case DType::kBFloat16: return step_format<G, DType::kBFloat16, true>(b, c, begin, end);
-    case DType::kFloat16: return step_format<G, DType::kFloat16, true>(b, c, begin, end);
-    default: return step_format<G, DType::kFloat32, true>(b, c, begin, end);
+    case DType::kBFloat16: return cast_out<DType::kBFloat16>(b, begin, end);
+    case DType::kFloat16: return cast_out<DType::kFloat16>(b, begin, end);
+    default: return cast_out<DType::kFloat32>(b, begin, end);
   }
 }
 

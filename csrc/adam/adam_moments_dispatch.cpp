@@ -147,10 +147,6 @@ void moment_step_crc_avx512bw(const MomentBuffers& b, const AdamConstants& c, in
                               uint32_t* crcs) {
   step_crc_by_spans<moment_step_avx512bw>(b, c, begin, end, crcs);
 }
-void moment_step_crc_avx512(const MomentBuffers& b, const AdamConstants& c, int64_t begin, int64_t end,
-                            uint32_t* crcs) {
-  step_crc_by_spans<moment_step_avx512>(b, c, begin, end, crcs);
-}
 
 void moments_step(const MomentBuffers& buffers, const AdamConstants& constants, int64_t n, ThreadPool* pool,
                   int num_threads, const MomentKernels& kernels, uint32_t* crcs) {

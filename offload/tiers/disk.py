@@ -146,11 +146,13 @@ class SwapStore:
         return VerifiedRead(future, self.checksums, pieces, self.path, block)
 
     def write(self, kind: RecordKind, key: str, start: int, data: Union[StateSections, Tensor],
-              shadow: bool = False) -> IOFuture:
+              shadow: bool = False, crcs: Optional[Sequence[int]] = None) -> IOFuture:
         """Start writing `data` to elements [start, ...) of the group's record of `kind` (its live copy, or its
-        shadow: `shadow`), sealed first (no reader ever checks new bytes against an old seal): one request."""
+        shadow: `shadow`), sealed first (no reader ever checks new bytes against an old seal): one request.
+        `crcs`: the checksum of each piece `data` is cut into (`step_seals`), computed by whoever wrote it, when
+        `checksums.algorithm` is crc32c; else they are computed here."""
         pieces, _block = self._pieces(kind, key, start, data, shadow)
-        self.checksums.seal(pieces)
+        self.checksums.seal(pieces, crcs)
         self.bytes_written += sum(p.data.nbytes for p in pieces)
         return self._io.pwritev([(p.data, p.offset) for p in pieces], self._file)
 
@@ -246,6 +248,22 @@ def _state_pieces(record: SwapRecord, key: str, start: int, sections: Sequence[O
         else:
             pieces.append(Piece((key, index), start, section, at + record.code_itemsize * start))
     return pieces
+
+
+ChunkSeals = Tuple[List[int], Optional[List[int]]]  # a chunk's state pieces' checksums, its compute weights' (or None)
+
+
+def step_seals(crcs: Sequence[int], sections: Sequence[Optional[Moment]], with_weights: bool) -> ChunkSeals:
+    """The seals of a state chunk written by a compressed-moment step from the CRCs the step returned
+    (offload.optim.moments.CRC_PIECES order: param, exp_avg, exp_avg_scales, exp_avg_sq, exp_avg_sq_scales, out): the
+    state's in `_state_pieces` order (an int8 moment is two pieces, codes and scales), and the compute weights' (its
+    `out`) when they move with the chunk."""
+    state = [int(crcs[0])]
+    for section, (codes, scales) in zip(sections[1:], ((1, 2), (3, 4))):
+        state.append(int(crcs[codes]))
+        if isinstance(section, QuantizedMoment):
+            state.append(int(crcs[scales]))
+    return state, [int(crcs[5])] if with_weights else None
 
 
 def _remove_files(paths: Tuple[str, ...], owner_pid: int) -> None:

@@ -38,9 +38,14 @@ class RecordChecksums:
         self._lock = threading.Lock()
         self.algorithm = preferred_algorithm()  # crc32c with the native core, else zlib's crc32 (both fast)
 
-    def seal(self, pieces: Sequence[Piece]) -> None:
-        """Record the checksum of each piece's data, about to be written as elements [start, start + numel)."""
-        crcs = checksums([p.data for p in pieces], self.algorithm)
+    def seal(self, pieces: Sequence[Piece], crcs: Optional[Sequence[int]] = None) -> None:
+        """Record the checksum of each piece's data, about to be written as elements [start, start + numel).
+        `crcs`: those checksums, computed by whoever wrote the data (the compressed-moment step does, in the pass
+        that writes it: CRC-32C, so only when `algorithm` is crc32c); else they are computed here."""
+        if crcs is None:
+            crcs = checksums([p.data for p in pieces], self.algorithm)
+        elif self.algorithm != "crc32c" or len(crcs) != len(pieces):
+            raise ValueError(f"{len(crcs)} CRC-32C for {len(pieces)} pieces sealed with {self.algorithm}")
         with self._lock:
             for piece, crc in zip(pieces, crcs):
                 count = piece.data.numel()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from torch import Tensor
 
@@ -30,7 +30,7 @@ from offload.planner.ring import (
 )
 from offload.scheduler.ring.record_moves import RecordMoves
 from offload.scheduler.ring.ring_slots import InFlight, Slot, SlotPool, SlotSections, WriteOrder
-from offload.tiers.disk import RecordKind
+from offload.tiers.disk import ChunkSeals, RecordKind
 from offload.trace import Tracer
 
 if TYPE_CHECKING:
@@ -137,14 +137,17 @@ class DiskRing:
         self._read_ahead()
         return entry.slot.cut(stop - start)
 
-    def store(self, group: "FlatGroup", start: int, stop: int, sections: SlotSections, shadow: bool = False) -> None:
+    def store(self, group: "FlatGroup", start: int, stop: int, sections: SlotSections, shadow: bool = False,
+              seals: Optional[ChunkSeals] = None) -> None:
         """Write the chunk `load` returned back to disk (to the group's shadow copy: `shadow`, a speculative
-        update); the slot returns to the ring when the write is done."""
+        update); the slot returns to the ring when the write is done. `seals`: the checksums of the state's pieces
+        and of the compute weights' (when they move with the chunk), computed by the update, else the swap file
+        computes them."""
         slot = self._slots.slot_of(sections[0])
         with self._slots.lock:  # submitted and registered at once: `_read_ahead` (other threads) must never
             # see this chunk without its write in flight, or it would read the old bytes (submitting never blocks)
             try:
-                futures = self._write_chunk(slot, group, start, stop, shadow)
+                futures = self._write_chunk(slot, group, start, stop, shadow, seals)
             except BaseException:  # nothing of it is in flight (`_chunk_io` waits what it started)
                 self._checked_out.pop((group.key, start), None)
                 self._slots.give_back_locked(slot)
@@ -272,18 +275,23 @@ class DiskRing:
     def _read_chunk(self, slot: Slot, group: "FlatGroup", start: int, stop: int) -> List["IOFuture"]:
         return self._chunk_io(self._store.read, slot, group, start, stop)
 
-    def _write_chunk(self, slot: Slot, group: "FlatGroup", start: int, stop: int, shadow: bool) -> List["IOFuture"]:
-        return self._chunk_io(functools.partial(self._store.write, shadow=shadow), slot, group, start, stop)
+    def _write_chunk(self, slot: Slot, group: "FlatGroup", start: int, stop: int, shadow: bool,
+                     seals: Optional[ChunkSeals] = None) -> List["IOFuture"]:
+        state, weights = seals if seals is not None else (None, None)
+        extra = tuple({} if crcs is None else {"crcs": crcs} for crcs in (state, weights))
+        return self._chunk_io(functools.partial(self._store.write, shadow=shadow), slot, group, start, stop,
+                              (extra[0], extra[1]))
 
     def _chunk_io(self, move: Callable[..., "IOFuture"], slot: Slot, group: "FlatGroup", start: int,
-                  stop: int) -> List["IOFuture"]:
+                  stop: int, extra: Tuple[Dict[str, Any], Dict[str, Any]] = ({}, {})) -> List["IOFuture"]:
         """A chunk's state in one request, and its compute weights in another when they live on disk (they
-        move with the chunk); the first's I/O is finished before an error of the second's submission leaves."""
-        futures = [move(RecordKind.STATE, group.key, start, slot.cut(stop - start))]
+        move with the chunk); the first's I/O is finished before an error of the second's submission leaves.
+        `extra`: keyword arguments of `move` for the state's request and the weights'."""
+        futures = [move(RecordKind.STATE, group.key, start, slot.cut(stop - start), **extra[0])]
         weights = self._weight_area(slot, group, start, stop)
         if weights is not None:
             try:
-                futures.append(move(RecordKind.WEIGHTS, group.key, start, weights))
+                futures.append(move(RecordKind.WEIGHTS, group.key, start, weights, **extra[1]))
             except BaseException:
                 wait_all(futures)
                 raise

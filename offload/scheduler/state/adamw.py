@@ -16,7 +16,7 @@ from torch import Tensor
 
 from offload.optim.functional import adam_step_flat, adam_step_torch
 from offload.optim.moment_format import EXP_AVG, EXP_AVG_SQ, INT8_BLOCK, MomentFormat, slice_moment
-from offload.optim.moments import adam_step_moments, decode_moment, encode_moment
+from offload.optim.moments import CRC_PIECES, adam_step_moments, decode_moment, encode_moment
 from offload.scheduler.state.state_store import StateChunk, StateStore
 
 
@@ -45,12 +45,15 @@ def adamw(store: StateStore, grad: Tensor, spans: List[UpdateSpan], grad_scale: 
     """One AdamW step of `spans` of the store's state, chunk by chunk; new compute weights go to `out`
     (element 0 = the group's element `out_base`: its first trainable one, or a sharded rank's part's first) or,
     when the store keeps the weights, into the chunk's own weight area. `shadow`: the new state goes to the
-    store's shadow (a speculative update). A failure hands the chunk back unwritten (`abandon`)."""
+    store's shadow (a speculative update). A failure hands the chunk back unwritten (`abandon`). A store that seals
+    what it writes (`seals_in_step`) gets the CRCs of a compressed-moment chunk that one span covers from the step,
+    which computes them in the pass that writes the chunk (`StateChunk.crcs`)."""
     if not store.writes_compute_copy:
         out = None
     for start, stop in store.chunks():
         chunk = store.load(start, stop, shadow)
         target, base = (out, out_base) if chunk.weights is None else (chunk.weights, start)
+        crcs: Optional[Tensor] = None
         try:
             for a, b, step, hyper in spans:
                 lo, hi = max(a, start), min(b, stop)
@@ -58,8 +61,10 @@ def adamw(store: StateStore, grad: Tensor, spans: List[UpdateSpan], grad_scale: 
                     continue
                 piece = None if target is None else target[lo - base:hi - base]
                 if store.moments is not MomentFormat.FP32:
+                    if (lo, hi) == (start, stop) and store.seals_in_step:  # the spans are disjoint: the only one
+                        crcs = torch.zeros(len(CRC_PIECES), dtype=torch.uint32)
                     _adamw_moments(store.moments, chunk, lo, hi, grad[lo:hi], step, hyper, grad_scale, piece,
-                                   num_threads)
+                                   num_threads, crcs)
                     continue
                 exp_avg, exp_avg_sq = cast(Tensor, chunk.exp_avg), cast(Tensor, chunk.exp_avg_sq)  # fp32 moments
                 state = (chunk.master[lo - start:hi - start], grad[lo:hi], exp_avg[lo - start:hi - start],
@@ -73,15 +78,17 @@ def adamw(store: StateStore, grad: Tensor, spans: List[UpdateSpan], grad_scale: 
         except BaseException:
             store.abandon(chunk)
             raise
-        store.store(chunk)
+        store.store(chunk if crcs is None else chunk._replace(crcs=crcs))
 
 
 def _adamw_moments(fmt: MomentFormat, chunk: StateChunk, lo: int, hi: int, grad: Tensor, step: int, hyper: AdamHyper,
-                   grad_scale: float, out: Optional[Tensor], num_threads: Optional[int]) -> None:
+                   grad_scale: float, out: Optional[Tensor], num_threads: Optional[int],
+                   crcs: Optional[Tensor] = None) -> None:
     """AdamW on elements [lo, hi) of a chunk whose moments are compressed: the fused kernel on the compressed
     form when the range starts on a quantization block (every span of a group stepped as one, the usual case);
     else [Note: compressed moments] the blocks the range touches are decoded, stepped in fp32 and encoded
-    again (the other elements of those blocks are re-encoded at the block's new scale)."""
+    again (the other elements of those blocks are re-encoded at the block's new scale). `crcs` (the whole chunk):
+    receives the CRC-32C of each piece written ([Note: step CRCs])."""
     a, b = lo - chunk.start, hi - chunk.start
     size, block = chunk.stop - chunk.start, block_of(fmt)
     first = a // block * block
@@ -89,8 +96,9 @@ def _adamw_moments(fmt: MomentFormat, chunk: StateChunk, lo: int, hi: int, grad:
         adam_step_moments(chunk.master[a:b], grad, slice_moment(chunk.exp_avg, fmt, a, b),
                           slice_moment(chunk.exp_avg_sq, fmt, a, b), fmt, step=step, lr=hyper.lr, beta1=hyper.beta1,
                           beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay, adamw=True,
-                          grad_scale=grad_scale, out=out, num_threads=num_threads)
+                          grad_scale=grad_scale, out=out, num_threads=num_threads, crcs=crcs)
         return
+    assert crcs is None, "the CRCs of a whole chunk come from one fused step"
     last = min(-(-b // block) * block, size)
     moments = [slice_moment(m, fmt, first, last) for m in (chunk.exp_avg, chunk.exp_avg_sq)]
     values = [torch.empty(last - first, dtype=torch.float32, device=chunk.master.device) for _ in moments]

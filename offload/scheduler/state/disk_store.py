@@ -20,7 +20,7 @@ from offload.optim.moment_format import EXP_AVG, EXP_AVG_SQ, MomentFormat, Quant
 from offload.optim.moments import encode_moment
 from offload.scheduler.blocks.block import FlatGroup
 from offload.scheduler.state.state_store import Cloned, Fill, Span, StateChunk, SwapSections, Views, decode_views
-from offload.tiers.disk import RecordKind
+from offload.tiers.disk import RecordKind, step_seals
 
 if TYPE_CHECKING:
     from offload.scheduler.ring.disk_ring import DiskRing
@@ -59,6 +59,12 @@ class DiskStore:
         return True  # its gradient accumulator is; the state itself is on disk
 
     @property
+    def seals_in_step(self) -> bool:
+        """The swap file's seals are CRC-32C (the native core), which the compressed-moment step computes in the
+        pass that writes the chunk (`StateChunk.crcs`)."""
+        return self._ring.swap.checksums.algorithm == "crc32c"
+
+    @property
     def swap(self) -> "SwapStore":
         """The swap file holding this record."""
         return self._ring.swap
@@ -90,8 +96,9 @@ class DiskStore:
         return StateChunk(start, stop, *sections, weights=self._ring.weights_of(sections, self.group), shadow=shadow)
 
     def store(self, chunk: StateChunk) -> None:
-        self._ring.store(self.group, chunk.start, chunk.stop, (chunk.master, chunk.exp_avg, chunk.exp_avg_sq),
-                         shadow=chunk.shadow)
+        sections = (chunk.master, chunk.exp_avg, chunk.exp_avg_sq)
+        seals = None if chunk.crcs is None else step_seals(chunk.crcs.tolist(), sections, chunk.weights is not None)
+        self._ring.store(self.group, chunk.start, chunk.stop, sections, shadow=chunk.shadow, seals=seals)
 
     def commit_shadow(self) -> None:
         """The shadow copy (written by a speculative update) becomes the live record: a switch of which copy reads

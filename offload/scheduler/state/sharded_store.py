@@ -45,6 +45,7 @@ class ShardedStore:
         self.uses_cpu_kernel = inner.uses_cpu_kernel
         self.writes_compute_copy = True  # the other ranks' parts arrive by all-gather into the compute copy
         self.reads_ahead = inner.reads_ahead
+        self.seals_in_step = inner.seals_in_step
 
     @property
     def nbytes_in_memory(self) -> int:

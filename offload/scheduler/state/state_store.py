@@ -45,6 +45,10 @@ class StateChunk(NamedTuple):
     exp_avg_sq: Moment
     weights: Optional[Tensor] = None
     shadow: bool = False  # a speculative update's: `store` writes it to the store's shadow, the live state stays
+    # The CRC-32C of each piece the update wrote (offload.optim.moments.CRC_PIECES order: master, each moment's codes
+    # and scales, `weights`), computed by the step in the same pass (`seals_in_step`); `store` seals the swap file's
+    # pieces with them instead of reading the chunk back. None: the store computes its seals itself.
+    crcs: Optional[Tensor] = None
 
 
 class SwapSections(NamedTuple):
@@ -81,6 +85,10 @@ class StateStore(Protocol):
 
     @property
     def on_host(self) -> bool: ...
+
+    @property
+    def seals_in_step(self) -> bool:
+        """`store` seals what it writes with CRC-32C: a compressed-moment step over a whole chunk hands it `crcs`."""
 
     def chunks(self) -> List[Span]: ...
 
@@ -147,6 +155,7 @@ class MemoryStore:
         self._on_host = on_host
         self.uses_cpu_kernel = on_host
         self.reads_ahead = False
+        self.seals_in_step = False  # nothing to seal: the state never leaves memory
         weights = group.device_buffer[:n]
         aliased = group.dtype == torch.float32 and not on_host
         self.master = weights if aliased else weights.to(device, torch.float32, copy=True)

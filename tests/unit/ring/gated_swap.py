@@ -93,12 +93,12 @@ class GatedSwap:
             self.events.append(("read weights", key, start, data.data_ptr()))
         return self.swap.read(kind, key, start, data)
 
-    def write(self, kind: RecordKind, key: str, start: int, data, shadow: bool = False):
+    def write(self, kind: RecordKind, key: str, start: int, data, shadow: bool = False, crcs=None):
         if kind is RecordKind.STATE:
             event: Event = ("write", key, start, data[0].data_ptr())
         else:
             event = ("write weights" if kind is RecordKind.WEIGHTS else "write grads", key, start, data.data_ptr())
-        return self._written(event, [self.swap.write(kind, key, start, data, shadow)])[0]
+        return self._written(event, [self.swap.write(kind, key, start, data, shadow, crcs)])[0]
 
     def has_weight_shadow(self, key: str) -> bool:
         return self.swap.has_weight_shadow(key)
