@@ -252,10 +252,17 @@ class OneRank:
     rank = 0
     gather_group = None  # the default group
     gather_weights = DataParallel.gather_weights
+    gathered_nbytes = DataParallel.gathered_nbytes
+    _received = DataParallel._received
+    local_world = 1
+    weight_codes = None  # exact gathers (no zero_quantized_weights)
+    secondary = None  # no hpZ
+
 
     def __init__(self) -> None:
         self.announced: List[Tuple[str, int, int]] = []
         self.gather_check = self
+        self.traffic = {"bytes_weights_within_machine": 0, "bytes_weights_across_machines": 0}
 
     def announce(self, key: str, numel: int, kind: int) -> None:
         self.announced.append((key, numel, kind))
