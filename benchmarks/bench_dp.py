@@ -95,24 +95,39 @@ RIVALS = {  # key: label
     "offload-cpu-sharded": "offload cpu sharded (ZeRO-3)",
     "offload-nvme-sharded": "offload nvme sharded (ZeRO-3)",
     "offload-nvme-sharded-disk": "offload nvme sharded, weights on disk",
+    "offload-cpu-sharded-qwz": "offload cpu sharded, quantized weight gathers (qwZ)",
+    "offload-cpu-sharded-qgz": "offload cpu sharded, quantized gradient reduction (qgZ)",
+    "offload-cpu-sharded-hpz": "offload cpu sharded, secondary partition per node (hpZ)",
+    "offload-cpu-sharded-zpp": "offload cpu sharded, qwZ + hpZ + qgZ",
     "ddp": "torch DDP + AdamW",
     "deepspeed": "DeepSpeed ZeRO-2, CPU offload",
     "deepspeed-zero3": "DeepSpeed ZeRO-3, CPU offload",
 }
-OFFLOAD = {  # rival: (tier, shard_weights, small host and device budgets)
-    "offload-cpu": ("cpu", False, False),
-    "offload-nvme": ("nvme", False, False),
-    "offload-cpu-sharded": ("cpu", True, False),
-    "offload-nvme-sharded": ("nvme", True, False),
-    "offload-nvme-sharded-disk": ("nvme", True, True),
+OFFLOAD = {  # rival: (tier, shard_weights, small host and device budgets, ZeRO++ options)
+    "offload-cpu": ("cpu", False, False, {}),
+    "offload-nvme": ("nvme", False, False, {}),
+    "offload-cpu-sharded": ("cpu", True, False, {}),
+    "offload-nvme-sharded": ("nvme", True, False, {}),
+    "offload-nvme-sharded-disk": ("nvme", True, True, {}),
+    "offload-cpu-sharded-qwz": ("cpu", True, False, {"zero_quantized_weights": True}),
+    "offload-cpu-sharded-qgz": ("cpu", True, False, {"zero_quantized_gradients": True}),
+    "offload-cpu-sharded-hpz": ("cpu", True, False, {"zero_hpz_partition_size": "node"}),
+    "offload-cpu-sharded-zpp": ("cpu", True, False, {"zero_quantized_weights": True, "zero_quantized_gradients": True,
+                                                     "zero_hpz_partition_size": "node"}),
 }
+SHARDED_EXACT = "offload-cpu-sharded"  # what the ZeRO++ rows' bytes are compared with
+TRAFFIC = ("bytes_weights_within_machine", "bytes_weights_across_machines", "bytes_grads_within_machine",
+           "bytes_grads_across_machines")  # engine.stats(): what the collectives brought a rank
 DEEPSPEED = ("deepspeed", "deepspeed-zero3")
 REFERENCE = "ddp"
 
 
 def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--nproc", type=int, default=2, help="ranks (processes) on this machine")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (processes) per node")
+    parser.add_argument("--nnodes", type=int, default=1,
+                        help="nodes: N torchrun launchers (--nnodes N --node_rank i) meeting on 127.0.0.1, as N "
+                             "machines would; the traffic columns split what crosses between them")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
                         help="gloo: ranks on the CPU; nccl: rank r on cuda:LOCAL_RANK (needs CUDA)")
     parser.add_argument("--layers", type=int, default=4)
@@ -136,12 +151,17 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="device_memory per rank of the 'weights on disk' row (default 1.15x the largest block's "
                              "weights plus the largest parameter's gradient)")
     parser.add_argument("--quick", action="store_true", help="a tiny model, 1 round of 2 steps (a smoke run)")
+    parser.add_argument("--data", choices=["random", "markov"], default="random",
+                        help="random tokens, or the demo's Markov chain (a loss that falls: for --plot)")
+    parser.add_argument("--plot", default=None,
+                        help="a PNG of every rival's loss per step (round 1, warm-up included), and each ZeRO++ row's "
+                             "largest relative distance to exact sharded training after the first 20 steps")
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.dim, args.vocab, args.context, args.batch = 2, 64, 512, 32, 4
         args.rounds, args.steps, args.warmup = 1, 2, 1
-    if args.batch % args.nproc:
-        parser.error(f"--batch {args.batch} must split evenly across --nproc {args.nproc} ranks")
+    if args.batch % (args.nproc * args.nnodes):
+        parser.error(f"--batch {args.batch} must split evenly across the {args.nproc * args.nnodes} ranks")
     unknown = [r for r in args.rivals.split(",") if r not in RIVALS]
     if unknown:
         parser.error(f"unknown rivals {unknown}; choose from {list(RIVALS)}")
@@ -157,11 +177,19 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 # ----- worker: one rank of one launch ----------------------------------------------------------------------
 def make_batches(args: argparse.Namespace) -> List[tuple]:
-    """The global batches of one launch (warm-up then timed), the same in every launch and on every rank."""
+    """The global batches of one launch (warm-up then timed), the same in every launch and on every rank: random
+    tokens, or (`--data markov`) windows of the demo's Markov chain, whose loss falls (for the loss curves)."""
     gen = torch.Generator().manual_seed(0)
     shape = (args.batch, args.context)
+    count = args.warmup + args.steps
+    if getattr(args, "data", "random") == "markov":
+        from offload.cli.demo_data import markov_tokens
+
+        stream = torch.from_numpy(markov_tokens(count * args.batch * (args.context + 1), args.vocab).astype("int64"))
+        windows = stream.view(count, args.batch, args.context + 1)
+        return [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows]
     return [(torch.randint(0, args.vocab, shape, generator=gen), torch.randint(0, args.vocab, shape, generator=gen))
-            for _ in range(args.warmup + args.steps)]
+            for _ in range(count)]
 
 
 def tensor_bytes(obj) -> int:
@@ -341,14 +369,16 @@ def worker(spec_path: str) -> None:
         torch.cuda.reset_peak_memory_stats(device)
     note = ""
     close = None
+    traffic_of = None  # offload's rows: what its collectives brought, within and across machines
     swap_dir: Optional[str] = None
     collectives: Optional[dict] = None  # computed, not measured (DDP)
     meter = CollectiveMeter(dist, world)
     meter.install()  # before wrap(): the engine calls dist.<name> at call time
     if args.worker in OFFLOAD:
-        tier, sharded, small = OFFLOAD[args.worker]
+        tier, sharded, small, zero_plus_plus = OFFLOAD[args.worker]
+        zero_plus_plus = {k: local_world if v == "node" else v for k, v in zero_plus_plus.items()}  # hpZ: a node
         options = dict(dtype=dtype, device=device, lr=args.lr, weight_decay=0.0, grad_accumulation_steps=1,
-                       shard_weights=sharded)  # explicit: the default (None) could shard the replicated rows
+                       shard_weights=sharded, **zero_plus_plus)  # explicit: None could shard the replicated rows
         if small:
             host, room = disk_budgets(args, model, dtype)
             options.update(host_memory=host, device_memory=room)
@@ -357,6 +387,12 @@ def worker(spec_path: str) -> None:
             swap_dir = os.path.join(args.swap, f"rank-{rank}")  # data-parallel: each rank's own directory
         engine = offload.wrap(model, tier=tier, **options)
         plan = engine.plan
+
+        def traffic() -> Dict[str, float]:
+            stats = engine.stats()
+            return {key: stats[key] for key in TRAFFIC}
+
+        traffic_of = traffic
         if plan.shard_world != (world if sharded else 1):
             raise SystemExit(f"bench_dp worker: {args.worker} asked shard_weights={sharded} but the plan's "
                              f"shard_world is {plan.shard_world}")
@@ -427,10 +463,12 @@ def worker(spec_path: str) -> None:
 
     times: List[float] = []
     losses: List[torch.Tensor] = []
+    traffic_before: Dict[str, float] = {}
     for i, (idx, tgt) in enumerate(batches):
         dist.barrier()
         if i == args.warmup:
             meter.start()  # the timed steps' collectives (the barrier above moves no payload)
+            traffic_before = traffic_of() if traffic_of else {}
         start = time.perf_counter()
         loss = train_step(idx, tgt)
         if device.type == "cuda":
@@ -440,6 +478,8 @@ def worker(spec_path: str) -> None:
         if i >= args.warmup:
             times.append(elapsed)
     counted = meter.stop()
+    moved = ({k: (v - traffic_before[k]) / max(1, len(times)) for k, v in traffic_of().items()}
+             if traffic_of else None)
     peak_rss = status("VmHWM")
     state = state_bytes()
     swapped = swap_bytes(swap_dir) if swap_dir is not None else None
@@ -457,7 +497,8 @@ def worker(spec_path: str) -> None:
     result = dict(rival=args.worker, round=args.round, rank=rank, world=world, step_seconds=times,
                   losses=mean_losses, baseline_rss=baseline_rss, peak_rss=peak_rss, peak_reset=CAN_RESET_PEAK,
                   state_bytes=state, params=n_params, note=note, device_peak=device_peak,
-                  threads=torch.get_num_threads(), swap_bytes=swapped, collectives=per_step)
+                  threads=torch.get_num_threads(), swap_bytes=swapped, collectives=per_step, traffic=moved,
+                  local_world=local_world)
     with open(os.path.join(args.out, f"{args.worker}-round{args.round}-rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
@@ -482,11 +523,21 @@ def launch(args: argparse.Namespace, rival: str, round_: int, out: str, swap_roo
     spec = os.path.join(out, f"{rival}-round{round_}.spec.json")
     with open(spec, "w") as f:
         json.dump(dict(vars(args), worker=rival, round=round_, out=out, swap=swap), f)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-               str(Path(__file__).resolve()), "worker", spec]
+    script = [str(Path(__file__).resolve()), "worker", spec]
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc)]
+    if args.nnodes == 1:
+        commands = [run + ["--standalone"] + script]
+    else:  # one launcher per node, as on N machines (static rendezvous: ranks numbered node by node)
+        port = _free_port()
+        commands = [run + ["--nnodes", str(args.nnodes), "--node_rank", str(node), "--master_addr", "127.0.0.1",
+                           "--master_port", str(port)] + script for node in range(args.nnodes)]
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONFAULTHANDLER="1")  # a crashing rank prints its stacks
     # cwd: torchrun must not start inside torch's site-packages; the temp dir is neutral
-    done = subprocess.run(command, cwd=out, capture_output=True, text=True, timeout=600, env=env)
+    launchers = [subprocess.Popen(c, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                 for c in commands]
+    outputs = [p.communicate(timeout=600) for p in launchers]
+    done = subprocess.CompletedProcess(commands[0], max(abs(p.returncode) for p in launchers),
+                                       "".join(o for o, _ in outputs), "".join(e for _, e in outputs))
     shutil.rmtree(swap, ignore_errors=True)
     if done.returncode != 0:
         if os.environ.get("BENCH_DP_LOG"):
@@ -502,7 +553,7 @@ def launch(args: argparse.Namespace, rival: str, round_: int, out: str, swap_roo
         summary = "; ".join(f"rank {r} exit code {c}" for r, c in codes[:1])
         first = raised[0].strip() if raised else f"exit status {done.returncode}"
         reason = (first + (f" ({summary})" if summary else ""))[:200]
-        written = [os.path.join(out, f"{rival}-round{round_}-rank{r}.json") for r in range(args.nproc)]
+        written = [os.path.join(out, f"{rival}-round{round_}-rank{r}.json") for r in range(args.nproc * args.nnodes)]
         if all(os.path.exists(path) for path in written):
             # every rank measured and wrote its result before the process group went down: the failure is in
             # the exit (a rare gloo shutdown abort seen once in ~65 launches); keep the measurement, say so
@@ -511,6 +562,14 @@ def launch(args: argparse.Namespace, rival: str, round_: int, out: str, swap_roo
             return None
         return reason
     return None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def fmt_ranks(values: List[float], scale: float = 1e-6, fmt: str = "{:.0f}") -> str:
@@ -601,6 +660,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                    other_MB=fmt_ranks(coll["other"], fmt="{:.2f}") + mark,
                    calls="" if computed else fmt_ranks(coll["calls"], scale=1.0),
                    last_loss=" ".join(f"{v:.4f}" for v in sorted(losses)))
+        if results[rival][0].get("traffic"):  # offload's own count, per step per rank: within and across machines
+            within = [_median_of_traffic(runs, k, "within") for k in ranks]
+            across = [_median_of_traffic(runs, k, "across") for k in ranks]
+            weights_across = [_median_of_traffic(runs, k, "across", "weights") for k in ranks]
+            weights = [_median_of_traffic(runs, k, "", "weights") for k in ranks]
+            summary[rival].update(across=max(across), weights=max(weights), weights_across=max(weights_across))
+            row.update(within_MB=fmt_ranks(within, fmt="{:.2f}"), across_MB=fmt_ranks(across, fmt="{:.2f}"),
+                       weights_MB=fmt_ranks(weights, fmt="{:.2f}"))
         if results[rival][0]["note"] and rival in OFFLOAD:
             row["note"] = results[rival][0]["note"]
         if results[rival][0]["device_peak"] is not None:
@@ -619,11 +686,22 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if ref["comm"]:
                     row["comm_vs_ddp"] = f"{summary[key]['comm'] / ref['comm']:.2f}x"
 
+    if SHARDED_EXACT in summary and "across" in summary[SHARDED_EXACT]:
+        exact = summary[SHARDED_EXACT]
+        for row in rows:
+            key = next((k for k, v in RIVALS.items() if v == row["rival"]), None)
+            if key in summary and "across" in summary[key]:
+                if exact["across"]:
+                    row["across_vs_sharded"] = f"{summary[key]['across'] / exact['across']:.2f}x"
+                if exact["weights"]:
+                    row["weights_vs_sharded"] = f"{summary[key]['weights'] / exact['weights']:.2f}x"
+
     print(machine_header())
     threads = next((d[0]["threads"] for d in results.values() if d), "?")
-    print(f"# {args.nproc} ranks, backend {args.backend}, {threads} torch thread(s) per rank; GPT layers={args.layers} "
-          f"dim={args.dim} vocab={args.vocab} context={args.context}, global batch {args.batch} "
-          f"({args.batch // args.nproc} per rank), dtype={args.dtype}, lr={args.lr}"
+    world = args.nproc * args.nnodes
+    print(f"# {world} ranks ({args.nnodes} node(s) of {args.nproc}), backend {args.backend}, {threads} torch thread(s) "
+          f"per rank; GPT layers={args.layers} dim={args.dim} vocab={args.vocab} context={args.context}, global batch "
+          f"{args.batch} ({args.batch // world} per rank), dtype={args.dtype}, lr={args.lr}"
           + (f" | {n_params / 1e6:.2f}M params" if n_params else ""))
     print(f"# {args.rounds} rounds (one torchrun launch per rival per round, order rotated) x {args.steps} timed "
           f"steps after {args.warmup} warm-up; step = the slowest rank; {time.perf_counter() - began:.0f} s in all")
@@ -634,26 +712,73 @@ def main(argv: Optional[List[str]] = None) -> int:
           "rank sends per step (ring algorithm) in the collectives counted at torch.distributed's functions, calls: "
           "collective calls per step; DDP's are computed, 2(N-1)/N x its gradient bytes (its C++ reducer bypasses "
           "the functions)")
+    print("# within/across_MB: bytes offload's collectives brought a rank per step from ranks on its own node and on "
+          "other nodes (engine.stats(), what each call moved); weights_MB: of those, the weights'; *_vs_sharded: "
+          "the highest rank's against exact sharded weights (the ZeRO++ rows)")
     for note in dict.fromkeys(notes):
         print(f"# {note}")
     for rival, why in skipped.items():
         print(f"# {RIVALS[rival]}: {why}")
     columns = ["rival", "step_ms", "p20_p80_ms", "min_max_ms", "step_vs_ddp", "peak_rss_MB", "rss_growth_MB",
                "rss_vs_ddp", "state_MB", "state_B_param", "state_vs_ddp", "swap_MB", "gather_MB", "reduce_MB",
-               "other_MB", "calls", "comm_vs_ddp", "last_loss"]
+               "other_MB", "calls", "comm_vs_ddp", "within_MB", "across_MB", "across_vs_sharded", "weights_MB",
+               "weights_vs_sharded", "last_loss"]
     if any("device_peak_MB" in r for r in rows):
         columns.append("device_peak_MB")
     columns.append("note")
     print_table(rows, columns)
+    if args.plot:
+        plot_losses(args, results, skipped, failed)
     if failed:
         print(f"FAILED rivals: {failed}", file=sys.stderr)
         return 1
     return 0
 
 
+def plot_losses(args: argparse.Namespace, results: Dict[str, List[dict]], skipped: Dict[str, str],
+                failed: Dict[str, str]) -> None:
+    """Each rival's loss curve (round 1, rank 0's record of the global batch's loss) into `args.plot`, and the
+    ZeRO++ rows' largest relative distance to exact sharded training after the first 20 steps."""
+    curves = {rival: next(d["losses"] for d in runs if d["round"] == 0 and d["rank"] == 0)
+              for rival, runs in results.items() if runs and rival not in skipped and rival not in failed}
+    exact = curves.get(SHARDED_EXACT)
+    if exact is not None:
+        for rival, losses in curves.items():
+            if rival != SHARDED_EXACT and OFFLOAD.get(rival, (None,) * 4)[3]:
+                tail = [abs(a - b) / abs(b) for a, b in zip(losses[20:], exact[20:])]
+                print(f"# {RIVALS[rival]}: loss within {max(tail, default=0.0):.2%} of exact sharded training at "
+                      f"every step after the first 20 ({len(losses)} steps; last {losses[-1]:.4f} vs {exact[-1]:.4f})")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("# --plot: pip install matplotlib to get the picture")
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for rival, losses in curves.items():
+        ax.plot(range(1, len(losses) + 1), losses, label=RIVALS[rival], linewidth=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (global batch)")
+    world = args.nproc * args.nnodes
+    ax.set_title(f"bench_dp: {world} ranks on {args.nnodes} node(s), {args.data} data, {args.dtype}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=120)
+    print(f"# loss curves: {args.plot}")
+
+
 def _median_of(runs: List[dict], key: str, rank: int) -> float:
     """The median of `key` over one rank's runs."""
     return summarize([d[key] for d in runs if d["rank"] == rank])[0]
+
+
+def _median_of_traffic(runs: List[dict], rank: int, where: str, what: str = "") -> float:
+    """The median over one rank's runs of the bytes offload's collectives brought it per step: `where` "within"
+    or "across" machines ("" both), of `what` ("weights", "grads"; "" both)."""
+    return summarize([sum(v for k, v in d["traffic"].items() if where in k and what in k)
+                      for d in runs if d["rank"] == rank])[0]
 
 
 def _median_of_collective(runs: List[dict], kind: str, rank: int) -> float:

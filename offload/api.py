@@ -44,6 +44,8 @@ def wrap(
     shard_weights: Optional[bool] = None,
     speculative_clipping: Optional[bool] = None,
     zero_quantized_weights: bool = False,
+    zero_quantized_gradients: bool = False,
+    zero_hpz_partition_size: int = 1,
     weights: Optional[Union[str, os.PathLike]] = None,
     init: Optional[Callable[[nn.Module], None]] = None,
     **unknown: object,
@@ -97,10 +99,19 @@ def wrap(
             same bits either way, only the time differs. After a step that clipped it waits until the norm has
             stayed below the threshold for a while. False: every update waits for the global norm.
         zero_quantized_weights: with sharded weights (ZeRO++'s qwZ, DeepSpeed's key of the same name): the
-            gathers for the forward and backward send each rank's part as int8 blocks of 256 with a scale each,
+            gathers for the forward and backward send each rank's part as int8 blocks of 64 with a scale each,
             about half the bytes of bf16 weights (a quarter of fp32), and compute with the decoded weights. This
             changes the maths (the loss moves by the quantization error); the fp32 master weights, the update and
             every read of the weights (state_dict, save) stay exact. Default False: exact gathers.
+        zero_quantized_gradients: under several processes (ZeRO++'s qgZ): the gradients' reduce-scatter sends
+            each rank's pieces as int8 blocks through all-to-alls, summed in fp32 where they land; across several
+            machines in two levels (within each machine, then one machine-sum per machine across them), so about
+            an eighth of fp32's bytes cross machines. Changes the maths by the quantization error. Default False.
+        zero_hpz_partition_size: with sharded weights (ZeRO++'s hpZ): > 1 makes ranks in consecutive groups of this
+            many (set it to the ranks of one machine, LOCAL_WORLD_SIZE) keep a 1/size part of each block from its
+            forward's gather, so the backward gathers it within the machine. Exact; costs that part in host
+            memory between a block's forward and its update (the plan says how much; within host_memory, else
+            wrap() raises naming the budget). Default 1: off.
         weights: a pretrained checkpoint to fill the model from, block by block as it is placed (a
             `.safetensors` file, a directory of Hugging Face shards, or an offload checkpoint directory):
             the model may be built on the meta device (`accelerate.init_empty_weights()`), so it never
@@ -135,6 +146,8 @@ def wrap(
         shard_weights=ShardWeights.parse(shard_weights),
         speculative_clipping=speculative_clipping,
         zero_quantized_weights=zero_quantized_weights,
+        zero_quantized_gradients=zero_quantized_gradients,
+        zero_hpz_partition_size=zero_hpz_partition_size,
     )
     if policy.tier is Tier.NVME:
         _check_nvme_path(policy.nvme_path)

@@ -167,6 +167,12 @@ class OffloadPolicy:
             blocks with a scale each (ZeRO++'s qwZ: distributed/quantized_gather.py): about half the bytes of bf16,
             a quarter of fp32, and the forward and backward compute with the decoded weights (this changes the
             maths; the master weights, the update and every read of the weights stay exact). Off by default.
+        zero_quantized_gradients: data-parallel mode: the gradients' reduce-scatter sends each rank's pieces as
+            int8 blocks through all-to-alls, summed in fp32 where they land, within each machine first and then
+            across machines (ZeRO++'s qgZ). Changes the maths by the quantization error. Off by default.
+        zero_hpz_partition_size: with sharded weights, > 1 makes ranks in consecutive groups of this many (the ranks
+            of one machine: LOCAL_WORLD_SIZE) keep a secondary part of each block from its forward's gather, so
+            the backward's gathers stay within the group (ZeRO++'s hpZ). Exact. 1 (default): off.
     """
 
     tier: Tier = Tier.CPU
@@ -188,6 +194,8 @@ class OffloadPolicy:
     shard_weights: ShardWeights = ShardWeights.AUTO
     speculative_clipping: Optional[bool] = None
     zero_quantized_weights: bool = False
+    zero_quantized_gradients: bool = False
+    zero_hpz_partition_size: int = 1
 
     @property
     def speculates(self) -> bool:
@@ -263,8 +271,15 @@ class OffloadPolicy:
         if self.speculative_clipping is not None and not isinstance(self.speculative_clipping, bool):
             raise OffloadConfigError(
                 f"speculative_clipping must be True, False or None, got {self.speculative_clipping!r}")
-        if not isinstance(self.zero_quantized_weights, bool):
-            raise OffloadConfigError(f"zero_quantized_weights must be True or False, got {self.zero_quantized_weights!r}")
+        for name in ("zero_quantized_weights", "zero_quantized_gradients"):
+            if not isinstance(getattr(self, name), bool):
+                raise OffloadConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        size = self.zero_hpz_partition_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise OffloadConfigError(f"zero_hpz_partition_size must be an int >= 1 (1: off), got {size!r}")
+        if size > 1 and self.shard_weights is ShardWeights.OFF:
+            raise OffloadConfigError("zero_hpz_partition_size > 1 keeps secondary parts of sharded weights, and "
+                                     "shard_weights=False keeps them whole on every rank: set shard_weights=True")
         if self.zero_quantized_weights and self.shard_weights is ShardWeights.OFF:
             raise OffloadConfigError("zero_quantized_weights=True quantizes the gathers of sharded weights, and "
                                      "shard_weights=False keeps them whole on every rank: set shard_weights=True")

@@ -48,7 +48,7 @@ def train(case: dict, out: str) -> None:
         options["nvme_path"] = os.path.join(out, f"swap-{case['name']}")
         os.makedirs(options["nvme_path"], exist_ok=True)
     for key in ("max_grad_norm", "grad_accumulation_steps", "weight_decay", "moments", "shard_weights", "host_memory",
-                "device_memory", "zero_quantized_weights"):
+                "device_memory", "zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size"):
         if key in case:
             options[key] = case[key]
     load = case.get("load")

@@ -167,3 +167,17 @@ def test_a_ranks_plan_holds_its_part_of_the_state_and_shards_weights_that_do_not
                  "--host-memory", str(weights // 2), "--world-size", "4"]) == 0
     out = capsys.readouterr().out
     assert "per rank of 4 data-parallel ranks" in out and "weights sharded: each rank keeps 1/4" in out
+
+
+def test_cli_gives_the_collectives_bytes_with_and_without_the_zero_plus_plus_options(capsys):
+    """Under several ranks: each rank's gradient and weight-gather bytes per step (bf16: 2 bytes an element; as
+    ZeRO++'s int8 blocks 1 + 4/64), and hpZ's host memory."""
+    base = ["estimate", "--params", "7e9", "--layers", "32", "--world-size", "4", "--shard-weights", "on",
+            "--host-memory", "64GB", "--tier", "cpu"]
+    assert main(base) == 0
+    exact = capsys.readouterr().out
+    assert "collectives per rank and step: gradients 9.8 GiB, weight gathers 19.6 GiB" in exact
+    assert main(base + ["--zero-quantized-weights", "--zero-quantized-gradients", "--zero-hpz-partition-size", "2"]) == 0
+    quantized = capsys.readouterr().out
+    assert "gradients 5.2 GiB, weight gathers 10.4 GiB" in quantized
+    assert "hpZ: the backward's within groups of 2 ranks, its parts up to 6.5 GiB of host memory a rank" in quantized

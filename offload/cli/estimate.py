@@ -23,6 +23,7 @@ import torch
 
 from offload.cli.activation_estimate import describe
 from offload.cli.options import byte_size, positive_int
+from offload.distributed.quantized_gather import Int8Blocks
 from offload.errors import OffloadConfigError
 from offload.optim.moment_format import MomentFormat, moment_nbytes
 from offload.planner.place import make_plan, shards_weights, spec_of
@@ -107,6 +108,26 @@ def _summary(plan: Plan) -> str:
     return line
 
 
+def _collectives_line(args: argparse.Namespace, plan: Plan, params: int, dtype: torch.dtype, world: int) -> str:
+    """What one rank's collectives move per step (the payload: each peer's part once), with the ZeRO++ options
+    given: the weight gathers (sharded: a forward's and a backward's), the gradients' reduce-scatter, and hpZ's
+    host memory."""
+    codes = Int8Blocks()
+    others = (world - 1) / world
+    quantized = codes.packed_nbytes(params) / params  # bytes an element as int8 blocks
+    itemsize = dtype.itemsize
+    grads = others * params * (quantized if getattr(args, "zero_quantized_gradients", False) else itemsize)
+    line = f"collectives per rank and step: gradients {_human(int(grads))}"
+    if plan.shard_world > 1:
+        gather = others * params * (quantized if getattr(args, "zero_quantized_weights", False) else itemsize)
+        line += f", weight gathers {_human(int(2 * gather))} (forward and backward)"
+        size = getattr(args, "zero_hpz_partition_size", 1)
+        if size > 1:
+            line += (f"; hpZ: the backward's within groups of {size} ranks, its parts up to "
+                     f"{_human(-(-params // size) * itemsize)} of host memory a rank")
+    return line
+
+
 def _moments_line(moments: MomentFormat, params: int) -> str:
     """What the moments format does to the disk: bytes of state per parameter against fp32 moments', and the
     model whose fp32-moment state would take the same disk space."""
@@ -164,6 +185,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-weights", choices=["auto", "on", "off"], default="auto",
                         help="with --world-size: each rank keeps 1/N of the weights (on), all of them (off), or "
                              "what the budgets need (auto), as offload.wrap(shard_weights=True/False/None)")
+    parser.add_argument("--zero-quantized-weights", action="store_true",
+                        help="wrap's zero_quantized_weights (ZeRO++'s qwZ, sharded weights): the gathers' bytes")
+    parser.add_argument("--zero-quantized-gradients", action="store_true",
+                        help="wrap's zero_quantized_gradients (ZeRO++'s qgZ): the gradient reduce-scatter's bytes")
+    parser.add_argument("--zero-hpz-partition-size", type=positive_int, default=1,
+                        help="wrap's zero_hpz_partition_size (ZeRO++'s hpZ, sharded weights): its host memory")
     parser.add_argument("--seq-len", type=positive_int, default=None,
                         help="tokens per sequence: also estimate the activations (a GPT config: --layers, --dim)")
     parser.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per micro-batch (--seq-len)")
@@ -228,6 +255,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"tier={tier.value:<5} {_summary(plan)}")
         if tier is Tier.NVME:
             print("           " + _moments_line(moments, shape.params))
+        if world > 1:
+            print("           " + _collectives_line(args, plan, shape.params, dtype, world))
         if seq_len is not None:
             room = None if device_memory is None else device_memory - plan.bytes_on(Location.DEVICE)
             lines = describe(layers, args.dim, getattr(args, "heads", None) or max(args.dim // 128, 1), seq_len,

@@ -64,6 +64,19 @@ class Shard:
         return Shard(n, n, 0, 1)
 
 
+@dataclass(frozen=True)
+class SecondaryGroup:
+    """The ranks `[first, first + size)` sharing hpZ's secondary partition (see `make_secondary_partition`)."""
+
+    group: "dist.ProcessGroup"
+    first: int
+    size: int
+
+    def part_of(self, n: int, rank: int) -> Shard:
+        """This rank's secondary part of a group of `n` elements."""
+        return Shard(n, -(-n // self.size) if n else 0, rank - self.first, self.size)
+
+
 class DataParallel:
     """The process group this engine trains over, and this rank's place in it."""
 
@@ -87,6 +100,21 @@ class DataParallel:
         self.gather_check = GatherCheck(world, rank, self.gather_group if self.backend == "gloo" else
                                         dist.new_group(ranks, timeout=timeout, backend="gloo"))
         self.weight_codes: Optional[Int8Blocks] = None  # zero_quantized_weights: the gathers for compute send these
+        self.grad_codes: Optional[Int8Blocks] = None  # zero_quantized_gradients: the reduce-scatters send these
+        # bytes this rank received from the others, by what moved and whether the sender is on another machine
+        # (ranks numbered machine by machine, `local_world` each, as the launchers number them)
+        self.traffic = {f"bytes_{what}_{where}": 0 for what in ("weights", "grads")
+                        for where in ("within_machine", "across_machines")}
+        self._levels: "Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]]" = None  # their two levels, if any
+        self.secondary: Optional[SecondaryGroup] = None  # zero_hpz_partition_size: this rank's group
+
+    def _received(self, what: str, senders: Sequence[int], nbytes: int) -> None:
+        """Count `nbytes` received from each rank of `senders` other than this one."""
+        machine = self.rank // self.local_world
+        for rank in senders:
+            if rank != self.rank:
+                where = "within_machine" if rank // self.local_world == machine else "across_machines"
+                self.traffic[f"bytes_{what}_{where}"] += nbytes
 
     def quantize_weight_gathers(self, codes: Int8Blocks) -> None:
         """The gathers that feed compute send each part as `codes` (ZeRO++'s qwZ, quantized_gather.py); reads of
@@ -160,12 +188,90 @@ class DataParallel:
     def reduce_scatter_mean(self, full: Tensor, shard: Shard, out: Tensor) -> None:
         """`out` (shard.size elements) = the mean over ranks of `full[shard range]` (`full`: shard.padded
         elements, the same on every rank in layout)."""
+        if self.grad_codes is not None:
+            self._reduce_scatter_codes(self.grad_codes, full, shard, out)
+            return
         dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=self.group)
+        self._received("grads", range(self.world), out.nbytes)
         out.div_(self.world)
+
+    def quantize_gradient_reduction(self, codes: Int8Blocks) -> None:
+        """The gradients' reduce-scatter sends each rank's pieces as `codes` through all-to-alls (ZeRO++'s qgZ),
+        summed in fp32 where they land; in two levels where the ranks span several machines (within each machine
+        first, then one piece per machine across them), so what crosses machines is already a machine's sum.
+        Every rank calls it at setup (it makes the two levels' groups)."""
+        self.grad_codes = codes
+        self._levels = self._node_groups()
+
+    def make_secondary_partition(self, size: int) -> None:
+        """ZeRO++'s hpZ: ranks in consecutive groups of `size` (a machine's, where `size` is the ranks per machine)
+        keep a secondary part of each block they gathered, so that its next gathers stay within the group
+        (`gather_secondary`). Every rank calls it at setup (it makes every group's process group)."""
+        timeout = default_group_timeout()
+        for first in range(0, self.world, size):  # every rank makes every group, in the same order
+            group = dist.new_group(list(range(first, first + size)), timeout=timeout)
+            if first <= self.rank < first + size:
+                self.secondary = SecondaryGroup(group, first, size)
+
+    def gather_secondary(self, full: Tensor, mine: Tensor, part: Shard) -> None:
+        """`full` (the group's `part.n` elements) = every secondary part of the rank's group (`mine`: this rank's,
+        `part.size` elements, the last one padded), gathered within the group: the backward's gathers of hpZ."""
+        secondary = self.secondary
+        assert secondary is not None
+        pieces = [torch.empty_like(mine) for _ in range(secondary.size)]
+        dist.all_gather(pieces, mine, group=secondary.group)
+        self._received("weights", range(secondary.first, secondary.first + secondary.size), mine.nbytes)
+        for index, piece in enumerate(pieces):
+            lo, hi = min(index * part.size, part.n), min((index + 1) * part.size, part.n)
+            if hi > lo:
+                full[lo:hi].copy_(piece[:hi - lo])
+
+    @property
+    def reduces_in_two_levels(self) -> bool:
+        """Whether the quantized reduce-scatter runs within each machine, then across machines."""
+        return self._levels is not None
+
+    def _node_groups(self) -> "Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]]":
+        """(this machine's ranks, the ranks of this local rank on every machine) where the launcher numbered
+        several machines' ranks contiguously (torchrun, accelerate, deepspeed do), else None: one level."""
+        local, nodes = self.local_world, self.world // self.local_world
+        numbered = local > 1 and nodes > 1 and self.world % local == 0 and self.local_rank == self.rank % local
+        if not all(self.all_gather_object((numbered, local))[r] == (True, local) for r in range(self.world)):
+            return None  # decided alike on every rank: the groups below are made by all or by none
+        timeout = default_group_timeout()
+        mine_within = mine_across = None
+        for node in range(nodes):  # every rank makes every group, in the same order
+            group = dist.new_group(list(range(node * local, (node + 1) * local)), timeout=timeout)
+            if node == self.rank // local:
+                mine_within = group
+        for place in range(local):
+            group = dist.new_group(list(range(place, self.world, local)), timeout=timeout)
+            if place == self.rank % local:
+                mine_across = group
+        assert mine_within is not None and mine_across is not None
+        return mine_within, mine_across
+
+    def _reduce_scatter_codes(self, codes: Int8Blocks, full: Tensor, shard: Shard, out: Tensor) -> None:
+        """`reduce_scatter_mean` with every piece sent as `codes` (see `quantize_gradient_reduction`)."""
+        size = shard.size
+        if self._levels is None:
+            total = _exchange_codes(codes, full.view(self.world, size), self.group)
+            self._received("grads", range(self.world), codes.packed_nbytes(size))
+        else:  # rank = machine * local + place; piece j goes to rank j
+            within, across = self._levels
+            local, nodes = self.local_world, self.world // self.local_world
+            machine, place = divmod(self.rank, local)
+            by_place = full.view(nodes, local, size).transpose(0, 1).reshape(local, nodes * size)
+            machine_sums = _exchange_codes(codes, by_place, within)  # my place's pieces of every machine
+            self._received("grads", range(machine * local, (machine + 1) * local), codes.packed_nbytes(nodes * size))
+            total = _exchange_codes(codes, machine_sums.view(nodes, size), across)
+            self._received("grads", range(place, self.world, local), codes.packed_nbytes(size))
+        out.copy_(total.div_(self.world))
 
     def all_gather(self, full: Tensor, mine: Tensor) -> None:
         """`full` (world * mine.numel() elements) = every rank's `mine`, in rank order (bytes: any dtype)."""
         dist.all_gather_into_tensor(_bytes(full), _bytes(mine), group=self.group)
+        self._received("weights", range(self.world), mine.nbytes)
 
     # ----- collectives of the training thread ---------------------------------------------------------
     def gather_weights(self, full: Tensor, mine: Tensor, part: Shard, async_op: bool = False, key: str = "",
@@ -197,6 +303,7 @@ class DataParallel:
                 short.append((lo, hi, outputs[-1]))
         work = dist.all_gather([_bytes(out) for out in outputs], _bytes(sent), group=self.gather_group,
                                async_op=async_op)
+        self._received("weights", range(self.world), sent.nbytes)
         buffers = (sent, outputs)  # alive until the gather that reads and writes them is done
 
         def finish() -> None:
@@ -222,6 +329,7 @@ class DataParallel:
         sent = codes.encode(mine)
         received = [torch.empty_like(sent) for _ in range(self.world)]
         work = dist.all_gather(received, sent, group=self.gather_group, async_op=async_op)
+        self._received("weights", range(self.world), sent.nbytes)
         buffers = (sent, received)  # alive until the gather that reads and writes them is done
 
         def finish() -> None:
@@ -277,3 +385,19 @@ class DataParallel:
 
 def _bytes(tensor: Tensor) -> Tensor:
     return tensor.reshape(-1).view(torch.uint8)
+
+
+def _exchange_codes(codes: Int8Blocks, pieces: Tensor, group: "dist.ProcessGroup") -> Tensor:
+    """Row k of `pieces` (one per member of `group`, in group rank order) goes to member k as `codes`; returns the
+    fp32 sum, in member order, of the rows the members sent this rank."""
+    members, size = pieces.shape
+    sent = torch.cat([codes.encode(piece) for piece in pieces])
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=group)
+    nbytes = codes.packed_nbytes(size)
+    total = torch.zeros(size, dtype=torch.float32, device=pieces.device)
+    decoded = torch.empty(size, dtype=torch.float32, device=pieces.device)
+    for member in range(members):
+        codes.decode(received[member * nbytes:(member + 1) * nbytes], size, decoded)
+        total.add_(decoded)
+    return total

@@ -199,8 +199,13 @@ class Engine:
         """Counters since `wrap()`: steps, skipped steps, block updates (and how many ran during backward, how many
         speculatively with clipping, and of those how many `step()` kept or redid),
         bytes moved per link, seconds in forward and backward, seconds spent updating (worker) and waiting
-        for updates (training thread), the nvme ring's disk waits, device-tier bytes."""
-        return self._pipeline.stats()
+        for updates (training thread), the nvme ring's disk waits, device-tier bytes; under several processes,
+        the bytes the collectives brought this rank (`bytes_weights_*`, `bytes_grads_*`), from ranks on this
+        machine and on others."""
+        out = self._pipeline.stats()
+        if self.data_parallel is not None:  # what the collectives brought, within and across machines
+            out.update(self.data_parallel.traffic)
+        return out
 
     def add_observer(self, observer: PhaseObserver) -> Callable[[], None]:
         """Tell `observer.on_span(name, detail, start, end)` of every span the engine runs (step(), each

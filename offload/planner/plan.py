@@ -81,6 +81,8 @@ class Plan:
     micro_batches_on_device: bool = True  # declared accumulation's earlier micro-batches sum on the device
     shard_world: int = 1  # > 1: weights sharded across that many ranks (blocks' weight bytes are a rank's part)
     weight_gathers: str = ""  # how sharded weights travel when quantized (zero_quantized_weights), for the plan
+    grad_reduction: str = ""  # how gradients are averaged when quantized (zero_quantized_gradients), for the plan
+    secondary_partition: str = ""  # hpZ's secondary parts (zero_hpz_partition_size), for the plan
     activations: Optional[ActivationUse] = None  # measured in a training forward (engine.plan adds it)
     precision: str = ""  # the compute and master dtypes, in words (the engine's plan sets it; estimate leaves it)
     speculation: str = ""  # max_grad_norm: where speculative clipping runs, or why not, in words ("": no clipping)
@@ -158,6 +160,10 @@ class Plan:
                          "weight bytes above), gathered whole on the device for each use; state bytes are this rank's")
             if self.weight_gathers:
                 lines.append(f"  weights gathered {self.weight_gathers}")
+            if self.secondary_partition:
+                lines.append(f"  backward gathers from a secondary partition among {self.secondary_partition}")
+        if self.grad_reduction:
+            lines.append(f"  gradients averaged {self.grad_reduction}")
         if self.ring_bytes:
             lines.append(f"  gradients: {self.grads_placement()}")
             lines.append(f"  host holds: gradients {human_bytes(self.host_grad_bytes)}, staging ring "

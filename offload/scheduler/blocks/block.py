@@ -87,16 +87,6 @@ class FlatGroup:
         return GroupShape(self.key, block, self.dtype, self.numel, self.trainable_numel, params,
                           params[:len(self.trainable_slots)])
 
-    def params_in_place(self) -> bool:
-        """Whether the first parameter still is a view of the device buffer (model.to(), .double(), .cuda()
-        after wrap() replace `.data` and so disconnect the parameters from the engine)."""
-        if self.device_buffer is None or not self.slots:
-            return True
-        param = self.slots[0].param
-        if self.slots[0].numel == 0:
-            return True
-        return param.dtype == self.dtype and param.data_ptr() == self.device_buffer.data_ptr()
-
     def point_params_at(self, buffer: torch.Tensor) -> None:
         """Re-point each parameter's `.data` to its view of `buffer` (the identity of the Parameter is kept;
         a parameter on the meta device first becomes a real, empty one in place: `.data` cannot change a

@@ -57,8 +57,8 @@ class LocalReduction:
     def runs_every_update(self, has_trainable: bool) -> bool:
         return False
 
-    def check_arrival(self, block: BlockRecord) -> None:
-        pass
+    def take_back_average(self, block: BlockRecord) -> None:
+        pass  # never averaged: `block.reduced` stays False in one process
 
     def check_torch_reads(self, block: BlockRecord) -> None:
         pass
@@ -109,12 +109,11 @@ class DataParallelReduction:
     def runs_every_update(self, has_trainable: bool) -> bool:
         return has_trainable  # another rank may have gradients for the block; every rank runs its job
 
-    def check_arrival(self, block: BlockRecord) -> None:
+    def take_back_average(self, block: BlockRecord) -> None:
         """A gradient arriving after the block's average (a spilled gradient parks averaged, with clipping; a
         clip before this backward): the average is taken back into this rank's share of the sum (grad_sync.py),
         averaged again when the block completes or at step(). (After an early update `receive_grad` refuses.)"""
-        if block.reduced:
-            self.sync.take_back(block)
+        self.sync.take_back(block)
 
     def check_torch_reads(self, block: BlockRecord) -> None:
         raise OffloadError(

@@ -68,14 +68,11 @@ class ForwardPhase:
             self.saved_tensors.meter.enter_block(blocks[-1].index)
         for block in blocks:
             record = self._records[block.index]
-            record.refuse_moved_parameters()
-            record.keep_writes()  # before the wait: a write made while the update was pending is refused
-            record.settle(counted=True)  # its update in, pushed (before a fetch, which reads the home anyway)
             following = self._next_in_forward_order(block) if self._order.known and not in_backward else None
-            record.make_resident(following, in_backward)
+            record.enter_forward(following, in_backward)
             if not in_backward and self._tracker.profile is None and self._root_grad_enabled:
                 self._tracker.predict_from_forward(record.trainable_ids, torch.is_grad_enabled())
-            if not self._order.record(block.index) and not in_backward and block.index == self._order.first \
+            if self._order.use(block.index) and not in_backward \
                     and self._modes.clipping.updates_in(self._tracker.next_backward):
                 self.read_ahead_for_backward()  # the disk is otherwise idle during the forward
 

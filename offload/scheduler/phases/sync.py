@@ -19,8 +19,8 @@ from offload.scheduler.blocks.block import Block
 from offload.scheduler.modes.disk_traffic import DiskTraffic
 from offload.scheduler.records.block_record import BlockRecord
 from offload.scheduler.records.held_grad import is_held
+from offload.scheduler.records.pending_guard import PendingGuard
 from offload.scheduler.records.slot_table import SlotTable
-from offload.scheduler.weights.pending_guard import PendingGuard
 from offload.scheduler.weights.streamer import WeightStreamer
 from offload.scheduler.worker.step_worker import StepWorker
 from offload.tiers.copies import CopyContext

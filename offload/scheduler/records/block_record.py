@@ -13,6 +13,7 @@ What a record holds per step (`updated_early`, `norms`, `shard_sumsq`) is reset 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import List, NamedTuple, Optional, Protocol, Tuple
 
@@ -25,9 +26,9 @@ from offload.scheduler.records.grad_home import released_gradient
 from offload.scheduler.records.group import GroupRecord, GroupState
 from offload.scheduler.records.held_grad import HeldGrad
 from offload.scheduler.records.nonfinite import NonFiniteSkips
+from offload.scheduler.records.pending_guard import PendingGuard
 from offload.scheduler.state.adamw import AdamHyper
 from offload.scheduler.torch_internals import after_backward
-from offload.scheduler.weights.pending_guard import PendingGuard
 from offload.scheduler.weights.streamer import WeightStreamer
 from offload.scheduler.worker.counters import StepCounters
 from offload.scheduler.worker.step_worker import StepWorker
@@ -100,8 +101,9 @@ class GradReduction(Protocol):
     def runs_every_update(self, has_trainable: bool) -> bool:
         """Whether a block's update runs even when no parameter of it has a gradient here."""
 
-    def check_arrival(self, block: BlockRecord) -> None:
-        """A gradient of the block arrives (its step's average, if taken, is taken back or refused)."""
+    def take_back_average(self, block: BlockRecord) -> None:
+        """A gradient of the block arrives after its step's gradients were averaged (`block.reduced`): the
+        average is taken back into this rank's share of the sum."""
 
     def check_torch_reads(self, block: BlockRecord) -> None:
         """Torch code reads the block's held gradients (a clip): refused where they are not what it expects."""
@@ -131,8 +133,8 @@ class BlockServices:
 
 
 class BlockRecord:
-    """One block during training. Its residency is `block.residency`; its pending update is the worker's,
-    found by `block.index`."""
+    """One block during training. Its residency is `block.residency`; its pending job (an update, a parking) is
+    `job`, the future the worker gave it, until waited for."""
 
     def __init__(self, block: Block, groups: List[GroupRecord], streamed: bool, services: BlockServices) -> None:
         self.block = block
@@ -140,6 +142,7 @@ class BlockRecord:
         self.streamed = streamed
         self.services = services
         self.trainable_ids = [id(s.param) for s in block.slots if s.trainable]  # BackwardTracker's keys
+        self.job: Optional[Future] = None  # its last job submitted to the worker, until `wait_for_update`
         self.needs_push = False  # updated weights not yet sent to the device
         self.updated_early = False  # updated during the last backward, before step()
         self.speculated = False  # a speculative update was scheduled, neither committed nor forgotten yet
@@ -170,12 +173,17 @@ class BlockRecord:
     # ----- its update -----------------------------------------------------------------------------------
     def is_settled(self) -> bool:
         """No update of the block is pending: its weights at home are final."""
-        return not self.services.worker.is_pending(self.block.index)
+        return self.job is None or self.job.done()
 
     def wait_for_update(self, counted: bool) -> None:
-        """Wait for the block's pending update (an update that finished with an error raises here).
-        `counted`: the wait is the forward's, reported as waiting time."""
-        blocked = self.services.worker.wait(self.block.index, self.block.name)  # an error of the update raises
+        """Wait for the block's pending job (one that finished with an error raises here, and once any job of the
+        worker failed every wait does: [Note: a failed update poisons the engine]). `counted`: the wait is the
+        forward's, reported as waiting time. Nothing submitted since the last wait and nothing failed: no wait."""
+        worker = self.services.worker
+        if self.job is None and worker.failure is None:
+            return
+        blocked = worker.wait(self.block.index, self.block.name)  # an error of the job raises (`job` stays)
+        self.job = None
         if counted:
             self.services.counters.wait_seconds += blocked
 
@@ -198,7 +206,7 @@ class BlockRecord:
 
     def guard_while_pending(self) -> None:
         """step() returns early: a resident block whose update is pending reads through until it settles
-        (weights/pending_guard.py); a streamed one reads through outside its forward anyway."""
+        (records/pending_guard.py); a streamed one reads through outside its forward anyway."""
         if not self.streamed and (not self.is_settled() or self.needs_push):
             self.services.guard.guard(self.block)
 
@@ -208,6 +216,11 @@ class BlockRecord:
         `check_finite`: skip groups whose gradients hold inf/NaN (no global norm decides). `speculative`: into
         the shadows (`speculate`)."""
         self.keep_writes()
+        self._submit_update(hypers, grad_scale, check_finite, speculative)
+
+    def _submit_update(self, hypers: Tuple[AdamHyper, ...], grad_scale: float, check_finite: bool,
+                       speculative: bool) -> None:
+        """`schedule_update` once the writes through the parameters are kept."""
         parts = [GroupUpdate(g, g.state.grads.ready_indices(), g.state.hypers_of(hypers),
                              g.home.shadow_target() if speculative else g.home.update_target(), g.home.target_base)
                  for g in self.groups if g.state is not None]
@@ -218,9 +231,10 @@ class BlockRecord:
             if part.ready:
                 assert part.group.state is not None
                 part.group.state.store.announce()  # its reads (disk) start now, ahead of the worker reaching it
-        services.streamer.invalidate(self.block)  # disk reads a prefetch started would be stale
+        if self.streamed:
+            services.streamer.invalidate(self.block)  # disk reads a prefetch started would be stale
         job = UpdateJob(self, parts, grad_scale, check_finite, services.counters.steps, speculative)
-        services.worker.submit(self.block.index, job, self.priority())
+        self.job = services.worker.submit(self.block.index, job, self.priority())
         services.counters.block_updates += 1
         services.order.known = True
         if self.pushes and not speculative:
@@ -242,7 +256,7 @@ class BlockRecord:
         self.keep_writes()  # before the flag: a write kept now forgets no speculation (the job below reads it)
         self.speculated = True
         self.services.counters.speculative_updates += 1
-        self.schedule_update(hypers, 1.0, check_finite=False, speculative=True)
+        self._submit_update(hypers, 1.0, check_finite=False, speculative=True)
 
     def commit_speculation(self) -> None:
         """The step scales by 1: the speculative update's state and weights become the block's (a switch of the
@@ -282,7 +296,7 @@ class BlockRecord:
     def park_grads(self, norms: bool) -> None:
         """The block's gradients are complete for this backward and wait for a later use: queue, on the worker,
         their norms (`norms`: clipping) and their parking (to disk, for a disk parking)."""
-        self.services.worker.submit(self.block.index, ParkJob(self, norms), self.priority())
+        self.job = self.services.worker.submit(self.block.index, ParkJob(self, norms), self.priority())
 
     # ----- on the worker ------------------------------------------------------------------------------
     def run_update(self, job: UpdateJob) -> None:
@@ -358,7 +372,8 @@ class BlockRecord:
         """See `GradOwner.before_grad_arrives`."""
         self.wait_for_update(counted=False)  # the last update (or parking) may still read the gradients
         self.forget_speculation()  # it stepped on a gradient without this one
-        self.services.reduction.check_arrival(self)
+        if self.reduced:  # data-parallel: averaged already (a spilled gradient parks averaged; a clip)
+            self.services.reduction.take_back_average(self)
         self.norms = None  # of a sum this gradient changes
 
     def take_leftover_grads(self, refs: List[SlotRef]) -> None:
@@ -405,7 +420,7 @@ class BlockRecord:
         states = self.states
         self.forget_speculation()
         if self.services.reduction.zero_waits or any(s.grads.must_wait_to_zero(set_to_none) for s in states):
-            self.services.worker.wait(self.block.index)
+            self.wait_for_update(counted=False)
         self.forget_averages()
         for state in states:
             state.grads.zero(set_to_none)
@@ -424,8 +439,18 @@ class BlockRecord:
         self.shard_sumsq = None
 
     # ----- its weights --------------------------------------------------------------------------------
+    def enter_forward(self, following: Optional["BlockRecord"], in_backward: bool) -> None:
+        """Get ready for its module's forward: parameters still in the engine's buffers, a write through them
+        kept (before the wait: a write made while the update was pending is refused), its pending update waited
+        for and its new weights pushed (before a fetch, which reads the home anyway), then, when it streams, made
+        resident with `following` (the next block of the recorded forward order) prefetched."""
+        self.refuse_moved_parameters()
+        self.keep_writes()
+        self.settle(counted=True)
+        self.make_resident(following, in_backward)
+
     def refuse_moved_parameters(self) -> None:
-        if self.block.residency is Residency.RESIDENT and not all(g.params_in_place() for g in self.block.groups):
+        if self.block.residency is Residency.RESIDENT and not all(g.params_in_place() for g in self.groups):
             raise OffloadError(
                 f"the parameters of block {self.block.name!r} no longer point into the engine's buffers: the model "
                 "was moved or converted after offload.wrap() (model.to(), .double(), .half(), .cuda()), so "
@@ -455,9 +480,11 @@ class BlockRecord:
         return self.is_settled()
 
     def leave_forward(self) -> None:
-        """The module is done with the block (also after an exception)."""
-        self.services.streamer.leave_forward(self.block)
-        self.unpin()
+        """The module is done with the block (also after an exception); a block that does not stream was never
+        made resident for it (`make_resident`), so there is nothing to let go."""
+        if self.streamed:
+            self.services.streamer.leave_forward(self.block)
+            self.unpin()
 
     def unpin(self) -> None:
         self.services.streamer.unpin(self.block.index)

@@ -28,6 +28,11 @@ class ForwardOrder:
         self._order.append(index)
         return True
 
+    def use(self, index: int) -> bool:
+        """Note a block's use (`record`); True when a forward over the recorded order starts again: the order's
+        first block, used before."""
+        return not self.record(index) and index == self.first
+
     @property
     def first(self) -> Optional[int]:
         return self._order[0] if self._order else None

@@ -137,6 +137,15 @@ class GroupRecord:
         self.seen_versions: List[int] = []  # each parameter's `_version` when the engine last looked
         self.mark_seen()
 
+    def params_in_place(self) -> bool:
+        """Whether the first parameter still is a view of the device buffer (model.to(), .double(), .cuda()
+        after wrap() replace `.data` and so disconnect the parameters from the engine)."""
+        group = self.group
+        if group.device_buffer is None or not group.slots or group.slots[0].numel == 0:
+            return True
+        param = group.slots[0].param
+        return param.dtype == group.dtype and param.data_ptr() == group.device_buffer.data_ptr()
+
     def replace_weights(self, flat: Tensor) -> None:
         """New compute weights for the whole group (a checkpoint load): into its home, and into the device
         buffer when the block is resident."""

@@ -179,6 +179,13 @@ class DiskRing:
             finally:
                 self._slots.give_back(entry.slot)
 
+    def commit_shadow(self, group: "FlatGroup") -> None:
+        """The group's shadow copies in the swap file (a speculative update's state, and its weights when they
+        live on disk) become its live ones: the reads ahead of its old copies are dropped, then the swap file
+        switches copies (no byte moved)."""
+        self.discard(group)
+        self._store.flip(group.key)
+
     @contextlib.contextmanager
     def borrow(self, count: int = 1) -> Iterator[List[SlotSections]]:
         """`count` slots' three fp32 sections (`chunk_numel` elements each) for a caller that moves a record

@@ -31,11 +31,11 @@ from offload.scheduler.records.block_record import BlockRecord, BlockServices
 from offload.scheduler.records.forward_order import ForwardOrder
 from offload.scheduler.records.module_weights import ModuleWeights
 from offload.scheduler.records.nonfinite import NonFiniteSkips
+from offload.scheduler.records.pending_guard import PendingGuard
 from offload.scheduler.records.slot_table import SlotTable
 from offload.scheduler.setup.initial_weights import InitialWeights
 from offload.scheduler.setup.placement import materialize
 from offload.scheduler.state.hypers import StepHypers
-from offload.scheduler.weights.pending_guard import PendingGuard
 from offload.scheduler.weights.tiers import Tiers
 from offload.scheduler.worker.counters import StepCounters
 from offload.scheduler.worker.step_worker import StepWorker

@@ -23,7 +23,7 @@ from offload.distributed.data_parallel import DataParallel, Shard
 from offload.distributed.quantized_gather import Int8Blocks
 from offload.errors import OffloadConfigError
 from offload.planner.place import make_plan, shards_weights
-from offload.planner.plan import GradFlow, Plan
+from offload.planner.plan import GradFlow, Location, Plan, human_bytes
 from offload.planner.ring import RingSize, ring_depth_for, ring_size_for
 from offload.policy import OffloadPolicy, ShardWeights, Tier
 from offload.scheduler.blocks.block import Block, FlatGroup
@@ -74,13 +74,47 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
         if dp is not None and sharded:
             codes = Int8Blocks()
             dp.quantize_weight_gathers(codes)
-            plan = dataclasses.replace(plan, weight_gathers=f"for compute as {codes.describe()}: about "
+            plan = dataclasses.replace(plan, weight_gathers=f"for compute as {codes.describe()} (zero_quantized_weights): about "
                                        f"{(1 + 4 / codes.block) / policy.dtype.itemsize:.2f}x the bytes of "
                                        f"{str(policy.dtype).replace('torch.', '')} weights; reads of them exact")
         else:
             warnings.warn("offload: zero_quantized_weights=True has no effect here: the weights are not sharded "
                           "(one process, tier='gpu', or whole weights that fit host_memory with shard_weights=None; "
                           "shard_weights=True shards them)", RuntimeWarning, stacklevel=4)
+    if policy.zero_hpz_partition_size > 1:
+        size = policy.zero_hpz_partition_size
+        if dp is not None and sharded:
+            if dp.world % size:
+                raise OffloadConfigError(f"zero_hpz_partition_size={size} must divide the {dp.world} ranks: use the "
+                                         f"ranks of one machine ({dp.local_world})")
+            kept = sum(-(-g.numel // size) * g.dtype.itemsize for b in blocks for g in b.groups)
+            host = plan.bytes_on(Location.HOST)
+            if policy.host_memory is not None and host + kept > policy.host_memory:  # refused, never over budget
+                raise OffloadConfigError(
+                    f"zero_hpz_partition_size={size} keeps a 1/{size} part of every block in host memory between its "
+                    f"forward and its update ({human_bytes(kept)} a rank), and the plan already holds "
+                    f"{human_bytes(host)} of host_memory={human_bytes(policy.host_memory)}: raise host_memory to at "
+                    f"least {human_bytes(host + kept)}, or use zero_hpz_partition_size=1")
+            dp.make_secondary_partition(size)
+            where = ("within each machine" if dp.local_world % size == 0 else
+                     f"in groups of {size} ranks, which span machines ({dp.local_world} ranks each)")
+            plan = dataclasses.replace(plan, secondary_partition=f"{size} ranks {where}; up to "
+                                       f"{human_bytes(kept)} per rank of host memory besides the host total above "
+                                       "(within host_memory), from a block's forward to its update "
+                                       "(zero_hpz_partition_size)")
+        else:
+            warnings.warn("offload: zero_hpz_partition_size has no effect here: the weights are not sharded",
+                          RuntimeWarning, stacklevel=4)
+    if policy.zero_quantized_gradients:
+        if dp is not None:
+            codes = Int8Blocks()
+            dp.quantize_gradient_reduction(codes)
+            levels = "within each machine, then across machines" if dp.reduces_in_two_levels else "one level"
+            plan = dataclasses.replace(plan, grad_reduction=f"as {codes.describe()} through all-to-alls, {levels} "
+                                                          "(zero_quantized_gradients)")
+        else:
+            warnings.warn("offload: zero_quantized_gradients=True has no effect in one process: there is no "
+                          "gradient to reduce across ranks", RuntimeWarning, stacklevel=4)
     if policy.max_grad_norm is not None and not policy.speculates:
         why = ("speculative_clipping=False" if policy.speculative_clipping is False else
                "the cpu tier computing on the CPU: updates during the backward would share its cores; "

@@ -103,8 +103,7 @@ class DiskStore:
     def commit_shadow(self) -> None:
         """The shadow copy (written by a speculative update) becomes the live record: a switch of which copy reads
         go to, no byte moved. Reads issued ahead of the switch are dropped (they read the old copy)."""
-        self._ring.discard(self.group)
-        self._ring.swap.flip(self.group.key)
+        self._ring.commit_shadow(self.group)
 
     def abandon(self, chunk: StateChunk) -> None:
         """The update failed: the slot goes back unwritten and the disk keeps the old state."""

@@ -157,8 +157,20 @@ class PartitionedHome:
         self.gathers = 0  # for engine.stats(): gathers made, and the other ranks' bytes they brought
         self.bytes_gathered = 0
         self.bytes_gathered_for_compute = 0  # of those, the gathers' for a forward or backward (not reads)
+        # hpZ (zero_hpz_partition_size): this rank's secondary part, cut from the first gather after the weights
+        # changed (a forward's), from which the next gathers (the backward's) are made within the rank's group
+        secondary = dp.secondary
+        self._secondary_part = None if secondary is None else secondary.part_of(group.numel, dp.rank)
+        self._secondary: Optional[Tensor] = None  # current while not None
+
+    @property
+    def secondary_nbytes(self) -> int:
+        """Host bytes hpZ's secondary part takes between a forward and the next update (0 without hpZ)."""
+        part = self._secondary_part
+        return 0 if part is None else part.size * self._group.dtype.itemsize
 
     def update_target(self) -> Optional[Tensor]:
+        self._secondary = None  # the update writes new weights: the next gather is a whole one again
         return self._keeper.update_target(self._trainable)
 
     def release_source(self) -> None:
@@ -177,6 +189,7 @@ class PartitionedHome:
 
     def commit_shadow(self) -> None:
         self.wait_fetched()  # a gather started ahead read the part
+        self._secondary = None
         self._keeper.commit_shadow()
 
     def forget_shadow(self) -> None:
@@ -201,9 +214,35 @@ class PartitionedHome:
         buffer = self._group.device_buffer
         assert buffer is not None
         with torch.no_grad():
+            if self._secondary is not None:  # hpZ: within the rank's group (the same decision on every rank)
+                assert self._secondary_part is not None
+                self._dp.gather_secondary(buffer, self._secondary.to(buffer.device), self._secondary_part)
+                nbytes = (self._secondary_part.world - 1) * self._secondary_part.size * self._group.dtype.itemsize
+                self.gathers += 1
+                self.bytes_gathered += nbytes
+                self.bytes_gathered_for_compute += nbytes
+                return
             self._gathering = self._dp.gather_weights(buffer, self._keeper.read().to(buffer.device), self._part,
                                                       async_op=ahead, key=self._group.key)
+            if self._secondary_part is not None:
+                self._gathering = self._keep_secondary(self._gathering)
         self._count_gather(USE)
+
+    def _keep_secondary(self, gathering: Optional[Callable[[], None]]) -> Optional[Callable[[], None]]:
+        """Once the gather into the device buffer is done, keep this rank's secondary part of it (hpZ)."""
+        def finish() -> None:
+            if gathering is not None:
+                gathering()
+            part, buffer = self._secondary_part, self._group.device_buffer
+            assert part is not None and buffer is not None
+            kept = torch.zeros(part.size, dtype=buffer.dtype)
+            kept[:part.numel].copy_(buffer[part.lo:part.hi])
+            self._secondary = kept
+
+        if gathering is not None:
+            return finish
+        finish()
+        return None
 
     def wait_fetched(self) -> None:
         gathering, self._gathering = self._gathering, None
@@ -228,6 +267,7 @@ class PartitionedHome:
 
     def replace(self, flat: Tensor, resident: bool) -> None:
         self.wait_fetched()
+        self._secondary = None
         self._keeper.write(flat[self._part.lo:self._part.hi].to("cpu"))
         if resident:
             assert self._group.device_buffer is not None

@@ -84,10 +84,6 @@ class StepWorker:
         """Whether any submitted work is still queued or running."""
         return any(not future.done() for future in list(self._pending.values()))
 
-    def is_pending(self, block_index: int) -> bool:
-        future = self._pending.get(block_index)
-        return future is not None and not future.done()
-
     def wait(self, block_index: int, detail: str = "") -> float:
         """Block until the block's last submitted work is done; re-raise its exception here. After any update
         has failed, every wait raises (OffloadError naming the first failure) until `clear_failure`. Returns the

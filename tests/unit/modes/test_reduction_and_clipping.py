@@ -32,11 +32,11 @@ from offload.scheduler.records.forward_order import ForwardOrder
 from offload.scheduler.records.grad_home import GradHome
 from offload.scheduler.records.group import GroupRecord, GroupState
 from offload.scheduler.records.nonfinite import NonFiniteSkips
+from offload.scheduler.records.pending_guard import PendingGuard
 from offload.scheduler.records.slot_table import SlotTable
 from offload.scheduler.state.adamw import AdamHyper
 from offload.scheduler.state.hypers import StepHypers
 from offload.scheduler.state.state_store import MemoryStore
-from offload.scheduler.weights.pending_guard import PendingGuard
 from offload.scheduler.weights.streamer import WeightStreamer
 from offload.scheduler.weights.weight_home import DeviceHome
 from offload.scheduler.worker.counters import StepCounters
@@ -211,7 +211,7 @@ def test_local_reduction_shares_nothing_and_checks_nothing(net):
     reduction = net.reduction
     assert reduction.send_new_weights(state, out) is None
     assert torch.equal(out, kept) and state.steps == [0, 0]
-    reduction.check_arrival(record)
+    reduction.take_back_average(record)
     reduction.check_torch_reads(record)
     assert torch.equal(state.grads.buffer(), before)
     assert reduction.zero_waits is False

@@ -70,17 +70,14 @@ class FakeRecord:
         self.log.append((what[0], self.index) + what[1:])
 
     # forward
-    def refuse_moved_parameters(self) -> None:
-        self._log("refuse_moved_parameters")
+    def enter_forward(self, following: Optional["FakeRecord"], in_backward: bool) -> None:
+        self._log("enter_forward", None if following is None else following.index, in_backward)
 
     def keep_writes(self) -> None:
         self._log("keep_writes")
 
     def settle(self, counted: bool = False) -> None:
         self._log("settle", counted)
-
-    def make_resident(self, following: Optional["FakeRecord"], in_backward: bool) -> None:
-        self._log("make_resident", None if following is None else following.index, in_backward)
 
     def leave_forward(self) -> None:
         self._log("leave_forward")
@@ -244,28 +241,23 @@ def kit() -> Iterator[Kit]:
 
 
 # ----- ForwardPhase -----------------------------------------------------------------------------------------
-FORWARD_CALLS = ("refuse_moved_parameters", "keep_writes", "settle", "make_resident")
-
-
 def test_pre_forward_gets_each_block_ready_in_order(kit):
     kit.forward.pre_forward([kit.blocks[2], kit.blocks[0]])  # a module owning parameters of two blocks (tied)
     assert kit.log == [("meter.enter_block", 0),  # what it saves counts for the block entered last
-                       ("refuse_moved_parameters", 2), ("keep_writes", 2), ("settle", 2, True),
-                       ("make_resident", 2, None, False),
-                       ("refuse_moved_parameters", 0), ("keep_writes", 0), ("settle", 0, True),
-                       ("make_resident", 0, None, False)], "the first step: no forward order to prefetch by"
+                       ("enter_forward", 2, None, False), ("enter_forward", 0, None, False)], \
+        "the first step: no forward order to prefetch by"
 
 
 def test_pre_forward_prefetches_the_next_block_of_the_recorded_forward_order(kit):
     for index in (1, 0, 2):  # the first step's forward
         kit.forward.pre_forward([kit.blocks[index]])
-    assert [c[2] for c in kit.calls("make_resident")] == [None, None, None], "the order is not known yet"
+    assert [c[2] for c in kit.calls("enter_forward")] == [None, None, None], "the order is not known yet"
     kit.order.known = True  # an update was scheduled: a whole step seen
     kit.log.clear()
     for index in (1, 0, 2):
         kit.forward.pre_forward([kit.blocks[index]])
-    assert kit.calls("make_resident") == [("make_resident", 1, 0, False), ("make_resident", 0, 2, False),
-                                          ("make_resident", 2, None, False)]
+    assert kit.calls("enter_forward") == [("enter_forward", 1, 0, False), ("enter_forward", 0, 2, False),
+                                          ("enter_forward", 2, None, False)]
     kit.forward.post_forward([kit.blocks[1], kit.blocks[2]])
     assert kit.log[-2:] == [("leave_forward", 1), ("leave_forward", 2)]
 

@@ -6,6 +6,7 @@ The block: a bf16 linear and an fp32 LayerNorm (kept fp32, [Note: compute dtypes
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Dict, Iterator, List
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from offload.errors import OffloadError
 from offload.scheduler.blocks.block import Block, build_blocks
 from offload.scheduler.modes.reduction import LocalReduction
 from offload.scheduler.records.block_record import BlockRecord, BlockServices, GroupUpdate, ParkJob, UpdateJob
@@ -20,9 +22,9 @@ from offload.scheduler.records.forward_order import ForwardOrder
 from offload.scheduler.records.grad_home import GradHome
 from offload.scheduler.records.group import GroupRecord, GroupState
 from offload.scheduler.records.nonfinite import NonFiniteSkips
+from offload.scheduler.records.pending_guard import PendingGuard
 from offload.scheduler.state.adamw import AdamHyper
 from offload.scheduler.state.state_store import MemoryStore
-from offload.scheduler.weights.pending_guard import PendingGuard
 from offload.scheduler.weights.streamer import WeightStreamer
 from offload.scheduler.weights.weight_home import DeviceHome
 from offload.scheduler.worker.counters import StepCounters
@@ -225,3 +227,28 @@ def test_a_norm_job_fills_the_blocks_norms_in_slot_order(one_block):
         assert norm == pytest.approx(float(want), rel=1e-6), name
     one_block.record.end_step()
     assert one_block.record.norms is None
+
+
+def test_the_record_waits_for_its_own_job_and_every_wait_raises_after_a_failure(one_block):
+    """The record keeps the future of its last job: settled while it runs or not, waited for once; after any job
+    of the worker failed, every wait raises, a record with nothing pending included."""
+    record, worker = one_block.record, one_block.worker
+    assert record.is_settled() and record.job is None
+    record.wait_for_update(counted=False)  # nothing submitted: no wait, nothing raised
+    gate = threading.Event()
+    record.job = worker.submit(record.block.index, gate.wait, record.priority())
+    assert not record.is_settled()
+    gate.set()
+    record.wait_for_update(counted=True)
+    assert record.job is None and record.is_settled()
+    record.job = worker.submit(record.block.index, lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        record.wait_for_update(counted=False)
+    assert record.job is not None, "a job that raised stays until a wait returns"
+    with pytest.raises(OffloadError, match="ZeroDivisionError"):
+        record.wait_for_update(counted=False)
+    other = worker.submit(99, lambda: None)  # another block's job: the worker is poisoned for every wait
+    other.result()
+    record.job = None
+    with pytest.raises(OffloadError, match="an optimizer update failed earlier"):
+        record.wait_for_update(counted=False)

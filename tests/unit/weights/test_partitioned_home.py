@@ -42,6 +42,10 @@ class ThreeRanks:
         self.peers = peers
         self.calls: List[Tuple[str, int, bool, Tensor]] = []  # (key, kind, async_op, what this rank sent)
         self.finished = 0
+        self.secondary = None  # no hpZ (zero_hpz_partition_size): every gather is a whole one
+
+    def gathered_nbytes(self, part: Shard, itemsize: int, kind: int = USE) -> int:
+        return (part.n - part.numel) * itemsize
 
     def weight_part(self, numel: int) -> Shard:
         return Shard(numel, -(-numel // self.world), self.rank, self.world)
@@ -248,10 +252,17 @@ class OneRank:
     rank = 0
     gather_group = None  # the default group
     gather_weights = DataParallel.gather_weights
+    gathered_nbytes = DataParallel.gathered_nbytes
+    _received = DataParallel._received
+    local_world = 1
+    weight_codes = None  # exact gathers (no zero_quantized_weights)
+    secondary = None  # no hpZ
+
 
     def __init__(self) -> None:
         self.announced: List[Tuple[str, int, int]] = []
         self.gather_check = self
+        self.traffic = {"bytes_weights_within_machine": 0, "bytes_weights_across_machines": 0}
 
     def announce(self, key: str, numel: int, kind: int) -> None:
         self.announced.append((key, numel, kind))

@@ -4,8 +4,9 @@
 forward waits for each block's update when it reaches it, so the updates overlap it. Code between `step()`
 and that forward that reads or writes a resident block's parameters (an EMA, a metric, `nn.init`) must still
 see what torch would show. So `step()` guards every resident block whose update is pending: its parameters
-read through (read_through.py) until the block settles (its forward's pre-hook, a read, `synchronize()`),
-which waits for the update, pushes the new weights and releases the guard. Streamed blocks read through
+read through (weights/read_through.py) until the block settles (its forward's pre-hook, a read,
+`synchronize()`), which waits for the update, pushes the new weights and releases the guard (the block's
+record guards and releases it: the pending update is the record's). Streamed blocks read through
 outside their forward anyway. The guard keeps, per guarded block, the device buffers' storage addresses, so a
 read-through parameter finds its block.
 """
