@@ -29,7 +29,16 @@ from offload.planner.ring import (
     MIN_DEPTH,
 )
 from offload.scheduler.ring.record_moves import RecordMoves
-from offload.scheduler.ring.ring_slots import InFlight, Slot, SlotPool, SlotSections, WriteOrder
+from offload.scheduler.ring.ring_slots import (
+    KEEP_FOR_LOAD,
+    ChunkKey,
+    CleanChunk,
+    InFlight,
+    Slot,
+    SlotPool,
+    SlotSections,
+    WriteOrder,
+)
 from offload.tiers.disk import ChunkSeals, RecordKind
 from offload.trace import Tracer
 
@@ -38,8 +47,6 @@ if TYPE_CHECKING:
     from offload.scheduler.blocks.block import FlatGroup
     from offload.tiers.disk import SwapStore
     from offload.tiers.host import StagingPool
-
-ChunkKey = Tuple[str, int]  # (the group's layout key, first element)
 
 
 class DiskRing:
@@ -64,6 +71,7 @@ class DiskRing:
         self._announced: Dict[ChunkKey, Tuple["FlatGroup", int, int]] = {}  # to read ahead, in this order
         self.chunks_loaded = 0
         self.chunks_read_ahead = 0
+        self.chunks_clean = 0  # loads and reads ahead served by a slot that still held the chunk: no read
 
     @property
     def chunk_numel(self) -> int:
@@ -121,11 +129,17 @@ class DiskRing:
         slot = None if entry is None else entry.slot
         try:
             if entry is None:
-                slot = self._order.take()
+                self._order.wait_for_writes_of(group, start, stop)  # its slot may then hold the chunk
                 with self._slots.lock:
+                    slot = self._take_clean_locked(group, start, stop)
                     self._checked_out[key] = slot
-                self._order.wait_for_writes_of(group, start, stop)
-                entry = InFlight(slot, group, start, stop, self._read_chunk(slot, group, start, stop))
+                if slot is not None:
+                    entry = InFlight(slot, group, start, stop, [])
+                else:
+                    slot = self._order.take()
+                    with self._slots.lock:
+                        self._checked_out[key] = slot
+                    entry = InFlight(slot, group, start, stop, self._read_chunk(slot, group, start, stop))
             self._order.wait(entry.futures)
         except BaseException:
             with self._slots.lock:
@@ -152,7 +166,9 @@ class DiskRing:
                 self._checked_out.pop((group.key, start), None)
                 self._slots.give_back_locked(slot)
                 raise
-            self._order.register_locked(InFlight(slot, group, start, stop, futures))
+            self._slots.forget_clean_locked((group.key, start))
+            clean = None if shadow or group.key in self._store.weights else CleanChunk((group.key, start), stop)
+            self._order.register_locked(InFlight(slot, group, start, stop, futures, clean))
             self._checked_out.pop((group.key, start), None)
         self._read_ahead()
 
@@ -184,6 +200,9 @@ class DiskRing:
         live on disk) become its live ones: the reads ahead of its old copies are dropped, then the swap file
         switches copies (no byte moved)."""
         self.discard(group)
+        with self._slots.lock:  # slots holding the old copy's chunks no longer stand for the live record
+            for start, _stop in self.chunks(group):
+                self._slots.forget_clean_locked((group.key, start))
         self._store.flip(group.key)
 
     @contextlib.contextmanager
@@ -225,6 +244,7 @@ class DiskRing:
         with self._slots.lock:
             reads, self._reads = list(self._reads.values()), {}
             self._announced.clear()
+            self._slots.forget_clean_locked()  # the caller may change the swap file itself
         first: Optional[BaseException] = None
         for entry in reads:
             try:
@@ -237,6 +257,8 @@ class DiskRing:
             self._order.retire_all()
         except BaseException as exc:  # noqa: B902 - raised below
             first = first or exc
+        with self._slots.lock:
+            self._slots.forget_clean_locked()  # the writes just retired left their chunks behind
         if first is not None:
             raise first
         self._order.raise_deferred()
@@ -259,6 +281,7 @@ class DiskRing:
         """Chunk size, chunks updated, how many were read ahead, seconds the worker waited on the disk."""
         return {"nvme_chunk_numel": self.chunk_numel, "nvme_ring_slots": self.depth,
                 "nvme_chunks_moved": self.chunks_loaded, "nvme_chunks_read_ahead": self.chunks_read_ahead,
+                "nvme_chunks_clean": self.chunks_clean,
                 "nvme_io_wait_seconds": self.io_wait_seconds}
 
     @property
@@ -272,6 +295,13 @@ class DiskRing:
         return self._grads
 
     # ----- internals ---------------------------------------------------------------------------------
+    def _take_clean_locked(self, group: "FlatGroup", start: int, stop: int) -> Optional[Slot]:
+        """The free slot that still holds the chunk's live bytes (its last write is done), or None; counted."""
+        slot = self._slots.pop_clean_locked((group.key, start), stop)
+        if slot is not None:
+            self.chunks_clean += 1
+        return slot
+
     def _read_chunk(self, slot: Slot, group: "FlatGroup", start: int, stop: int) -> List["IOFuture"]:
         return self._chunk_io(self._store.read, slot, group, start, stop)
 
@@ -312,6 +342,11 @@ class DiskRing:
                 key, (group, start, stop) = next(iter(self._announced.items()))
                 if key in self._checked_out:
                     return  # being updated: read it once its write is registered and done
+                clean = self._take_clean_locked(group, start, stop) if len(self._slots.free) > KEEP_FOR_LOAD else None
+                if clean is not None:  # no read: the slot still holds the chunk
+                    del self._announced[key]
+                    self._reads[key] = InFlight(clean, group, start, stop, [])
+                    continue
                 taken = self._order.take_ahead_locked(1, group, start, stop)
                 if taken is None:
                     return  # no slot to spare, or its write still in flight

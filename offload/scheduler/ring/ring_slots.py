@@ -16,6 +16,11 @@ through this one object, so each rule is written once:
 - reads ahead never take the last free slot (`take_ahead_locked` keeps `KEEP_FOR_LOAD`), so the worker's
   next `load` always finds a free slot or a write to retire: no deadlock when the announced order and the
   update order differ;
+- a free slot may still hold the bytes of the state chunk it last wrote (`SlotPool.clean`): a later load of that
+  chunk takes the slot instead of reading the disk. Handing the slot out for anything else forgets it first
+  (`pop_free_locked` hands out slots that hold nothing before the longest-held one), a new write of the chunk
+  forgets it, and `drain` forgets every one (whoever changes the swap file itself drains first). See
+  docs/design.md [Note: clean chunks].
 - an error of a write reaped on the training thread is kept (`deferring_errors`) and raised on the worker
   (`raise_deferred`, at its next `load` or `drain`), where it fails an update instead of escaping a hook.
 
@@ -73,6 +78,7 @@ class Slot:
     moments: MomentFormat
     weights_offset: int  # where the compute-weight area starts (after the sections, 4 KiB-aligned)
     cuts: Dict[int, SlotSections] = field(default_factory=dict)  # `cut`'s views, by chunk size
+    holds: Optional["CleanChunk"] = None  # while free: the chunk whose live bytes on disk it still holds
 
     def weights(self, dtype: torch.dtype, numel: int) -> Tensor:
         """The slot's compute-weight area (after the three sections) as `numel` elements of `dtype`."""
@@ -113,15 +119,28 @@ def _moment_at(raw: Tensor, offset: int, moments: MomentFormat, chunk: int) -> M
                              raw[offset + codes:offset + codes + scales] if scales else None)
 
 
+ChunkKey = Tuple[str, int]  # (a group's layout key, a chunk's first element)
+
+
+@dataclass(frozen=True)
+class CleanChunk:
+    """A state chunk whose bytes on disk (its group's live record, elements [start, stop)) a free slot holds."""
+
+    key: ChunkKey
+    stop: int
+
+
 @dataclass
 class InFlight:
-    """I/O of elements [start, stop) of a group in flight over one slot: a chunk's read or write."""
+    """I/O of elements [start, stop) of a group in flight over one slot: a chunk's read or write. `clean`: a write
+    of the live record's state chunk whose slot, once the write is done, still holds the chunk's bytes."""
 
     slot: Slot
     group: "FlatGroup"
     start: int
     stop: int
     futures: List[IOFuture]
+    clean: Optional[CleanChunk] = None
 
     def overlaps(self, group: "FlatGroup", start: int, stop: int) -> bool:
         return self.group is group and self.start < stop and start < self.stop
@@ -152,6 +171,7 @@ class SlotPool:
                         _moment_at(raw, exp_avg_sq, moments, chunk))
             self.slots.append(Slot(index, buffer, raw, sections, moments, weights))
         self.free: List[Slot] = list(self.slots)  # guarded by `lock`
+        self.clean: Dict[ChunkKey, Slot] = {}  # free slots holding a chunk's live bytes, oldest first
         self.lock = threading.Lock()
         self._slot_returned = threading.Condition(self.lock)
 
@@ -161,14 +181,46 @@ class SlotPool:
         them); they go with the pool."""
         with self.lock:
             if len(self.free) == len(self.slots):
+                self.forget_clean_locked()
                 self.free.clear()
                 self.slots.clear()
 
     def pop_free_locked(self) -> Optional[Slot]:
-        """A free slot, or None when none is; raises once the pool is closed. The caller holds `lock`."""
+        """A free slot, or None when none is; raises once the pool is closed. Slots that hold no clean chunk go
+        first, then the one that has held its chunk longest (which it forgets: the caller will change its
+        bytes). The caller holds `lock`."""
         if not self.slots:
             raise OffloadConfigError("the nvme staging ring is closed")
-        return self.free.pop() if self.free else None
+        if not self.free:
+            return None
+        for index in range(len(self.free) - 1, -1, -1):
+            if self.free[index].holds is None:
+                return self.free.pop(index)
+        slot = next(iter(self.clean.values()))
+        self._forget_locked(slot)
+        self.free.remove(slot)
+        return slot
+
+    def pop_clean_locked(self, key: ChunkKey, stop: int) -> Optional[Slot]:
+        """The free slot holding the live bytes of chunk `key` (ending at `stop`), taken off the free list, or
+        None. The caller holds `lock`."""
+        slot = self.clean.get(key)
+        if slot is None or slot.holds is None or slot.holds.stop != stop:
+            return None
+        self._forget_locked(slot)
+        self.free.remove(slot)
+        return slot
+
+    def forget_clean_locked(self, key: Optional[ChunkKey] = None) -> None:
+        """The swap file's bytes of chunk `key` (of every chunk: None) are about to change or may have: no free
+        slot stands for them any more. The caller holds `lock`."""
+        for slot in [s for k, s in self.clean.items() if key is None or k == key]:
+            self._forget_locked(slot)
+
+    def _forget_locked(self, slot: Slot) -> None:
+        if slot.holds is not None:
+            self.clean.pop(slot.holds.key, None)
+            slot.holds = None
 
     def wait_for_return_locked(self, timeout: float) -> None:
         """Wait (releasing `lock`, which the caller holds) until a slot is given back, at most `timeout` s."""
@@ -178,8 +230,13 @@ class SlotPool:
         with self.lock:
             self.give_back_locked(slot)
 
-    def give_back_locked(self, slot: Slot) -> None:
-        """`give_back` for a caller that holds `lock`."""
+    def give_back_locked(self, slot: Slot, holds: Optional[CleanChunk] = None) -> None:
+        """`give_back` for a caller that holds `lock`; `holds`: the slot's bytes are that chunk's live bytes on
+        disk (its write just completed), for a later load to take instead of reading them."""
+        if holds is not None:
+            self.forget_clean_locked(holds.key)
+            slot.holds = holds
+            self.clean[holds.key] = slot
         self.free.append(slot)
         self._slot_returned.notify_all()
 
@@ -226,7 +283,7 @@ class WriteOrder:
         `keep` slots free. The caller holds the lock and registers what it submits before releasing it."""
         if len(self._slots.free) < count + keep or self.writing_locked(group, start, stop):
             return None
-        return [self._slots.free.pop() for _ in range(count)]
+        return [slot for slot in (self._slots.pop_free_locked() for _ in range(count)) if slot is not None]
 
     # ----- writes in flight ------------------------------------------------------------------------
     def register_locked(self, write: InFlight) -> None:
@@ -257,14 +314,17 @@ class WriteOrder:
         overlaps: a write taken off the list while still in flight would let them read the chunk's old bytes.
         Exactly one thread unregisters an entry (by identity, under the lock), and only that one gives the slot
         back."""
+        done = False
         try:
             self.wait(write.futures)
+            done = True
         finally:
             with self._lock:
                 index = next((i for i, w in enumerate(self._writes) if w is write), None)
                 if index is not None:
                     del self._writes[index]
-                    self._slots.give_back_locked(write.slot)
+                    clean = done and not self.writing_locked(write.group, write.start, write.stop)
+                    self._slots.give_back_locked(write.slot, write.clean if clean else None)
 
     def reap(self) -> None:
         """Retire the writes that have completed (oldest first, never blocking); a failed write raises here,

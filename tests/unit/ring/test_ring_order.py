@@ -30,12 +30,18 @@ def _update(ring, group, start, stop, expected: float) -> None:
     ring.store(group, start, stop, sections)
 
 
+def _read_every_chunk(ring, monkeypatch) -> None:
+    """No slot is taken for the chunk it still holds ([Note: clean chunks]): every load reads the disk."""
+    monkeypatch.setattr(ring._slots, "pop_clean_locked", lambda key, stop: None)
+
+
 def _index(events, what, key, start) -> int:
     return next(i for i, e in enumerate(events) if e[:3] == (what, key, start))
 
 
-def test_a_read_of_a_chunk_starts_after_the_write_of_that_chunk_is_done(tmp_path):
+def test_a_read_of_a_chunk_starts_after_the_write_of_that_chunk_is_done(tmp_path, monkeypatch):
     with gated_ring(tmp_path, _one_layer(), min_ring_bytes()) as (ring, swap, groups):
+        _read_every_chunk(ring, monkeypatch)
         group = groups[0]
         swap.hold_writes = True
         ring.write_fresh(group, _fill(1.0))  # four chunks, each write in flight in one of the four slots
@@ -48,8 +54,33 @@ def test_a_read_of_a_chunk_starts_after_the_write_of_that_chunk_is_done(tmp_path
         ring.drain()
 
 
-def test_an_announced_chunk_is_read_ahead_only_once_its_write_is_done(tmp_path):
+def test_a_chunk_whose_write_is_done_is_loaded_from_its_slot_without_a_read(tmp_path):
+    """[Note: clean chunks] The slot a write leaves still holds the chunk: the next load takes it, unless the
+    slot went to another chunk, a drain came between, or the group's shadow was committed."""
+    with gated_ring(tmp_path, _one_layer(), min_ring_bytes()) as (ring, swap, groups):
+        group = groups[0]
+        swap.hold_writes = True
+        ring.write_fresh(group, _fill(1.0))
+        chunks = ring.chunks(group)
+        start, stop = chunks[2]
+        _update(ring, group, start, stop, 1.0 + start)  # waits for the chunk's write, then takes its slot
+        assert ring.stats()["nvme_chunks_clean"] == 1
+        assert not any(e[:3] == ("read", group.key, start) for e in swap.events)
+        swap.finish_writes()
+        for a, b in chunks:  # every chunk once more: all four were left clean in their slots
+            _update(ring, group, a, b, 1.0 + a + (1 if a == start else 0))
+        assert ring.stats()["nvme_chunks_clean"] == 1 + len(chunks)
+        assert not any(e[0] == "read" for e in swap.events)
+        ring.drain()  # forgets them: whoever drains may change the swap file
+        reads = sum(e[0] == "read" for e in swap.events)
+        _update(ring, group, *chunks[0], 2.0 + chunks[0][0])
+        assert sum(e[0] == "read" for e in swap.events) == reads + 1
+        ring.drain()
+
+
+def test_an_announced_chunk_is_read_ahead_only_once_its_write_is_done(tmp_path, monkeypatch):
     with gated_ring(tmp_path, _one_layer(), 4 * min_ring_bytes()) as (ring, swap, groups):
+        _read_every_chunk(ring, monkeypatch)
         group = groups[0]
         (start, stop), = ring.chunks(group)
         swap.hold_writes = True
