@@ -76,7 +76,9 @@ def wrap(
             block's forward waits for its update, and a parameter whose block's update is pending reads
             through (any read or write waits for it), so code after `step()` sees the new weights as with
             torch. None (default): on when the updates could not run during the backward (`max_grad_norm`
-            set, or `grad_accumulation_steps` not declared). False: `step()` waits for every update.
+            set, or `grad_accumulation_steps` not declared) and the model computes on a GPU (with the CPU
+            computing, the next forward and the updates would share its cores). False: `step()` waits for
+            every update.
         moments: how the Adam moments are kept: "fp32" (default, exactly torch.optim.AdamW), "bf16" (half
             the bytes), or "int8" (a quarter, plus one fp32 scale per 256 elements): on the nvme tier the
             disk then moves about half the bytes per step (6 instead of 12 per parameter). The master weights

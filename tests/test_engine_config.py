@@ -81,6 +81,19 @@ def test_policy_is_frozen_and_typed():
         OffloadPolicy(tier="cpu")  # type: ignore[arg-type]  (strings are parsed by Tier.parse, in wrap)
 
 
+@pytest.mark.parametrize("options", [dict(), dict(max_grad_norm=1.0)], ids=["undeclared", "clipping"])
+def test_step_returns_early_by_default_only_when_a_gpu_computes(options):
+    """Where the updates cannot run during the backward, step() returning early lets them overlap the next
+    forward on a GPU; with the CPU computing, both would share its cores, so step() waits ([Note: step returns
+    early]). Declared accumulation without clipping waits either way; `overlap_step` decides when given."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert OffloadPolicy(tier=Tier.CPU, device=cuda, **options).step_returns_early
+    assert not OffloadPolicy(tier=Tier.CPU, device=cpu, **options).step_returns_early
+    assert not OffloadPolicy(tier=Tier.CPU, device=cuda, grad_accumulation_steps=1).step_returns_early
+    assert OffloadPolicy(tier=Tier.CPU, device=cpu, overlap_step=True, **options).step_returns_early
+    assert not OffloadPolicy(tier=Tier.CPU, device=cuda, overlap_step=False, **options).step_returns_early
+
+
 def test_budget_smaller_than_largest_block_names_it():
     model = TinyGPT(vocab=512)  # the tied embedding is the largest block
     with pytest.raises(OffloadConfigError, match=r"block 'wte' \(64\.0 KiB"):

@@ -402,9 +402,11 @@ def test_a_bf16_forward_failing_on_an_fp32_norm_names_autocast():
                          ids=["undeclared", "clipping", "declared-clipping"])
 def test_step_returns_before_the_updates_and_a_read_right_after_it_sees_the_new_weights(options):
     """Where the updates cannot run during the backward (clipping without speculation, undeclared accumulation),
-    step() returns once they are scheduled, so they overlap the next forward; a resident parameter read before
-    that forward waits for its block's update (it reads through while the update is pending), as torch shows it.
-    (A speculating step waits for the updates the backward started: tests/test_speculative_clipping.py.)"""
+    step() returns once they are scheduled with `overlap_step=True` (the default when a GPU computes), so they
+    overlap the next forward; a resident parameter read before that forward waits for its block's update (it
+    reads through while the update is pending), as torch shows it. (A speculating step waits for the updates
+    the backward started: tests/test_speculative_clipping.py.)"""
+    options = dict(options, overlap_step=True)
     torch.manual_seed(0)
     model, reference = TinyGPT(), TinyGPT()
     reference.load_state_dict(model.state_dict())
