@@ -13,8 +13,15 @@ from torch import nn
 import offload
 from offload.optim.moment_format import EXP_AVG, EXP_AVG_SQ, MomentFormat, zeros_moment
 from offload.optim.moments import decode_moment
+from offload.planner.ring import min_ring_bytes
 
 COMPRESSED = ["bf16", "int8"]
+
+
+def _host_for_disk_weights(moments: str) -> int:
+    """host_memory for TinyGPT under tests/test_engine_streaming.BUDGET that leaves the streamed layers' weights
+    on disk: the least ring of the format (its slots sized by the format's bytes an element) and 104 KiB more."""
+    return min_ring_bytes(moments=MomentFormat.parse(moments)) + (104 << 10)
 
 
 def _model() -> nn.Module:
@@ -186,7 +193,7 @@ def test_the_nvme_update_seals_its_chunks_with_the_steps_crcs(moments, weights_o
         if tier == "nvme":
             extra = dict(nvme_path=str(directory))
             if weights_on_disk:
-                extra.update(device_memory=BUDGET, host_memory={"int8": 360 << 10, "bf16": 232 << 10}[moments])
+                extra.update(device_memory=BUDGET, host_memory=_host_for_disk_weights(moments))
         engine = offload.wrap(TinyGPT(), tier, dtype=torch.float32, device="cpu", lr=1e-2, moments=moments, **extra)
         gen = torch.Generator().manual_seed(2)
         losses = []
@@ -236,8 +243,8 @@ def test_weights_and_gradients_on_disk_step_the_same_compressed_moments(moments,
         torch.manual_seed(0)
         directory = tmp_path / tier
         directory.mkdir()
-        host = {"int8": 360 << 10, "bf16": 232 << 10}[moments]  # the least ring (int8: 4096-element granules)
-        extra = dict(nvme_path=str(directory), device_memory=BUDGET, host_memory=host) if tier == "nvme" else {}
+        extra = dict(nvme_path=str(directory), device_memory=BUDGET,
+                     host_memory=_host_for_disk_weights(moments)) if tier == "nvme" else {}
         engine = offload.wrap(TinyGPT(), tier, dtype=torch.float32, device="cpu", lr=1e-2, max_grad_norm=0.05,
                               moments=moments, **extra)
         gen = torch.Generator().manual_seed(2)
