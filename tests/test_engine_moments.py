@@ -219,6 +219,37 @@ def test_the_nvme_update_seals_its_chunks_with_the_steps_crcs(moments, weights_o
     assert nvme == run("cpu")[0]
 
 
+def test_int8_slots_sized_by_their_format_step_exactly_as_slots_sized_for_fp32(tmp_path, monkeypatch):
+    """The same host_memory's ring holds 1.5x the int8 elements once its slots are sized by the int8 format (~10 B
+    an element) instead of fp32's 16 B; chunks still start on multiples of INT8_BLOCK, so every quantization block
+    is the same and the weights after a few steps are equal bit for bit (fewer, larger chunks)."""
+    import offload.planner.ring as ring
+
+    grads = 4 * sum(p.numel() for p in _model().parameters())
+    ring_bytes = 4 * (128 << 10)  # 4 slots of 128 KiB: 12288 int8 elements each, 8192 sized as fp32
+    host = grads + 2 * ring_bytes - min_ring_bytes(moments=MomentFormat.INT8)  # the ring gets half of the spare
+
+    def fp32_sized(slot_bytes: int, moments: MomentFormat = MomentFormat.FP32) -> int:
+        granule = ring.chunk_granule(moments)
+        return slot_bytes // 16 // granule * granule  # the rule before slots were sized by their format
+
+    def run(name: str):
+        engine = _wrap("nvme", "int8", tmp_path / name, host_memory=host)
+        _train(engine, 4)
+        chunk, moved = engine.stats()["nvme_chunk_numel"], engine.stats()["nvme_chunks_moved"]
+        assert engine.plan.ring_bytes == ring_bytes and engine.plan.ring_slots.chunk_numel == chunk
+        weights = [p.detach().clone() for p in engine.module.parameters()]
+        engine.close()
+        return weights, chunk, moved
+
+    sized, sized_chunk, sized_moved = run("int8-sized")
+    monkeypatch.setattr(ring, "chunk_numel_for", fp32_sized)
+    old, old_chunk, old_moved = run("fp32-sized")
+    assert (sized_chunk, old_chunk) == (12288, 8192) and sized_moved < old_moved
+    assert all(torch.equal(a, b) for a, b in zip(sized, old))
+    assert not all(torch.equal(a, b) for a, b in zip(sized, _model().parameters()))  # they did train
+
+
 def test_wrap_refuses_an_unknown_moments_setting():
     with pytest.raises(offload.OffloadConfigError, match=r"moments='fp8'.*'fp32', 'bf16', 'int8'"):
         offload.wrap(_model(), "cpu", moments="fp8")
