@@ -200,8 +200,10 @@ class Plan:
         slots = self.ring_slots
         if slots is None:
             return "none"
+        each, unpadded = slots.slot_bytes / max(slots.chunk_numel, 1), slot_bytes_per_element(slots.moments)
+        padding = f", {unpadded:.2f} B unpadded" if f"{each:.2f}" != f"{unpadded:.2f}" else ""  # small slots
         return (f"{slots.depth} slots x {human_bytes(slots.slot_bytes)}, {human_count(slots.chunk_numel)} elements "
-                f"each at {slot_bytes_per_element(slots.moments):.2f} B ({slots.moments.value} moments): "
+                f"each at {each:.2f} B ({slots.moments.value} moments{padding}): "
                 f"{human_count(slots.in_flight_numel)} elements of optimizer state in flight")
 
 
