@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 from torch import nn
 
+from offload.optim.moment_format import INT8_BLOCK, MomentFormat
 from offload.planner.ring import (
+    AREA_ALIGNMENT,
     CHUNK_GRANULE,
     MAX_READ_AHEAD_DEPTH,
+    RingSlots,
+    chunk_granule,
+    chunk_numel_for,
     min_ring_bytes,
     read_ahead_bytes,
     ring_depth_for,
     ring_size_for,
+    slot_bytes_per_element,
+    slot_layout,
 )
 from offload.scheduler.blocks.block import build_blocks
 from offload.scheduler.ring.disk_ring import DiskRing
@@ -90,6 +98,33 @@ def test_ring_depth_grows_with_the_budget_in_whole_record_slots():
     assert ring_depth_for(6 * slot, record) == 6
     assert ring_depth_for(100 * slot, record) == 100  # a read-ahead ring (planner.read_ahead_bytes)
     assert ring_depth_for(5000 * slot, record) == MAX_READ_AHEAD_DEPTH
+
+
+@pytest.mark.parametrize("moments", list(MomentFormat))
+def test_a_slot_holds_as_many_elements_as_its_bytes_allow_in_the_moment_format(moments):
+    """The most granules whose layout (each area 4 KiB-aligned) fits the slot's bytes: one granule more would not
+    fit; chunks stay multiples of the granule (so of INT8_BLOCK: a chunk never starts inside a quantization block)."""
+    granule = chunk_granule(moments)
+    assert granule % INT8_BLOCK == 0
+    for slot_bytes in (min_ring_bytes(1, moments), 1 << 20, (8 << 20) + 12345, 32 << 20):
+        chunk = chunk_numel_for(slot_bytes, moments)
+        assert chunk > 0 and chunk % granule == 0, (slot_bytes, chunk)
+        layout = slot_layout(moments, chunk)
+        assert layout.nbytes <= slot_bytes < slot_layout(moments, chunk + granule).nbytes
+        assert all(offset % AREA_ALIGNMENT == 0 for offset in layout)
+        assert layout.weights + 4 * chunk <= layout.nbytes  # room for compute weights of up to 4 bytes an element
+    assert chunk_numel_for(min_ring_bytes(1, moments) - 1, moments) == 0
+    assert chunk_numel_for(32 << 20, moments) * slot_bytes_per_element(moments) <= 32 << 20
+
+
+def test_an_int8_slot_holds_over_one_and_a_half_times_the_elements_of_an_fp32_one():
+    """fp32 16 B an element (master, m, v, the weights' room), bf16 12, int8 4 + 2 x (1 + 4/256) + 4."""
+    assert [slot_bytes_per_element(m) for m in MomentFormat] == [16, 12, 10.03125]
+    assert chunk_numel_for(32 << 20, MomentFormat.FP32) == (32 << 20) // 16  # as before: no padding in fp32
+    for ring_bytes, depth in ((4 << 20, 4), (256 << 20, 8), (2 << 30, 64)):
+        fp32, int8 = (RingSlots.fit(ring_bytes, depth, m) for m in (MomentFormat.FP32, MomentFormat.INT8))
+        assert fp32.nbytes <= ring_bytes and int8.nbytes <= ring_bytes
+        assert int8.in_flight_numel >= 1.5 * fp32.in_flight_numel, (ring_bytes, fp32, int8)
 
 
 def test_host_memory_no_weight_needs_deepens_the_ring_up_to_the_state_itself():

@@ -13,8 +13,15 @@ from torch import nn
 import offload
 from offload.optim.moment_format import EXP_AVG, EXP_AVG_SQ, MomentFormat, zeros_moment
 from offload.optim.moments import decode_moment
+from offload.planner.ring import min_ring_bytes
 
 COMPRESSED = ["bf16", "int8"]
+
+
+def _host_for_disk_weights(moments: str) -> int:
+    """host_memory for TinyGPT under tests/test_engine_streaming.BUDGET that leaves the streamed layers' weights
+    on disk: the least ring of the format (its slots sized by the format's bytes an element) and 104 KiB more."""
+    return min_ring_bytes(moments=MomentFormat.parse(moments)) + (104 << 10)
 
 
 def _model() -> nn.Module:
@@ -186,7 +193,7 @@ def test_the_nvme_update_seals_its_chunks_with_the_steps_crcs(moments, weights_o
         if tier == "nvme":
             extra = dict(nvme_path=str(directory))
             if weights_on_disk:
-                extra.update(device_memory=BUDGET, host_memory={"int8": 360 << 10, "bf16": 232 << 10}[moments])
+                extra.update(device_memory=BUDGET, host_memory=_host_for_disk_weights(moments))
         engine = offload.wrap(TinyGPT(), tier, dtype=torch.float32, device="cpu", lr=1e-2, moments=moments, **extra)
         gen = torch.Generator().manual_seed(2)
         losses = []
@@ -210,6 +217,37 @@ def test_the_nvme_update_seals_its_chunks_with_the_steps_crcs(moments, weights_o
     # never otherwise
     assert (given.count(1) >= 4) if weights_on_disk else (1 not in given), (given, weights_on_disk)
     assert nvme == run("cpu")[0]
+
+
+def test_int8_slots_sized_by_their_format_step_exactly_as_slots_sized_for_fp32(tmp_path, monkeypatch):
+    """The same host_memory's ring holds 1.5x the int8 elements once its slots are sized by the int8 format (~10 B
+    an element) instead of fp32's 16 B; chunks still start on multiples of INT8_BLOCK, so every quantization block
+    is the same and the weights after a few steps are equal bit for bit (fewer, larger chunks)."""
+    import offload.planner.ring as ring
+
+    grads = 4 * sum(p.numel() for p in _model().parameters())
+    ring_bytes = 4 * (128 << 10)  # 4 slots of 128 KiB: 12288 int8 elements each, 8192 sized as fp32
+    host = grads + 2 * ring_bytes - min_ring_bytes(moments=MomentFormat.INT8)  # the ring gets half of the spare
+
+    def fp32_sized(slot_bytes: int, moments: MomentFormat = MomentFormat.FP32) -> int:
+        granule = ring.chunk_granule(moments)
+        return slot_bytes // 16 // granule * granule  # the rule before slots were sized by their format
+
+    def run(name: str):
+        engine = _wrap("nvme", "int8", tmp_path / name, host_memory=host)
+        _train(engine, 4)
+        chunk, moved = engine.stats()["nvme_chunk_numel"], engine.stats()["nvme_chunks_moved"]
+        assert engine.plan.ring_bytes == ring_bytes and engine.plan.ring_slots.chunk_numel == chunk
+        weights = [p.detach().clone() for p in engine.module.parameters()]
+        engine.close()
+        return weights, chunk, moved
+
+    sized, sized_chunk, sized_moved = run("int8-sized")
+    monkeypatch.setattr(ring, "chunk_numel_for", fp32_sized)
+    old, old_chunk, old_moved = run("fp32-sized")
+    assert (sized_chunk, old_chunk) == (12288, 8192) and sized_moved < old_moved
+    assert all(torch.equal(a, b) for a, b in zip(sized, old))
+    assert not all(torch.equal(a, b) for a, b in zip(sized, _model().parameters()))  # they did train
 
 
 def test_wrap_refuses_an_unknown_moments_setting():
@@ -236,8 +274,8 @@ def test_weights_and_gradients_on_disk_step_the_same_compressed_moments(moments,
         torch.manual_seed(0)
         directory = tmp_path / tier
         directory.mkdir()
-        host = {"int8": 360 << 10, "bf16": 232 << 10}[moments]  # the least ring (int8: 4096-element granules)
-        extra = dict(nvme_path=str(directory), device_memory=BUDGET, host_memory=host) if tier == "nvme" else {}
+        extra = dict(nvme_path=str(directory), device_memory=BUDGET,
+                     host_memory=_host_for_disk_weights(moments)) if tier == "nvme" else {}
         engine = offload.wrap(TinyGPT(), tier, dtype=torch.float32, device="cpu", lr=1e-2, max_grad_norm=0.05,
                               moments=moments, **extra)
         gen = torch.Generator().manual_seed(2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import torch
 
 from offload.__main__ import main
 from offload.cli.estimate import ModelShape, estimate
+from offload.optim.moment_format import MomentFormat
 from offload.planner.plan import GradFlow, Location
 from offload.policy import Tier
 
@@ -28,6 +30,23 @@ def test_nvme_estimate_keeps_state_on_disk_and_host_within_budget():
     assert plan.bytes_on(Location.DISK) >= 12 * int(1e9)  # fp32 master + m + v, and weights spilled there
     assert plan.bytes_on(Location.HOST) <= host
     assert plan.disk_weight_blocks  # 2 GB of weights do not fit next to 2 GB of gradients in 3 GiB
+
+
+@pytest.mark.parametrize("host", [60 << 20, 14 << 30, 64 << 30])
+def test_the_same_host_memory_keeps_over_one_and_a_half_times_the_int8_elements_in_flight(host):
+    """The ring is sized in host bytes, its slots in elements: int8 moments (~10 B an element in a slot) keep >=
+    1.5x the elements of fp32 ones (16 B) in flight within the same ring budget; the slots never exceed it.
+    Budgets: the least ring (4 slots), a budget-bound ring (hundreds of 32 MiB slots), a read-ahead ring."""
+    shape = ModelShape.uniform(int(7e9), 32) if host > 1 << 30 else ModelShape.uniform(int(4e6), 4)
+    plans = {m: estimate(shape, Tier.NVME, torch.bfloat16, None, host, moments=m)
+             for m in (MomentFormat.FP32, MomentFormat.INT8)}
+    for plan in plans.values():
+        assert plan.ring_slots is not None and plan.ring_slots.nbytes <= plan.ring_bytes
+        assert plan.bytes_on(Location.HOST) <= host
+    fp32, int8 = (plans[m].ring_slots for m in (MomentFormat.FP32, MomentFormat.INT8))
+    assert int8.in_flight_numel >= 1.5 * fp32.in_flight_numel, (fp32, int8)
+    assert re.search(r"staging ring: \d+ slots x [\d.]+ MiB, [\d.]+[KM] elements each at 10\.0\d B \(int8 moments",
+                     str(plans[MomentFormat.INT8])), str(plans[MomentFormat.INT8])
 
 
 def test_cli_reports_each_tier_and_what_does_not_fit(capsys):

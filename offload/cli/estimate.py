@@ -100,6 +100,7 @@ def _summary(plan: Plan) -> str:
             + (f" ({disk_weights} from disk)" if disk_weights else ""))
     if plan.tier is Tier.NVME:
         line += f"\n           gradients: {plan.grads_placement()}"
+        line += f"\n           staging ring: {plan.ring_placement()}"
     if plan.speculation:
         line += f"\n           speculative clipping: {plan.speculation}"
     if plan.shard_world > 1:

@@ -120,10 +120,12 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
             disk_left = disk_room - unshadowed.bytes_on(Location.DISK) - DISK_SLACK
         placements, host_left, said = _shadows(blocks, placements, host_left, disk_left,
                                                device_left if updates_write_device else None, updates_write_device)
+    slots = None
     if tier is Tier.NVME and ring is not None:
         ring_bytes += read_ahead_bytes(host_left, ring_bytes, sum(b.state_bytes for b in blocks),
                                        ring.preferred // MAX_DEPTH)
-    return Plan(tier, tuple(placements), device_budget, host_budget, ring_bytes, window, workspace, on_disk,
+        slots = ring.slots(ring_bytes) if ring_bytes else None
+    return Plan(tier, tuple(placements), device_budget, host_budget, ring_bytes, slots, window, workspace, on_disk,
                 disk_traffic, on_device, shard_world, speculation=said)
 
 

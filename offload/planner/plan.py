@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from offload.planner.activations import ActivationUse
+from offload.planner.ring import RingSlots, slot_bytes_per_element
 from offload.policy import Tier
 
 
@@ -74,6 +75,7 @@ class Plan:
     device_budget: Optional[int]
     host_budget: Optional[int]
     ring_bytes: int = 0  # nvme tier: host staging ring through which disk-resident state and weights flow
+    ring_slots: Optional[RingSlots] = None  # nvme tier: the ring's slots within ring_bytes, and the elements each holds
     grad_window_bytes: Optional[int] = None  # nvme tier, gradients windowed: host bytes for gradients at once
     device_grad_bytes: int = 0  # streamed weights under a device budget: room for autograd's largest gradient
     grads_on_disk: bool = False  # gradients that must wait go to their records in the swap file (a window stays)
@@ -168,6 +170,8 @@ class Plan:
             lines.append(f"  gradients: {self.grads_placement()}")
             lines.append(f"  host holds: gradients {human_bytes(self.host_grad_bytes)}, staging ring "
                          f"{human_bytes(self.ring_bytes)}")
+            if self.ring_slots is not None:
+                lines.append(f"  staging ring: {self.ring_placement()}")
         if self.speculation:
             lines.append(f"  speculative clipping: {self.speculation}")
         if self.device_grad_bytes:
@@ -189,6 +193,29 @@ class Plan:
             return (f"a window of {human_bytes(self.grad_window_bytes)} (of {everything}; the fast path: each block's "
                     "update consumes its gradient during the last backward)")
         return f"all {everything} in host memory"
+
+
+    def ring_placement(self) -> str:
+        """The staging ring's slots and what each holds, in words (the plan and `python -m offload estimate`)."""
+        slots = self.ring_slots
+        if slots is None:
+            return "none"
+        each, unpadded = slots.slot_bytes / max(slots.chunk_numel, 1), slot_bytes_per_element(slots.moments)
+        padding = f", {unpadded:.2f} B unpadded" if f"{each:.2f}" != f"{unpadded:.2f}" else ""  # small slots
+        return (f"{slots.depth} slots x {human_bytes(slots.slot_bytes)}, {human_count(slots.chunk_numel)} elements "
+                f"each at {each:.2f} B ({slots.moments.value} moments{padding}): "
+                f"{human_count(slots.in_flight_numel)} elements of optimizer state in flight")
+
+
+def human_count(count: int) -> str:
+    """1234 -> '1234', 770048 -> '770.0K', 3355443 -> '3.36M'."""
+    if count >= 10**9:
+        return f"{count / 1e9:.3g}G"
+    if count >= 10**6:
+        return f"{count / 1e6:.3g}M"
+    if count >= 10**4:
+        return f"{count / 1e3:.4g}K"
+    return str(count)
 
 
 def human_bytes(nbytes: Optional[int]) -> str:

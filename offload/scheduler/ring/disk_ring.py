@@ -25,9 +25,7 @@ from torch import Tensor
 
 from offload.io.future import wait_all
 from offload.optim.moment_format import MomentFormat
-from offload.planner.ring import (
-    MIN_DEPTH,
-)
+from offload.planner.ring import MIN_DEPTH
 from offload.scheduler.ring.record_moves import RecordMoves
 from offload.scheduler.ring.ring_slots import (
     KEEP_FOR_LOAD,
@@ -75,7 +73,8 @@ class DiskRing:
 
     @property
     def chunk_numel(self) -> int:
-        """Elements of one chunk: a slot's three fp32 sections hold this many each."""
+        """Elements of one chunk: a slot's three sections (master, exp_avg, exp_avg_sq in the ring's moment format)
+        hold this many each; as many as the slot's bytes allow in that format."""
         return self._slots.chunk_numel
 
     @property
@@ -207,7 +206,7 @@ class DiskRing:
 
     @contextlib.contextmanager
     def borrow(self, count: int = 1) -> Iterator[List[SlotSections]]:
-        """`count` slots' three fp32 sections (`chunk_numel` elements each) for a caller that moves a record
+        """`count` slots' three sections (`chunk_numel` elements each, in the ring's moment format) for a caller that moves a record
         itself (checkpoints), given back on exit: memory the ring already holds, so a checkpoint of any size
         needs none of its own. Use it after `drain()`, with no update running (at most the ring's depth)."""
         slots = [self._order.take() for _ in range(min(count, self.depth))]

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Callable, List, NamedTuple, Optional, Tuple
 from torch import Tensor
 
 from offload.io.future import wait_all
-from offload.planner.ring import SLOT_BYTES_PER_ELEMENT
 from offload.scheduler.ring.ring_slots import KEEP_FOR_LOAD, InFlight
 from offload.tiers.disk import RecordKind
 
@@ -155,8 +154,11 @@ class RecordMoves:
         handle.clear()
 
     def _per_slot(self, itemsize: int) -> int:
-        """Weight elements of `itemsize` bytes one slot holds (all of its bytes)."""
-        return self._slots.chunk_numel * SLOT_BYTES_PER_ELEMENT // itemsize
+        """Elements of `itemsize` bytes one read takes through a slot: as many whole chunks as its bytes hold
+        (`write_from` seals a chunk's worth at a time, and a read verifies whole pieces)."""
+        chunks = self._slots.slot_bytes // (self._slots.chunk_numel * itemsize)
+        assert chunks >= 1, "a slot's weight room holds a chunk of any compute dtype (<= 4 bytes an element)"
+        return chunks * self._slots.chunk_numel
 
 
 def _pieces(numel: int, per_piece: int) -> List[Tuple[int, int]]:

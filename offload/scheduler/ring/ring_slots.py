@@ -52,11 +52,10 @@ from offload.optim.moment_format import (
     MomentFormat,
     code_nbytes,
     moment_from_bytes,
-    moment_nbytes,
     scale_count,
     slice_moment,
 )
-from offload.planner.ring import SLOT_BYTES_PER_ELEMENT, chunk_granule, min_ring_bytes
+from offload.planner.ring import RingSlots, min_ring_bytes, slot_layout
 from offload.trace import Tracer
 
 if TYPE_CHECKING:
@@ -97,20 +96,6 @@ class Slot:
         return cut
 
 
-def slot_layout(moments: MomentFormat, chunk: int) -> Tuple[Tuple[int, int, int, int], int]:
-    """Byte offsets in a slot of (master, exp_avg, exp_avg_sq, compute weights) and the bytes used; each area
-    starts 4 KiB-aligned, a moment's int8 scales right after its codes. fp32 moments give the layout of
-    three fp32 sections followed by the weights."""
-    def after(offset: int, nbytes: int) -> int:
-        return -(-(offset + nbytes) // 4096) * 4096
-
-    master = 0
-    exp_avg = after(master, 4 * chunk)
-    exp_avg_sq = after(exp_avg, moment_nbytes(moments, chunk))
-    weights = after(exp_avg_sq, moment_nbytes(moments, chunk))
-    return (master, exp_avg, exp_avg_sq, weights), weights + 4 * chunk
-
-
 def _moment_at(raw: Tensor, offset: int, moments: MomentFormat, chunk: int) -> Moment:
     """A moment of `chunk` elements viewing the slot's bytes from `offset`: codes, then int8 scales."""
     codes = code_nbytes(moments, chunk)
@@ -147,29 +132,31 @@ class InFlight:
 
 
 class SlotPool:
-    """`depth` slots leased once from `pool` (their total is at most `ring_bytes`), handed out and taken back.
-    Which slot is free to hand out is `WriteOrder`'s business: take slots through it."""
+    """`depth` slots leased once from `pool` (their total is at most `ring_bytes`), handed out and taken back. A
+    slot holds as many elements as its bytes allow in the ring's moment format (`RingSlots.fit`: about 1.6x as
+    many with int8 moments as with fp32 ones). Which slot is free to hand out is `WriteOrder`'s business: take
+    slots through it."""
 
     def __init__(self, pool: "StagingPool", ring_bytes: int, depth: int,
                  moments: MomentFormat = MomentFormat.FP32) -> None:
-        slot_bytes = ring_bytes // depth
-        granule = chunk_granule(moments)
-        chunk = slot_bytes // SLOT_BYTES_PER_ELEMENT // granule * granule
-        if chunk <= 0:
+        fitted = RingSlots.fit(ring_bytes, depth, moments)
+        if fitted.chunk_numel <= 0:
             raise OffloadConfigError(
                 f"the nvme staging ring needs at least {min_ring_bytes(depth, moments)} bytes of host_memory, got "
                 f"{ring_bytes}; raise host_memory")
-        (master, exp_avg, exp_avg_sq, weights), used = slot_layout(moments, chunk)
-        assert used <= SLOT_BYTES_PER_ELEMENT * chunk, "a compressed slot is never larger than an fp32 one"
+        chunk, slot_bytes = fitted.chunk_numel, fitted.slot_bytes
+        layout = slot_layout(moments, chunk)
+        assert fitted.nbytes <= ring_bytes, "the slots never take more host memory than the ring's budget"
         self.chunk_numel = chunk
+        self.slot_bytes = slot_bytes  # each slot's, all of them used: sections, then the compute weights' room
         self.depth = depth
         self.slots: List[Slot] = []
         for index in range(depth):
-            buffer = pool.lease(SLOT_BYTES_PER_ELEMENT * chunk)
-            raw = buffer.view(torch.uint8, (SLOT_BYTES_PER_ELEMENT * chunk,))
-            sections = (raw[master:master + 4 * chunk].view(torch.float32), _moment_at(raw, exp_avg, moments, chunk),
-                        _moment_at(raw, exp_avg_sq, moments, chunk))
-            self.slots.append(Slot(index, buffer, raw, sections, moments, weights))
+            buffer = pool.lease(slot_bytes)
+            raw = buffer.view(torch.uint8, (slot_bytes,))
+            sections = (raw[layout.master:layout.master + 4 * chunk].view(torch.float32),
+                        _moment_at(raw, layout.exp_avg, moments, chunk), _moment_at(raw, layout.exp_avg_sq, moments, chunk))
+            self.slots.append(Slot(index, buffer, raw, sections, moments, layout.weights))
         self.free: List[Slot] = list(self.slots)  # guarded by `lock`
         self.clean: Dict[ChunkKey, Slot] = {}  # free slots holding a chunk's live bytes, oldest first
         self.lock = threading.Lock()

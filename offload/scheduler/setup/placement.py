@@ -24,7 +24,7 @@ from offload.distributed.quantized_gather import Int8Blocks
 from offload.errors import OffloadConfigError
 from offload.planner.place import make_plan, shards_weights
 from offload.planner.plan import GradFlow, Location, Plan, human_bytes
-from offload.planner.ring import RingSize, ring_depth_for, ring_size_for
+from offload.planner.ring import RingSize, ring_size_for
 from offload.policy import OffloadPolicy, ShardWeights, Tier
 from offload.scheduler.blocks.block import Block, FlatGroup
 from offload.scheduler.records.block_record import BlockRecord, BlockServices
@@ -160,9 +160,10 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
         tiers.swap = SwapStore(directory, records, swap_size, weights, grads, shadows)
         try:
             tiers.staging = StagingPool(max(round_up(plan.ring_bytes, 4096), 4096))
-            tiers.ring = DiskRing(tiers.swap, tiers.staging, plan.ring_bytes,
-                                  ring_depth_for(plan.ring_bytes, largest_record, policy.moments), tracer=tracer,
+            assert plan.ring_slots is not None, "an nvme plan with state records sizes its ring's slots"
+            tiers.ring = DiskRing(tiers.swap, tiers.staging, plan.ring_bytes, plan.ring_slots.depth, tracer=tracer,
                                   moments=policy.moments)
+            assert tiers.ring.chunk_numel == plan.ring_slots.chunk_numel, "the ring is the one the plan printed"
         except BaseException:
             tiers.close()  # nothing of a failed wrap() stays on disk
             raise
