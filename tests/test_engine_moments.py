@@ -109,30 +109,42 @@ def test_torch_format_state_is_the_decoded_fp32_moments(tmp_path):
     assert torch.equal(state[0]["exp_avg_sq"].reshape(-1), values[first.offset:first.offset + first.numel])
 
 
-def test_a_parameter_without_a_gradient_is_skipped_in_int8(tmp_path):
-    """A parameter that got no gradient is skipped as torch skips it: its step count and master weights stay.
-    The update then runs per parameter, and a parameter that starts inside a quantization block is stepped
-    through fp32; its skipped neighbour's moments in the shared block are re-encoded at the block's new scale
-    ([Note: compressed moments]: the one place int8 moments move without a step), so they are compared
-    within the codes' rounding, not exactly."""
-    engine = _wrap("nvme", "int8", tmp_path)
+@pytest.mark.parametrize("tier", ["cpu", "nvme", "gpu"])
+@pytest.mark.parametrize("moments", COMPRESSED)
+@pytest.mark.parametrize("skipped", ["0.weight", "0.bias"])
+def test_a_parameter_without_a_gradient_keeps_its_moments_bit_for_bit(tier, moments, skipped, tmp_path):
+    """A parameter that got no gradient is skipped as torch skips it: its step count, master weights and moments
+    stay exactly as they were, as fp32 moments do. The first layer's weight has 1200 elements, so its bias starts
+    inside the weight's fifth 256-element block; int8 blocks start over at each parameter, so neither one's step
+    touches the other's codes or scales (before, the shared block was re-encoded at its new scale)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    extra = {"nvme_path": str(tmp_path)} if tier == "nvme" else {}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(30, 40), nn.Tanh(), nn.Linear(40, 1))
+    engine = offload.wrap(model, tier, dtype=torch.float32, device="cpu", lr=1e-2, moments=moments, **extra)
     x, y = _data()
-    skipped = engine.module[2].bias
-    before = None
+    x = x[:, :30]
+    names = [n for n, _ in engine.module.named_parameters()]
+    index = names.index(skipped)
+    param = dict(engine.module.named_parameters())[skipped]
     for step in range(3):
         loss = ((engine(x) - y) ** 2).mean()
         loss.backward()
         if step == 1:
-            skipped.grad = None
-            before = (skipped.detach().clone(), engine.optimizer.state_dict()["state"])
+            param.grad = None
+            before = engine.optimizer.state_dict()["state"][index]
+            weights = param.detach().clone()
         engine.step()
         if step == 1:
-            assert torch.equal(skipped.detach(), before[0]), "a skipped parameter's weights do not move"
+            after = engine.optimizer.state_dict()["state"][index]
+            assert torch.equal(param.detach(), weights), "a skipped parameter's weights do not move"
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(after[key], before[key]), f"{key} of a skipped parameter changed"
+            assert int(after["step"]) == int(before["step"]) == 1
         engine.zero_grad()
     state = engine.optimizer.state_dict()["state"]
-    names = [n for n, _ in engine.module.named_parameters()]
     steps = {names[i]: int(v["step"]) for i, v in state.items()}
-    assert steps["2.bias"] == 2 and steps["0.weight"] == 3
+    assert steps[skipped] == 2 and steps["2.weight"] == 3
     assert all(torch.isfinite(v["exp_avg"]).all() for v in state.values())
 
 

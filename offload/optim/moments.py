@@ -101,6 +101,7 @@ from offload.optim.moment_format import (
     EXP_AVG,
     EXP_AVG_SQ,
     INT8_BLOCK,
+    BlockLayout,
     Moment,
     MomentFormat,
     QuantizedMoment,
@@ -265,8 +266,9 @@ def _adam_step_moments_torch(param: Tensor, grad: Tensor, exp_avg: Moment, exp_a
 
 
 def _check_moment(name: str, m: object, fmt: MomentFormat, numel: Optional[int],
-                  device: Optional[torch.device]) -> int:
-    """Checks that `m` is a moment of `fmt` (of `numel` elements when given); returns its element count."""
+                  device: Optional[torch.device], blocks: Optional[BlockLayout] = None) -> int:
+    """Checks that `m` is a moment of `fmt` (of `numel` elements when given; int8: laid out as `blocks`, default
+    one run); returns its element count."""
     if fmt is MomentFormat.INT8:
         if not isinstance(m, QuantizedMoment):
             raise OffloadConfigError(f"{name} must be a QuantizedMoment (codes, scales) for int8 moments, "
@@ -274,7 +276,11 @@ def _check_moment(name: str, m: object, fmt: MomentFormat, numel: Optional[int],
         check_tensor(f"{name}.codes", m.codes, (torch.uint8,), numel, device)
         n = m.codes.numel()
         check_tensor(f"{name}.scales", m.scales, (torch.float32,), None, m.codes.device)
-        if m.scales.numel() != scale_count(fmt, n):
+        if blocks is not None:
+            if blocks.n != n or m.scales.numel() != blocks.scale_count:
+                raise OffloadConfigError(f"{name} has {n} codes and {m.scales.numel()} scales; its block layout "
+                                         f"{blocks!r} needs {blocks.n} and {blocks.scale_count}")
+        elif m.scales.numel() != scale_count(fmt, n):
             raise OffloadConfigError(f"{name}.scales has {m.scales.numel()} scales; {n} codes need "
                                      f"ceil({n} / {INT8_BLOCK}) = {scale_count(fmt, n)}")
         return n
@@ -312,11 +318,32 @@ def _threads(n: int, num_threads: Optional[int]) -> int:
 # --- public operations ------------------------------------------------------------------------------------
 
 
-def decode_moment(m: Moment, fmt: MomentFormat, which: int, out: Tensor) -> None:
-    """Writes the fp32 values of moment `m` (`which`: 1 = exp_avg, 2 = exp_avg_sq) into `out` (fp32, n)."""
+def _runs(fmt: MomentFormat, blocks: Optional[BlockLayout]) -> Optional[tuple]:
+    """The runs of an int8 layout of several runs (each stepped, decoded or encoded as a moment of its own), else
+    None: the moment is one run, handled whole."""
+    if fmt is not MomentFormat.INT8 or blocks is None or len(blocks.runs) <= 1:
+        return None
+    return blocks.runs
+
+
+def _run_of(m: Moment, blocks: BlockLayout, run: tuple) -> QuantizedMoment:
+    assert isinstance(m, QuantizedMoment)
+    start, stop, first = run
+    return QuantizedMoment(m.codes[start:stop], m.scales[first:blocks.scales_before(stop)])
+
+
+def decode_moment(m: Moment, fmt: MomentFormat, which: int, out: Tensor, blocks: Optional[BlockLayout] = None) -> None:
+    """Writes the fp32 values of moment `m` (`which`: 1 = exp_avg, 2 = exp_avg_sq) into `out` (fp32, n); `blocks`:
+    the int8 moment's block layout (default: one run from element 0)."""
     fmt = MomentFormat.parse(fmt)
     _check_which(which)
-    n = _check_moment("m", m, fmt, None, None)
+    n = _check_moment("m", m, fmt, None, None, blocks if fmt is MomentFormat.INT8 else None)
+    runs = _runs(fmt, blocks)
+    if runs is not None:
+        assert blocks is not None
+        for run in runs:
+            decode_moment(_run_of(m, blocks, run), fmt, which, out.view(-1)[run[0]:run[1]])
+        return
     codes, scales = _parts(m)
     check_tensor("out", out, (torch.float32,), n, codes.device)
     native = _native_for(codes, out)
@@ -327,11 +354,19 @@ def decode_moment(m: Moment, fmt: MomentFormat, which: int, out: Tensor) -> None
                           _threads(n, None))
 
 
-def encode_moment(src: Tensor, fmt: MomentFormat, which: int, out: Moment) -> None:
-    """Encodes fp32 `src` (n elements; v itself for exp_avg_sq) into moment `out` of format `fmt`."""
+def encode_moment(src: Tensor, fmt: MomentFormat, which: int, out: Moment,
+                  blocks: Optional[BlockLayout] = None) -> None:
+    """Encodes fp32 `src` (n elements; v itself for exp_avg_sq) into moment `out` of format `fmt`; `blocks`: the
+    int8 moment's block layout (default: one run from element 0)."""
     fmt = MomentFormat.parse(fmt)
     _check_which(which)
-    n = _check_moment("out", out, fmt, None, None)
+    n = _check_moment("out", out, fmt, None, None, blocks if fmt is MomentFormat.INT8 else None)
+    runs = _runs(fmt, blocks)
+    if runs is not None:
+        assert blocks is not None
+        for run in runs:
+            encode_moment(src.view(-1)[run[0]:run[1]], fmt, which, _run_of(out, blocks, run))
+        return
     codes, scales = _parts(out)
     check_tensor("src", src, (torch.float32,), n, codes.device)
     native = _native_for(codes, src)
@@ -360,6 +395,7 @@ def adam_step_moments(
     out: Optional[Tensor] = None,
     num_threads: Optional[int] = None,
     crcs: Optional[Tensor] = None,
+    blocks: Optional[BlockLayout] = None,
 ) -> None:
     """One Adam/AdamW update of fp32 `param` and the moments `exp_avg`, `exp_avg_sq` (stored as `fmt`) in place.
 
@@ -369,14 +405,30 @@ def adam_step_moments(
     otherwise (also on a CUDA device). `grad` may be fp32, bf16 or fp16; `out` (fp32/bf16/fp16) receives the new
     weights; `step` is the 1-based count after this update. INT8 moments must start at a block boundary: whole
     moments or `slice_moment` views. `crcs` (torch.uint32, len(CRC_PIECES) elements, CPU) receives the CRC-32C of each
-    piece written, in CRC_PIECES order ([Note: step CRCs]).
+    piece written, in CRC_PIECES order ([Note: step CRCs]). `blocks`: the int8 moments' block layout (default: one
+    run from element 0); a layout of several runs is stepped run by run, and its CRCs are read back after.
     """
     fmt = MomentFormat.parse(fmt)
     check_tensor("param", param, (torch.float32,), None, None)
     n, device = param.numel(), param.device
     check_tensor("grad", grad, GRAD_DTYPES, n, device)
-    _check_moment("exp_avg", exp_avg, fmt, n, device)
-    _check_moment("exp_avg_sq", exp_avg_sq, fmt, n, device)
+    layout = blocks if fmt is MomentFormat.INT8 else None
+    _check_moment("exp_avg", exp_avg, fmt, n, device, layout)
+    _check_moment("exp_avg_sq", exp_avg_sq, fmt, n, device, layout)
+    runs = _runs(fmt, blocks)
+    if runs is not None:
+        assert blocks is not None
+        if crcs is not None:
+            _check_crcs(crcs, device)
+        for start, stop, first in runs:
+            adam_step_moments(param.view(-1)[start:stop], grad.view(-1)[start:stop],
+                              _run_of(exp_avg, blocks, (start, stop, first)),
+                              _run_of(exp_avg_sq, blocks, (start, stop, first)), fmt, step=step, lr=lr, beta1=beta1,
+                              beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale,
+                              out=None if out is None else out.view(-1)[start:stop], num_threads=num_threads)
+        if crcs is not None:
+            _crcs_after(crcs, param, exp_avg, exp_avg_sq, out)
+        return
     if out is not None:
         check_tensor("out", out, OUT_DTYPES, n, device)
     if step < 1:

@@ -33,6 +33,13 @@ class ShardGroup:
         self.device_buffer: Optional[Tensor] = group.device_buffer[shard.lo:shard.hi]
         self.trainable_slots: List[ParamSlot] = group.trainable_slots  # names for the swap layout only
 
+    @property
+    def trainable_segments(self) -> List[Tuple[int, int]]:
+        """Each trainable parameter's part on this rank, in the part's own coordinates: where int8 moments'
+        blocks start over (a block never crosses a parameter nor a rank's boundary)."""
+        lo, hi = self.shard.lo, self.shard.hi
+        return [(max(a, lo) - lo, min(b, hi) - lo) for a, b in self.whole.trainable_segments if a < hi and b > lo]
+
 
 class ShardedStore:
     """The `StateStore` of `[lo, hi)` of a group: `inner` holds that part as its own `[0, hi - lo)`."""
