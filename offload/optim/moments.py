@@ -420,6 +420,12 @@ def adam_step_moments(
         assert blocks is not None
         if crcs is not None:
             _check_crcs(crcs, device)
+        native = _native_for(param)
+        if native is not None:
+            _native_step_runs(native, param, grad, exp_avg, exp_avg_sq, fmt, blocks, step=step, lr=lr, beta1=beta1,
+                              beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale,
+                              out=out, num_threads=num_threads, crcs=crcs)
+            return
         for start, stop, first in runs:
             adam_step_moments(param.view(-1)[start:stop], grad.view(-1)[start:stop],
                               _run_of(exp_avg, blocks, (start, stop, first)),
@@ -461,6 +467,35 @@ def adam_step_moments(
         v_codes.data_ptr(), _addr(v_scales), _FORMAT_CODES[fmt], n, _addr(out),
         0 if out is None else _DTYPE_CODES[out.dtype], int(step), float(lr), float(beta1), float(beta2), float(eps),
         float(weight_decay), bool(adamw), float(grad_scale), _threads(n, num_threads), None, "", _addr(crcs))
+
+
+def _native_step_runs(native: Any, param: Tensor, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment,
+                      fmt: MomentFormat, blocks: BlockLayout, *, step: int, lr: float, beta1: float, beta2: float,
+                      eps: float, weight_decay: float, adamw: bool, grad_scale: float, out: Optional[Tensor],
+                      num_threads: Optional[int], crcs: Optional[Tensor]) -> None:
+    """The fused native step over each run of a checked int8 layout, one call a run at offset pointers (no
+    checks or views per run: many small parameters make many runs); the runs' CRCs are joined with
+    crc32c_combine, so the CRCs are those of the whole pieces, as one call gives."""
+    assert isinstance(exp_avg, QuantizedMoment) and isinstance(exp_avg_sq, QuantizedMoment)
+    grad_size, out_size = grad.element_size(), 0 if out is None else out.element_size()
+    joined = [0] * len(CRC_PIECES)
+    run_crcs = torch.zeros(len(CRC_PIECES), dtype=torch.uint32) if crcs is not None else None
+    for start, stop, first in blocks.runs:
+        n, scales = stop - start, blocks.scales_before(stop) - first
+        native.adam_moments_step(
+            param.data_ptr() + 4 * start, grad.data_ptr() + grad_size * start, _DTYPE_CODES[grad.dtype],
+            exp_avg.codes.data_ptr() + start, exp_avg.scales.data_ptr() + 4 * first,
+            exp_avg_sq.codes.data_ptr() + start, exp_avg_sq.scales.data_ptr() + 4 * first, _FORMAT_CODES[fmt], n,
+            0 if out is None else out.data_ptr() + out_size * start, 0 if out is None else _DTYPE_CODES[out.dtype],
+            int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw),
+            float(grad_scale), _threads(n, num_threads), None, "", _addr(run_crcs))
+        if run_crcs is not None:
+            lengths = (4 * n, n, 4 * scales, n, 4 * scales, out_size * n)
+            for i, (crc, length) in enumerate(zip(run_crcs.tolist(), lengths)):
+                if length:
+                    joined[i] = native.crc32c_combine(joined[i], int(crc), length)
+    if crcs is not None:
+        crcs.copy_(torch.tensor(joined, dtype=torch.int64).to(torch.uint32))
 
 
 def _check_crcs(crcs: object, device: torch.device) -> None:

@@ -130,17 +130,19 @@ class DiskStore:
         return SwapSections(fd, offsets, nbytes)
 
     @contextlib.contextmanager
-    def reading(self) -> Iterator[Iterator[Tuple[int, int, Views]]]:
-        """The record as host chunks in order (read-only; a chunk's views are valid until the next one)."""
+    def reading(self, encoded: bool = False) -> Iterator[Iterator[Tuple[int, int, Views]]]:
+        """The record as host chunks in order (read-only; a chunk's views are valid until the next one);
+        compressed moments decoded to fp32, or (`encoded`) as the record keeps them."""
         self.drain()
         with self._ring.borrow(2) as slots:
-            chunks = self._read_chunks(slots)
+            chunks = self._read_chunks(slots, encoded)
             try:
                 yield chunks
             finally:
                 chunks.close()  # a read still in flight into the other slot finishes before it goes back
 
-    def _read_chunks(self, slots: List["SlotSections"]) -> Generator[Tuple[int, int, Views], None, None]:
+    def _read_chunks(self, slots: List["SlotSections"],
+                     encoded: bool = False) -> Generator[Tuple[int, int, Views], None, None]:
         """Chunk i is read into one slot while the caller writes chunk i-1 from the other (when the ring lends
         two), so the swap file's reads overlap the checkpoint's writes. Compressed moments are decoded to
         fp32 (the checkpoint side's form) before the chunk is handed out."""
@@ -159,7 +161,7 @@ class DiskStore:
                 views, futures = pending
                 pending = None
                 wait_all(futures)
-                if self.moments is not MomentFormat.FP32:
+                if self.moments is not MomentFormat.FP32 and not encoded:
                     master, exp_avg, exp_avg_sq = views
                     views = decode_views(self.moments, master, exp_avg, exp_avg_sq, self._chunk_blocks(start, stop))
                 fp32 = views
@@ -175,7 +177,7 @@ class DiskStore:
                 except Exception:  # noqa: BLE001 - dropped: nobody reads this chunk; the caller's error stands
                     pass
 
-    def write(self, fill: Fill, cloned: Cloned = (0, 0, 0)) -> None:
+    def write(self, fill: Fill, cloned: Cloned = (0, 0, 0), encoded: bool = False) -> None:
         """New state chunk by chunk: chunk i is filled while chunk i-1 is written. `cloned[i]`: the swap file
         already holds that many leading elements of section i (cloned copy-on-write); they are sealed, not
         written. A `fill` that fails leaves the record partly written, which the load reports."""
@@ -192,7 +194,10 @@ class DiskStore:
                         fill(start, stop, views)  # type: ignore[arg-type]
                         in_flight.append(self._store_chunk(start, stop, views, cloned))  # type: ignore[arg-type]
                         continue
-                    _fill_encoded(fill, start, stop, views, self.moments, self._chunk_blocks(start, stop))
+                    if encoded:  # the moments as the record keeps them: nothing to encode
+                        fill(start, stop, views)  # type: ignore[arg-type]
+                    else:
+                        _fill_encoded(fill, start, stop, views, self.moments, self._chunk_blocks(start, stop))
                     futures = [self._ring.swap.write(RecordKind.STATE, self.group.key, start, views)]
                     in_flight.append(functools.partial(wait_all, futures))
                 while in_flight:

@@ -99,16 +99,16 @@ class ShardedStore:
         self.inner.drain()
 
     @contextlib.contextmanager
-    def reading(self) -> Iterator[Iterator[Tuple[int, int, Views]]]:
+    def reading(self, encoded: bool = False) -> Iterator[Iterator[Tuple[int, int, Views]]]:
         lo = self.shard.lo
-        with self.inner.reading() as chunks:
+        with self.inner.reading(encoded) as chunks:
             yield ((lo + a, lo + b, views) for a, b, views in chunks)
 
-    def write(self, fill: Fill, cloned: Cloned = (0, 0, 0)) -> None:
+    def write(self, fill: Fill, cloned: Cloned = (0, 0, 0), encoded: bool = False) -> None:
         """`fill` in the group's coordinates. Nothing is cloned into a part (`swap_sections` is None)."""
         if any(cloned):
             raise ValueError(f"a rank's part of the optimizer state is written, never cloned (cloned={cloned})")
-        self.inner.write(_InPartCoordinates(fill, self.shard.lo))
+        self.inner.write(_InPartCoordinates(fill, self.shard.lo), encoded=encoded)
 
     def swap_sections(self) -> Optional[SwapSections]:
         return None  # a part's sections are not a checkpoint file's: no copy-on-write clones

@@ -30,6 +30,7 @@ from offload.optim.moments import decode_moment, encode_moment
 from offload.scheduler.blocks.block import FlatGroup
 
 Views = Tuple[Tensor, Tensor, Tensor]  # master, exp_avg, exp_avg_sq: fp32, contiguous (the checkpoint side)
+EncodedViews = Tuple[Tensor, Moment, Moment]  # master (fp32) and the moments in the store's format, on the host
 Span = Tuple[int, int]  # elements [start, stop) of the group's trainable range
 Fill = Callable[[int, int, Views], None]  # writes a chunk's new state into host views
 Cloned = Sequence[int]  # per section, how many leading elements a swap file already holds (cloned)
@@ -124,9 +125,13 @@ class StateStore(Protocol):
     def drain(self) -> None:
         """Every write of the state on its medium, reads ahead dropped (the checkpoint side's first step)."""
 
-    def reading(self) -> "contextlib.AbstractContextManager[Iterator[Tuple[int, int, Views]]]": ...
+    def reading(self, encoded: bool = False) -> "contextlib.AbstractContextManager[Iterator[Tuple[int, int, Views]]]":
+        """The state as host chunks (cut where int8 blocks start), fp32; `encoded`: the moments as the store keeps
+        them (`Moment`s of its format: what a checkpoint stores of bf16 and int8 moments)."""
 
-    def write(self, fill: Fill, cloned: Cloned = (0, 0, 0)) -> None: ...
+    def write(self, fill: Fill, cloned: Cloned = (0, 0, 0), encoded: bool = False) -> None:
+        """New state from `fill` (fp32 views; `encoded`: the moments in the store's own format, filled as they
+        are, nothing rounded)."""
 
     def swap_sections(self) -> Optional[SwapSections]: ...
 
@@ -241,11 +246,12 @@ class MemoryStore:
 
     # ----- checkpoint side -----
     @contextlib.contextmanager
-    def reading(self) -> Iterator[Iterator[Tuple[int, int, Views]]]:
+    def reading(self, encoded: bool = False) -> Iterator[Iterator[Tuple[int, int, Views]]]:
         """The state as host chunks (read-only): the fp32 tensors themselves on the host, copies from a device;
-        compressed moments decoded to fp32 a piece at a time (`DECODE_CHUNK`)."""
+        compressed moments decoded to fp32 a piece at a time (`DECODE_CHUNK`), or (`encoded`) as they are."""
         if self.moments is not MomentFormat.FP32:
-            yield decoded_chunks(self, self.master, self.exp_avg, self.exp_avg_sq)
+            state = (self, self.master, self.exp_avg, self.exp_avg_sq)
+            yield encoded_chunks(*state) if encoded else decoded_chunks(*state)  # type: ignore[misc]
             return
         views = tuple(t.detach().to("cpu").contiguous() for t in self._fp32_state())
         yield iter([(0, self.group.trainable_numel, views)])  # type: ignore[list-item]
@@ -255,13 +261,16 @@ class MemoryStore:
         assert self.moments is MomentFormat.FP32
         return self.master, cast(Tensor, self.exp_avg), cast(Tensor, self.exp_avg_sq)
 
-    def write(self, fill: Fill, cloned: Cloned = (0, 0, 0)) -> None:
+    def write(self, fill: Fill, cloned: Cloned = (0, 0, 0), encoded: bool = False) -> None:
         """New state from `fill`: straight into host tensors (a load verified the files before anything
         changes), through host staging for device tensors; compressed moments are filled in fp32 a piece at
-        a time and encoded."""
+        a time and encoded, or (`encoded`) filled as they are."""
         n = self.group.trainable_numel
         if self.moments is not MomentFormat.FP32:
-            encode_chunks(self, self.master, self.exp_avg, self.exp_avg_sq, fill)
+            if encoded:
+                fill_encoded_chunks(self, self.master, self.exp_avg, self.exp_avg_sq, fill)  # type: ignore[arg-type]
+            else:
+                encode_chunks(self, self.master, self.exp_avg, self.exp_avg_sq, fill)
             return
         targets = self._fp32_state()
         if all(t.device.type == "cpu" and t.is_contiguous() for t in targets):
@@ -297,6 +306,40 @@ def decoded_chunks(store: StateStore, master: Tensor, exp_avg: Moment,
                                         slice_moment(exp_avg, store.moments, start, stop, blocks),
                                         slice_moment(exp_avg_sq, store.moments, start, stop, blocks),
                                         None if blocks is None else blocks.sub(start, stop))
+
+
+def _host_moment(m: Moment) -> Moment:
+    if isinstance(m, QuantizedMoment):
+        return QuantizedMoment(m.codes.to("cpu"), m.scales.to("cpu"))
+    return m.to("cpu")
+
+
+def encoded_chunks(store: StateStore, master: Tensor, exp_avg: Moment,
+                   exp_avg_sq: Moment) -> Iterator[Tuple[int, int, EncodedViews]]:
+    """A memory store's compressed state as host chunks in its own format (copies from a device)."""
+    blocks = moment_blocks(store.moments, store.group)
+    for start, stop in decode_cuts(store.group.trainable_numel, blocks):
+        yield start, stop, (master[start:stop].detach().to("cpu"),
+                            _host_moment(slice_moment(exp_avg, store.moments, start, stop, blocks)),
+                            _host_moment(slice_moment(exp_avg_sq, store.moments, start, stop, blocks)))
+
+
+def fill_encoded_chunks(store: StateStore, master: Tensor, exp_avg: Moment, exp_avg_sq: Moment,
+                        fill: Callable[[int, int, EncodedViews], None]) -> None:
+    """A memory store's new compressed state from `fill`, in its own format: straight into host tensors,
+    through host staging for device ones."""
+    blocks = moment_blocks(store.moments, store.group)
+    for start, stop in decode_cuts(store.group.trainable_numel, blocks):
+        targets = (master[start:stop], slice_moment(exp_avg, store.moments, start, stop, blocks),
+                   slice_moment(exp_avg_sq, store.moments, start, stop, blocks))
+        if master.device.type == "cpu":
+            fill(start, stop, targets)
+            continue
+        staged = tuple(_host_moment(t) for t in targets)
+        fill(start, stop, staged)  # type: ignore[arg-type]
+        with torch.no_grad():
+            for target, source in zip(targets, staged):
+                copy_moment(target, source)
 
 
 def decode_views(moments: MomentFormat, master: Tensor, exp_avg: Moment, exp_avg_sq: Moment,
