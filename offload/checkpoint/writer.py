@@ -3,7 +3,9 @@
 Files, all written into a temporary directory that replaces `path` atomically (atomic.py):
 `model.safetensors` (every entry of the model's state_dict, readable without offload),
 `optimizer.safetensors` (fp32 `master/<name>`, `exp_avg/<name>`, `exp_avg_sq/<name>` of each trainable
-parameter, each record's three sections 4 KiB-aligned as in the swap file, so they can be cloned),
+parameter, each record's three sections 4 KiB-aligned as in the swap file, so they can be cloned; bf16 moments
+as bf16 values, int8 ones as uint8 codes plus `exp_avg_scales/<name>`, `exp_avg_sq_scales/<name>`: the
+parameter's block scales, [Note: compressed moments] in docs/design.md),
 `scheduler.pt`, `data.pt` (a data stream's position) and `rng.pt` when asked, and `manifest.json` last. One flat group is in host memory at a
 time; for the nvme tier not even that: one chunk of its record, in a slot of the engine's staging ring.
 """

@@ -36,7 +36,8 @@ class MomentFormat(enum.Enum):
 
 
 class QuantizedMoment(NamedTuple):
-    """An int8 moment of n elements: `codes` (uint8, n) and `scales` (float32, ceil(n / INT8_BLOCK))."""
+    """An int8 moment of n elements: `codes` (uint8, n) and `scales` (float32, one per block: ceil(n / INT8_BLOCK)
+    for one run from element 0; `BlockLayout.scale_count` when blocks start over at each parameter)."""
 
     codes: Tensor
     scales: Tensor

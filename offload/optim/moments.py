@@ -9,7 +9,8 @@ Adam does) and encodes the new m and v. On the CPU with `offload._C` that is one
 (csrc/adam/adam_moments.h); otherwise the same maths in torch operations, which also run on a CUDA device.
 
 [Note: int8 moment codes]
-Each block of `INT8_BLOCK` elements has one fp32 scale, the block's largest magnitude, and each element one code
+Each block of `INT8_BLOCK` elements (counted from a parameter's first element when the moment is laid out by
+parameters: `BlockLayout`) has one fp32 scale, the block's largest magnitude, and each element one code
 byte indexing a non-linear map of [0, 1] ("dynamic" map of 8-bit Adam: bitsandbytes' `create_dynamic_map`,
 torchao's): decade d of the map holds 2^(d+1) evenly spaced values (bucket centres), so precision is finest near
 the block maximum and the range spans six or seven decades; 0 and 1 are exact. Two maps:
@@ -27,8 +28,8 @@ the block maximum and the range spans six or seven decades; 0 and 1 are exact. T
 Encoding is round to nearest: the code of y = |x| * (1/scale) is the number of midpoints between consecutive
 map values that are < y (ties go to the lower code); a block of zeros gets scale 0 and codes 0 (never 0/0).
 Because 1 is in both maps, the largest element of a block decodes to exactly its scale, so decoding, encoding
-and decoding again gives back the same values and codes: a checkpoint of decoded (fp32) moments reloads to the
-same state. (For v this holds while sqrt(v)^2 stays a normal fp32 number, v > 1.2e-38.) A NaN in a block makes
+and decoding again gives back the same values and codes: decoded (fp32) moments (a torch-format state, a
+checkpoint of another setting) reload to the same state. (For v this holds while sqrt(v)^2 stays a normal fp32 number, v > 1.2e-38.) A NaN in a block makes
 its scale NaN, so the whole block decodes to NaN (the new weights are NaN anyway: they come from fp32 m, v).
 
 Infinities are kept as torch keeps them. A gradient whose square overflows fp32 (|g| above about 1.8e19) makes
@@ -473,29 +474,17 @@ def _native_step_runs(native: Any, param: Tensor, grad: Tensor, exp_avg: Moment,
                       fmt: MomentFormat, blocks: BlockLayout, *, step: int, lr: float, beta1: float, beta2: float,
                       eps: float, weight_decay: float, adamw: bool, grad_scale: float, out: Optional[Tensor],
                       num_threads: Optional[int], crcs: Optional[Tensor]) -> None:
-    """The fused native step over each run of a checked int8 layout, one call a run at offset pointers (no
-    checks or views per run: many small parameters make many runs); the runs' CRCs are joined with
-    crc32c_combine, so the CRCs are those of the whole pieces, as one call gives."""
-    assert isinstance(exp_avg, QuantizedMoment) and isinstance(exp_avg_sq, QuantizedMoment)
-    grad_size, out_size = grad.element_size(), 0 if out is None else out.element_size()
-    joined = [0] * len(CRC_PIECES)
-    run_crcs = torch.zeros(len(CRC_PIECES), dtype=torch.uint32) if crcs is not None else None
-    for start, stop, first in blocks.runs:
-        n, scales = stop - start, blocks.scales_before(stop) - first
-        native.adam_moments_step(
-            param.data_ptr() + 4 * start, grad.data_ptr() + grad_size * start, _DTYPE_CODES[grad.dtype],
-            exp_avg.codes.data_ptr() + start, exp_avg.scales.data_ptr() + 4 * first,
-            exp_avg_sq.codes.data_ptr() + start, exp_avg_sq.scales.data_ptr() + 4 * first, _FORMAT_CODES[fmt], n,
-            0 if out is None else out.data_ptr() + out_size * start, 0 if out is None else _DTYPE_CODES[out.dtype],
-            int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw),
-            float(grad_scale), _threads(n, num_threads), None, "", _addr(run_crcs))
-        if run_crcs is not None:
-            lengths = (4 * n, n, 4 * scales, n, 4 * scales, out_size * n)
-            for i, (crc, length) in enumerate(zip(run_crcs.tolist(), lengths)):
-                if length:
-                    joined[i] = native.crc32c_combine(joined[i], int(crc), length)
-    if crcs is not None:
-        crcs.copy_(torch.tensor(joined, dtype=torch.int64).to(torch.uint32))
+    """The fused native step over every run of a checked int8 layout in one call (`adam_moments_step_runs`):
+    one GIL release for a layer's many small parameters, not one a run (the worker's update then waits for the
+    training thread at each); a run below PARALLEL_THRESHOLD on one thread; the CRCs those of the whole pieces."""
+    assert fmt is MomentFormat.INT8 and isinstance(exp_avg, QuantizedMoment) and isinstance(exp_avg_sq, QuantizedMoment)
+    threads = _resolve_threads(num_threads)
+    native.adam_moments_step_runs(
+        param.data_ptr(), grad.data_ptr(), _DTYPE_CODES[grad.dtype], exp_avg.codes.data_ptr(),
+        exp_avg.scales.data_ptr(), exp_avg_sq.codes.data_ptr(), exp_avg_sq.scales.data_ptr(), param.numel(),
+        _addr(out), 0 if out is None else _DTYPE_CODES[out.dtype], [list(run) for run in blocks.runs], int(step),
+        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw), float(grad_scale),
+        threads, native.PARALLEL_THRESHOLD, _addr(crcs))
 
 
 def _check_crcs(crcs: object, device: torch.device) -> None:

@@ -122,7 +122,7 @@ class DiskStore:
     # ----- checkpoint side -----
     def swap_sections(self) -> Optional[SwapSections]:
         """The record's sections in the swap file, for copy-on-write clones (after `drain`); None with
-        compressed moments (a checkpoint holds fp32 values, which the swap file does not)."""
+        compressed moments (their sections are not a checkpoint file's: bf16 or int8 records are written, not cloned)."""
         if self.moments is not MomentFormat.FP32:
             return None
         self.drain()
