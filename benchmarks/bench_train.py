@@ -51,6 +51,8 @@ def main(argv: List[str] = None) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--nvme-path", default=None, help="directory for the nvme tier's swap file (default: tmp)")
     parser.add_argument("--quick", action="store_true", help="a tiny model and 2 rounds (a smoke run)")
+    parser.add_argument("--moments", choices=["fp32", "bf16", "int8"], default="fp32",
+                        help="how the offload engines keep the Adam moments (torch AdamW keeps fp32)")
     parser.add_argument("--clipping", choices=["nvme", "cpu"], default=None,
                         help="speculative clipping's rows (issue 35) on that tier: a GPT-2 of 8 x 1024 (vocab 8192), "
                              "fp32, 2 x 64 tokens, grad_accumulation_steps=1: no clipping, and max_grad_norm=1.0 "
@@ -86,30 +88,31 @@ def main(argv: List[str] = None) -> None:
     torch_model = twin()
     hp = dict(lr=1e-4, weight_decay=0.01)  # torch AdamW's weight decay, offload given the same explicitly
     torch_opt = torch.optim.AdamW(torch_model.parameters(), **hp)
+    engine_hp = dict(hp, moments=args.moments)
     engines: Dict[str, offload.Engine] = {}
     if not args.tiny:
-        engines["offload gpu tier"] = offload.wrap(twin(), tier="gpu", dtype=dtype, device="cpu", **hp)
-    engines["offload cpu tier, GA declared"] = offload.wrap(twin(), tier="cpu", dtype=dtype, device="cpu", **hp,
+        engines["offload gpu tier"] = offload.wrap(twin(), tier="gpu", dtype=dtype, device="cpu", **engine_hp)
+    engines["offload cpu tier, GA declared"] = offload.wrap(twin(), tier="cpu", dtype=dtype, device="cpu", **engine_hp,
                                                             grad_accumulation_steps=1)
-    engines["offload cpu tier, GA unset"] = offload.wrap(twin(), tier="cpu", dtype=dtype, device="cpu", **hp)
+    engines["offload cpu tier, GA unset"] = offload.wrap(twin(), tier="cpu", dtype=dtype, device="cpu", **engine_hp)
     swap_dir = tempfile.mkdtemp(prefix="offload-bench-", dir=args.nvme_path)
     engines["offload nvme tier, GA declared"] = offload.wrap(
-        twin(), tier="nvme", nvme_path=swap_dir, dtype=dtype, device="cpu", **hp, grad_accumulation_steps=1)
+        twin(), tier="nvme", nvme_path=swap_dir, dtype=dtype, device="cpu", **engine_hp, grad_accumulation_steps=1)
     if args.tiny:  # as a new user writes it (accumulation not declared), and declared
         engines["offload nvme tier, GA unset"] = offload.wrap(
-            twin(), tier="nvme", nvme_path=swap_dir, dtype=dtype, device="cpu", **hp)
+            twin(), tier="nvme", nvme_path=swap_dir, dtype=dtype, device="cpu", **engine_hp)
     else:
         engines["offload cpu tier, GA unset, overlap_step"] = offload.wrap(twin(), tier="cpu", dtype=dtype,
-                                                                          device="cpu", **hp, overlap_step=True)
+                                                                          device="cpu", **engine_hp, overlap_step=True)
         weight_bytes = sum(p.numel() for p in base.parameters()) * torch.empty((), dtype=dtype).element_size()
         # half the weights, and the room the device keeps for autograd's largest gradient (docs/design.md
         # [Note: the nvme memory bound])
         half = weight_bytes // 2 + max(p.numel() for p in base.parameters()) * torch.empty((), dtype=dtype).element_size()
         engines["offload cpu tier, weights streamed (budget 50%)"] = offload.wrap(
-            twin(), tier="cpu", dtype=dtype, device="cpu", **hp, grad_accumulation_steps=1, device_memory=half)
+            twin(), tier="cpu", dtype=dtype, device="cpu", **engine_hp, grad_accumulation_steps=1, device_memory=half)
         # host_memory: the gradients, a ring and 9 MiB of the 11.6 MiB streamed weights: the rest live on disk
         engines["offload nvme tier, weights on disk (device 50%)"] = offload.wrap(
-            twin(), tier="nvme", nvme_path=swap_dir, dtype=dtype, device="cpu", **hp, grad_accumulation_steps=1,
+            twin(), tier="nvme", nvme_path=swap_dir, dtype=dtype, device="cpu", **engine_hp, grad_accumulation_steps=1,
             device_memory=half, host_memory=weight_bytes + (12 << 20))
 
     def compute_only():
@@ -173,7 +176,8 @@ def main(argv: List[str] = None) -> None:
         rows.append(row)
     print(machine_header())
     print(f"GPT layers={args.layers} dim={args.dim} vocab={args.vocab} context={args.context} batch={args.batch} "
-          f"dtype={args.dtype} | {n_trainable / 1e6:.2f}M params | {args.rounds} rounds x {args.steps} steps | "
+          f"dtype={args.dtype} moments={args.moments} | {n_trainable / 1e6:.2f}M params | {args.rounds} rounds x "
+          f"{args.steps} steps | "
           f"native core: {offload.native_available()}")
     print(f"bound = max(T_compute + T_cpu, T_read + T_write): T_compute {t_compute * 1e3:.1f} ms, T_cpu "
           f"{compute_bound.t_cpu * 1e3:.1f} ms (DRAM {bw / 1e9:.1f} GB/s measured); disk read {disk.read / 1e9:.2f} "
@@ -181,7 +185,7 @@ def main(argv: List[str] = None) -> None:
     columns = ["rival", "step_ms", "p20_p80_ms", "tokens_per_s", "vs_torch", "d2h_MB_step", "h2d_MB_step",
                "device_peak_MB", "disk_MB_step", "io_wait_ms", "update_ms", "bound_ms", "efficiency"]
     print_table([{k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows], columns)
-    if not args.quick:
+    if not args.quick and args.moments == "fp32":  # results/bench_train.csv has no moments column: fp32 rows only
         append_csv("bench_train", [dict(r, layers=args.layers, dim=args.dim, dtype=args.dtype) for r in rows])
 
 

@@ -35,6 +35,11 @@ def adam_moments_step(param: int, grad: int, grad_dtype: int, exp_avg: int, exp_
                       grad_scale: float, num_threads: int, pool: Optional[ThreadPool] = None,
                       isa: str = "", crcs: int = 0) -> None: ...  # format: 1 bf16, 2 int8 (scales 0 for bf16);
 # crcs: 0 or the address of 6 uint32, the CRC-32C of each piece written, in MOMENT_CRC_PIECES order
+def adam_moments_step_runs(param: int, grad: int, grad_dtype: int, exp_avg: int, exp_avg_scales: int, exp_avg_sq: int,
+                           exp_avg_sq_scales: int, numel: int, out: int, out_dtype: int, runs: list[list[int]],
+                           step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                           adamw: bool, grad_scale: float, num_threads: int, parallel_threshold: int,
+                           crcs: int = 0) -> None: ...  # int8 runs [start, stop, first scale] in one call
 MOMENT_CRC_PIECES: tuple[str, ...]
 def moment_isas() -> list[str]: ...  # the moment kernel variants this CPU runs, best first
 def moments_encode(src: int, codes: int, scales: int, format: int, which: int, numel: int, num_threads: int,

@@ -62,7 +62,14 @@ def train(case: dict, out: str) -> None:
         raise AssertionError(f"{case['name']}: wrap() was not refused")
     engine = offload.wrap(model, **options)
     if load:
-        engine.load(os.path.join(out, load))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.load(os.path.join(out, load))
+        if case.get("load_warnings"):  # what the load warned, for the test to read
+            with open(os.path.join(out, f"{case['name']}-load-rank{rank}.txt"), "w") as f:
+                f.write("\n".join(str(w.message) for w in caught))
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     batches = make_batches(case["steps"], case["micro"], batch=case.get("batch", 4), seed=case.get("seed", 0))
     losses, agree = [], []
     done = case.get("skip", 0)

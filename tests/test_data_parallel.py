@@ -186,12 +186,12 @@ def optimizer_tensors(directory: Path) -> Dict[str, torch.Tensor]:
 
 
 def train_one_process(tier: str, steps: range, tmp_path: Path, load: Optional[Path] = None,
-                      save: Optional[Path] = None, lr: float = 1e-3):
+                      save: Optional[Path] = None, lr: float = 1e-3, moments: str = "fp32"):
     """The single-process engine on the whole batch for `steps` of the batches; returns (losses, weights)."""
     import offload
 
     torch.manual_seed(0)
-    options = dict(tier=tier, dtype=torch.float32, device="cpu", lr=lr)
+    options = dict(tier=tier, dtype=torch.float32, device="cpu", lr=lr, moments=moments)
     if tier == "nvme":
         options["nvme_path"] = str(tmp_path)
     engine = offload.wrap(TinyGPT(), **options)
@@ -254,6 +254,24 @@ def test_checkpoints_move_between_world_sizes_exactly(tmp_path):
     saved, back = optimizer_tensors(tmp_path / "ck-one"), optimizer_tensors(tmp_path / "ck-one-two")
     for name in saved:
         assert torch.equal(saved[name], back[name]), name
+
+
+def test_an_int8_checkpoint_of_one_process_loads_into_two_ranks_reencoded_with_a_warning(tmp_path):
+    """A single process's int8 checkpoint holds each parameter's codes in blocks counted from its first element;
+    two ranks cut some parameters between them, so their blocks start elsewhere: the codes are decoded and encoded
+    again in the ranks' blocks, with a warning on every rank, and training continues close to the single
+    process (rounded, not exact)."""
+    lr = 1e-3
+    train_one_process("cpu", range(0, 2), tmp_path, save=tmp_path / "ck-int8", lr=lr, moments="int8")
+    rest, _ = train_one_process("cpu", range(2, 4), tmp_path, load=tmp_path / "ck-int8", lr=lr, moments="int8")
+    run_ranks(tmp_path, [dict(name="int8-from-one", tier="cpu", steps=4, micro=1, lr=lr, moments="int8",
+                              load="ck-int8", skip=2, load_warnings=True)])
+    result = torch.load(tmp_path / "int8-from-one.pt", weights_only=False)
+    assert all(result["agree"])
+    assert max(abs(a - b) for a, b in zip(result["losses"], rest)) < 0.01 * rest[0], (result["losses"], rest)
+    for rank in (0, 1):
+        message = (tmp_path / f"int8-from-one-load-rank{rank}.txt").read_text()
+        assert "cuts parameters between data-parallel ranks" in message, message
 
 
 def test_a_rank_that_fails_to_save_switches_nothing(tmp_path):

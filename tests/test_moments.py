@@ -768,3 +768,59 @@ def test_a_gradient_whose_square_overflows_trains_on_as_torch_adamw(fmt, monkeyp
                 _assert_codes_close(a.codes, b.codes, which)
         else:
             assert torch.equal(m1, m2) and torch.equal(v1, v2)
+
+
+# --- block layouts: int8 blocks that start over at each parameter ---------------------------------------------
+
+
+def test_a_block_layout_starts_blocks_at_each_segment_and_joins_segments_on_one_grid():
+    from offload.optim.moment_format import BlockLayout
+
+    blocks = BlockLayout(1000, [0, 512, 600, 632])  # 512 is a multiple of INT8_BLOCK: [0, 600) is one run
+    assert blocks.runs == ((0, 600, 0), (600, 632, 3), (632, 1000, 4))
+    assert blocks.scale_count == 3 + 1 + 2
+    assert [blocks.scales_before(x) for x in (0, 256, 600, 601, 632, 888, 1000)] == [0, 1, 3, 4, 4, 5, 6]
+    assert not blocks.is_boundary(610) and blocks.is_boundary(888) and not blocks.is_boundary(256 + 600)
+    assert blocks.enclosing(610, 620) == (600, 632) and blocks.enclosing(300, 700) == (256, 888)
+    cuts = blocks.cuts(300)
+    assert cuts[0][0] == 0 and cuts[-1][1] == 1000 and all(a == b for (_x, a), (b, _y) in zip(cuts, cuts[1:]))
+    for a, b in cuts:
+        assert b - a <= 300 and blocks.is_boundary(a) and blocks.scales_before(b) - blocks.scales_before(a) <= 2
+    assert blocks.sub(600, 1000).runs == ((0, 32, 0), (32, 400, 1))
+    with pytest.raises(OffloadConfigError, match="block starts"):
+        blocks.sub(610, 1000)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_step_over_a_block_layout_equals_a_step_of_each_segment(native, monkeypatch):
+    """One call over a layout of several runs gives the codes, scales, weights and CRCs of one call per segment."""
+    from offload.optim.moment_format import BlockLayout
+
+    if native and _native._C is None:
+        pytest.skip("the native kernel is not built")
+    if not native:
+        monkeypatch.setattr(_native, "_C", None)
+    segments = [(0, 300), (300, 310), (310, 566), (566, 1000)]
+    blocks = BlockLayout.of_segments(1000, segments)
+    gen = torch.Generator().manual_seed(0)
+    param, grad = torch.randn(1000, generator=gen), torch.randn(1000, generator=gen)
+    whole = [param.clone(), zeros_moment(MomentFormat.INT8, 1000, blocks=blocks),
+             zeros_moment(MomentFormat.INT8, 1000, blocks=blocks)]
+    parts = [param.clone(), [zeros_moment(MomentFormat.INT8, b - a) for a, b in segments],
+             [zeros_moment(MomentFormat.INT8, b - a) for a, b in segments]]
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    crcs = torch.zeros(len(M.CRC_PIECES), dtype=torch.uint32) if native else None
+    for step in (1, 2):
+        adam_step_moments(whole[0], grad * step, whole[1], whole[2], MomentFormat.INT8, step=step, blocks=blocks,
+                          crcs=crcs, **hp)
+        for i, (a, b) in enumerate(segments):
+            adam_step_moments(parts[0][a:b], grad[a:b] * step, parts[1][i], parts[2][i], MomentFormat.INT8, step=step,
+                              **hp)
+    assert torch.equal(whole[0], parts[0])
+    for moment, pieces in ((whole[1], parts[1]), (whole[2], parts[2])):
+        assert torch.equal(moment.codes, torch.cat([p.codes for p in pieces]))
+        assert torch.equal(moment.scales, torch.cat([p.scales for p in pieces]))
+    if crcs is not None:
+        expected = torch.zeros_like(crcs)
+        M._crcs_after(expected, whole[0], whole[1], whole[2], None)
+        assert torch.equal(crcs, expected)

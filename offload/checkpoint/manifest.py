@@ -1,7 +1,8 @@
 """`manifest.json`: what a checkpoint holds, written last, so its presence marks a complete checkpoint.
 
-Keys: `format`/`version`; `tier`, `compute_dtype` and `moments` (the Adam moments' format, "fp32" when
-absent; the optimizer file holds their fp32 values) of the engine that saved; `checksum` (the algorithm);
+Keys: `format`/`version` (1: the optimizer file holds fp32 moments; 2: bf16 moments as bf16 values and int8 ones as
+codes and per-parameter block scales); `tier`, `compute_dtype` and `moments` (the Adam moments' format, "fp32" when
+absent) of the engine that saved; `checksum` (the algorithm);
 `step`, `skipped_steps`; `param_groups` (hyperparameters without the params); `blocks` (per block, per
 flat group: dtype and each parameter's name, shape, element offset, trainable flag and Adam step count);
 `tied` (alias name -> stored name); `files` (per file: size, and per tensor its checksum and block);
@@ -18,7 +19,7 @@ from offload.checkpoint.atomic import MANIFEST
 from offload.errors import OffloadIntegrityError
 
 FORMAT = "offload-checkpoint"
-VERSION = 1
+VERSION = 2  # the newest this offload reads: 2 stores bf16 and int8 moments as they are kept (version_for)
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 SCHEDULER_FILE = "scheduler.pt"
@@ -26,6 +27,12 @@ RNG_FILE = "rng.pt"
 DATA_FILE = "data.pt"
 # objects saved beside the engine through their state_dict(): the keyword (and manifest key) -> file
 STATEFUL_FILES = {"scheduler": SCHEDULER_FILE, "data": DATA_FILE}
+
+
+def version_for(moments: str) -> int:
+    """The format version a checkpoint of these moments needs: an older offload refuses a version-2 file (its
+    uint8 or bf16 moment entries) with "upgrade offload" instead of misreading it."""
+    return 1 if moments == "fp32" else 2
 
 
 def write_manifest(directory: str, manifest: Dict[str, Any]) -> None:

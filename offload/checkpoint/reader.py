@@ -28,10 +28,20 @@ from offload.checkpoint.reflink import BLOCK, clone_range
 from offload.checkpoint.sharded import PartsReader
 from offload.checkpoint.target import pieces
 from offload.checkpoint.tensor_file import TensorFileReader
-from offload.checkpoint.writer import optimizer_key, progress_bar
+from offload.checkpoint.writer import optimizer_key, progress_bar, scales_key
 from offload.checksum import checksum
 from offload.errors import OffloadConfigError, OffloadIntegrityError, OffloadIOError
-from offload.scheduler.state.state_store import Views
+from offload.optim.moment_format import (
+    EXP_AVG,
+    EXP_AVG_SQ,
+    INT8_BLOCK,
+    BlockLayout,
+    MomentFormat,
+    QuantizedMoment,
+    scale_count,
+)
+from offload.optim.moments import decode_moment
+from offload.scheduler.state.state_store import Views, moment_blocks
 from offload.tiers.swap_layout import STATE_TENSORS
 
 if TYPE_CHECKING:
@@ -156,7 +166,15 @@ def _check_entries(engine: "CheckpointTarget", groups: List[Any], weights: Tenso
         if state is not None:
             for kind in STATE_TENSORS:
                 for slot in group.trainable_slots:
-                    optim.require(optimizer_key(kind, slot.name), slot.numel, torch.float32)
+                    name = optimizer_key(kind, slot.name)
+                    dtype = torch.float32 if kind == "master" else _stored_dtype(optim, name)
+                    if dtype not in _STORED_FORMATS:
+                        raise OffloadIntegrityError(f"tensor {name!r} of the optimizer state is {dtype}: not a "
+                                                    "moment format offload stores (fp32, bf16, int8 codes)", name)
+                    optim.require(name, slot.numel, dtype)
+                    if dtype == torch.uint8:
+                        optim.require(scales_key(kind, slot.name), scale_count(MomentFormat.INT8, slot.numel),
+                                      torch.float32)
     stored = {s.name for _b, g, _s in groups for s in g.slots}
     for name, buffer in engine.module.named_buffers():
         if name in weights.entries and name not in stored:
@@ -187,12 +205,46 @@ def _load_tensors(engine: "CheckpointTarget", groups: List[Any], weights: Tensor
                 buffer.copy_(host)
 
 
+# how a checkpoint stores a moment, by its entries' dtype ([Note: compressed moments]): fp32 values (every checkpoint
+# of fp32 moments, and those saved before compressed moments were stored as they are), bf16 values, int8 codes
+_STORED_FORMATS = {torch.float32: MomentFormat.FP32, torch.bfloat16: MomentFormat.BF16, torch.uint8: MomentFormat.INT8}
+
+
+def _stored_dtype(optim: "OptimizerReader", name: str) -> torch.dtype:
+    entries = getattr(optim, "entries", None)  # parts saved by data-parallel ranks hold fp32 values
+    return torch.float32 if entries is None or name not in entries else entries[name][0]
+
+
+def _stored_moments(optim: "OptimizerReader", group: Any) -> MomentFormat:
+    """The format a group's moments are stored in (one for the whole group: a save writes them so)."""
+    found = {_STORED_FORMATS.get(_stored_dtype(optim, optimizer_key(kind, slot.name)))
+             for kind in ("exp_avg", "exp_avg_sq") for slot in group.trainable_slots}
+    if len(found) != 1 or None in found:
+        raise OffloadIntegrityError(f"the moments of block {group.key!r} are stored in several formats ({found})",
+                                    group.key)
+    return found.pop()  # type: ignore[return-value]
+
+
 def _load_record(optim: "OptimizerReader", group: Any, state: Any, clone_state: Dict[str, bool]) -> None:
-    """One group's optimizer state, chunk by chunk. Into the nvme tier each section's block-aligned part
+    """One group's optimizer state, chunk by chunk; moments stored as codes or bf16 values in an engine that keeps
+    them the same way, with the same blocks, are copied as they are (`_load_encoded`), others decoded to fp32. Into the nvme tier each section's block-aligned part
     is first cloned from the checkpoint (copy-on-write, same file system, sections aligned as the swap
     record's); every chunk is still read, for its checksums and the swap file's seals, and only the part
     no clone covered is written."""
     names = [[optimizer_key(kind, slot.name) for slot in group.trainable_slots] for kind in STATE_TENSORS]
+    stored = _stored_moments(optim, group)
+    store = state.state_store
+    if stored is not MomentFormat.FP32:
+        if stored is store.moments and (stored is MomentFormat.BF16 or moment_blocks(stored, store.group)
+                                        == BlockLayout.of_segments(group.trainable_numel, group.trainable_segments)):
+            _load_encoded(optim, group, state)
+            return
+        if stored is store.moments:  # the same format, other blocks: a part of a parameter on another world size
+            warnings.warn(f"offload: the int8 moments of block {group.key!r} are stored in blocks of whole parameters "
+                          "and this engine cuts parameters between data-parallel ranks: they are decoded and encoded "
+                          "again in this engine's blocks (rounded)", RuntimeWarning, stacklevel=5)
+        _load_decoded(optim, group, state, stored)
+        return
     cloned = [0, 0, 0]
     single_file = isinstance(optim, TensorFileReader)  # parts saved by several ranks are read, never cloned
     target = state.state_store.swap_sections() if clone_state["try"] and single_file else None
@@ -213,6 +265,62 @@ def _load_record(optim: "OptimizerReader", group: Any, state: Any, clone_state: 
                 optim.read_at(names[index][slot], 4 * first, piece)
 
     state.state_store.write(fill, cloned)
+
+
+def _load_encoded(optim: "OptimizerReader", group: Any, state: Any) -> None:
+    """bf16 values or int8 codes and scales into a store that keeps them the same way: copied, nothing rounded."""
+    whole = BlockLayout.of_segments(group.trainable_numel, group.trainable_segments)
+
+    def fill(start: int, stop: int, views: Any) -> None:
+        master, exp_avg, exp_avg_sq = views
+        for slot, first, _lo, piece in pieces(group, start, stop, master):
+            optim.read_at(optimizer_key("master", group.trainable_slots[slot].name), 4 * first, piece)
+        blocks = whole.sub(start, stop)
+        for kind, moment in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            codes = moment.codes if isinstance(moment, QuantizedMoment) else moment
+            for slot, first, lo, piece in pieces(group, start, stop, codes):
+                name = group.trainable_slots[slot].name
+                optim.read_at(optimizer_key(kind, name), piece.element_size() * first, piece)
+                if isinstance(moment, QuantizedMoment):
+                    a, b = blocks.scales_before(lo - start), blocks.scales_before(lo - start + piece.numel())
+                    optim.read_at(scales_key(kind, name), 4 * (first // INT8_BLOCK), moment.scales[a:b])
+
+    state.state_store.write(fill, encoded=True)
+
+
+def _load_decoded(optim: "OptimizerReader", group: Any, state: Any, stored: MomentFormat) -> None:
+    """bf16 values or int8 codes into a store of another format or other blocks: each piece decoded to fp32 (int8:
+    from the start of its first block), which the store encodes in its own format."""
+
+    def fill(start: int, stop: int, views: Views) -> None:
+        master, exp_avg, exp_avg_sq = views
+        for slot, first, _lo, piece in pieces(group, start, stop, master):
+            optim.read_at(optimizer_key("master", group.trainable_slots[slot].name), 4 * first, piece)
+        for kind, which, view in (("exp_avg", EXP_AVG, exp_avg), ("exp_avg_sq", EXP_AVG_SQ, exp_avg_sq)):
+            for slot, first, _lo, piece in pieces(group, start, stop, view):
+                _read_decoded(optim, kind, which, group.trainable_slots[slot], first, piece, stored)
+
+    state.state_store.write(fill)
+
+
+def _read_decoded(optim: "OptimizerReader", kind: str, which: int, slot: Any, first: int, out: Tensor,
+                  stored: MomentFormat) -> None:
+    """Elements [first, first + len(out)) of a parameter's stored moment, decoded to fp32 into `out`."""
+    name = optimizer_key(kind, slot.name)
+    if stored is MomentFormat.BF16:
+        staged = torch.empty(out.numel(), dtype=torch.bfloat16)
+        optim.read_at(name, 2 * first, staged)
+        out.copy_(staged)
+        return
+    begin = first // INT8_BLOCK * INT8_BLOCK
+    end = first + out.numel()
+    codes = torch.empty(end - begin, dtype=torch.uint8)
+    scales = torch.empty(scale_count(stored, end - begin), dtype=torch.float32)
+    optim.read_at(name, begin, codes)
+    optim.read_at(scales_key(kind, slot.name), 4 * (begin // INT8_BLOCK), scales)
+    values = torch.empty(end - begin, dtype=torch.float32)
+    decode_moment(QuantizedMoment(codes, scales), stored, which, values)
+    out.copy_(values[first - begin:])
 
 
 def _read_cast(reader: TensorFileReader, name: str, out: Tensor) -> None:

@@ -3,7 +3,9 @@
 Files, all written into a temporary directory that replaces `path` atomically (atomic.py):
 `model.safetensors` (every entry of the model's state_dict, readable without offload),
 `optimizer.safetensors` (fp32 `master/<name>`, `exp_avg/<name>`, `exp_avg_sq/<name>` of each trainable
-parameter, each record's three sections 4 KiB-aligned as in the swap file, so they can be cloned),
+parameter, each record's three sections 4 KiB-aligned as in the swap file, so they can be cloned; bf16 moments
+as bf16 values, int8 ones as uint8 codes plus `exp_avg_scales/<name>`, `exp_avg_sq_scales/<name>`: the
+parameter's block scales, [Note: compressed moments] in docs/design.md),
 `scheduler.pt`, `data.pt` (a data stream's position) and `rng.pt` when asked, and `manifest.json` last. One flat group is in host memory at a
 time; for the nvme tier not even that: one chunk of its record, in a slot of the engine's staging ring.
 """
@@ -29,8 +31,8 @@ from offload.checkpoint.manifest import (
     OPTIMIZER_FILE,
     RNG_FILE,
     STATEFUL_FILES,
-    VERSION,
     jsonable_group,
+    version_for,
     write_manifest,
 )
 from offload.checkpoint.reflink import BLOCK
@@ -38,6 +40,8 @@ from offload.checkpoint.target import pieces
 from offload.checkpoint.tensor_file import Entry, TensorFileWriter
 from offload.checksum import checksum, preferred_algorithm
 from offload.errors import OffloadIOError
+from offload.optim.moment_format import INT8_BLOCK, BlockLayout, MomentFormat, QuantizedMoment, scale_count
+from offload.scheduler.state.state_store import moment_blocks
 from offload.tiers.swap_layout import STATE_TENSORS
 
 if TYPE_CHECKING:
@@ -49,6 +53,24 @@ PROGRESS_BYTES = 512 << 20  # show a progress bar above this much data (a few se
 
 def optimizer_key(kind: str, name: str) -> str:
     return f"{kind}/{name}"
+
+
+def scales_key(kind: str, name: str) -> str:
+    """The entry of an int8 moment's block scales (`kind`: exp_avg or exp_avg_sq)."""
+    return f"{kind}_scales/{name}"
+
+
+def state_entries(kind: str, group: Any, moments: MomentFormat) -> List[Entry]:
+    """The entries of one section of a group's optimizer state ([Note: compressed moments]): fp32 master weights;
+    each moment as the engine keeps it: fp32 or bf16 values, or int8 codes (uint8, the parameter's shape) and then
+    every parameter's fp32 block scales (its blocks start at its first element: `BlockLayout`)."""
+    if kind == "master" or moments is MomentFormat.FP32:
+        return [Entry(optimizer_key(kind, s.name), torch.float32, tuple(s.shape)) for s in group.trainable_slots]
+    if moments is MomentFormat.BF16:
+        return [Entry(optimizer_key(kind, s.name), torch.bfloat16, tuple(s.shape)) for s in group.trainable_slots]
+    return ([Entry(optimizer_key(kind, s.name), torch.uint8, tuple(s.shape)) for s in group.trainable_slots]
+            + [Entry(scales_key(kind, s.name), torch.float32, (scale_count(moments, s.numel),))
+               for s in group.trainable_slots])
 
 
 def progress_bar(total: int, progress: Optional[bool], desc: str) -> tqdm:
@@ -110,10 +132,11 @@ def checkpoint_layout(engine: "CheckpointTarget", groups: list) -> CheckpointLay
             if gap:
                 out.optim_entries.append(Entry(f"{PAD}/{len(out.optim_entries)}", torch.uint8, (gap,)))
                 out.block_of[out.optim_entries[-1].name] = block.name
-            optim_bytes += gap + 4 * group.trainable_numel
-            for slot in group.trainable_slots:
-                out.optim_entries.append(Entry(optimizer_key(kind, slot.name), torch.float32, tuple(slot.shape)))
-                out.block_of[optimizer_key(kind, slot.name)] = block.name
+            for entry in state_entries(kind, group, state.state_store.moments):
+                out.optim_entries.append(entry)
+                out.block_of[entry.name] = block.name
+                optim_bytes += entry.nbytes
+            optim_bytes += gap
     stored = {id(slot.param): slot.name for _b, g, _s in groups for slot in g.slots}
     for name, value in engine.module.state_dict(keep_vars=True).items():
         if id(value) in stored and stored[id(value)] == name:
@@ -158,10 +181,11 @@ def manifest_fields(engine: "CheckpointTarget", layout: CheckpointLayout, algori
     counters = engine.checkpoint_counters()
     names = {id(p): name for name, p in engine.module.named_parameters()}  # tied: the first name
     return {
-        "format": FORMAT, "version": VERSION, "created": time.time(), "checksum": algorithm,
+        "format": FORMAT, "version": version_for(engine.policy.moments.value), "created": time.time(),
+        "checksum": algorithm,
         "tier": engine.policy.tier.value, "compute_dtype": str(engine.policy.dtype).replace("torch.", ""),
-        # [Note: compressed moments] the engine's moment format; the files hold their fp32 values, from which
-        # an engine of the same format gets back exactly the codes it saved
+        # [Note: compressed moments] the engine's moment format; a single-file checkpoint holds the moments as
+        # the engine keeps them (bf16 values, int8 codes and scales), data-parallel parts their fp32 values
         "moments": engine.policy.moments.value,
         "step": counters["steps"], "skipped_steps": counters["skipped_steps"],
         "param_groups": [dict(jsonable_group(g), param_names=[names[id(p)] for p in g["params"]])
@@ -217,6 +241,11 @@ def _write_optimizer(groups: list, layout: CheckpointLayout, path: str, algorith
         for _block, group, state in groups:
             if state is None:
                 continue
+            moments = state.state_store.moments
+            if moments is not MomentFormat.FP32:
+                _write_encoded_record(writer, group, state)
+                bar.update(sum(e.nbytes for kind in STATE_TENSORS for e in state_entries(kind, group, moments)))
+                continue
             cloned, complete = _write_record(writer, group, state, try_clone)
             try_clone = try_clone and complete  # a file system that cannot clone one record cannot clone the next
             transfer["cloned_bytes"] += cloned
@@ -253,15 +282,41 @@ def _write_record(optim: TensorFileWriter, group: Any, state: Any, try_clone: bo
     return 4 * sum(cloned), complete
 
 
+def _write_encoded_record(optim: TensorFileWriter, group: Any, state: Any) -> None:
+    """One group's bf16 or int8 optimizer state as the store keeps it, chunk by chunk: fp32 master weights, the
+    moments' values or codes, and each parameter's int8 scales (its blocks start at its first element, so its
+    scales are a range of the store's: [Note: compressed moments])."""
+    store = state.state_store
+    whole = BlockLayout.of_segments(group.trainable_numel, group.trainable_segments)
+    if store.moments is MomentFormat.INT8:
+        assert moment_blocks(store.moments, store.group) == whole, "a single file holds whole parameters' blocks"
+    with store.reading(encoded=True) as chunks:
+        for start, stop, (master, exp_avg, exp_avg_sq) in chunks:
+            for slot, first, lo, piece in pieces(group, start, stop, master):
+                _put(optim, optimizer_key("master", group.trainable_slots[slot].name), first, lo, piece, 0)
+            for kind, moment in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                codes = moment.codes if isinstance(moment, QuantizedMoment) else moment
+                for slot, first, lo, piece in pieces(group, start, stop, codes):
+                    _put(optim, optimizer_key(kind, group.trainable_slots[slot].name), first, lo, piece, 0)
+                if not isinstance(moment, QuantizedMoment):
+                    continue
+                blocks = whole.sub(start, stop)
+                for slot, first, lo, piece in pieces(group, start, stop, codes):
+                    a, b = blocks.scales_before(lo - start), blocks.scales_before(lo - start + piece.numel())
+                    _put(optim, scales_key(kind, group.trainable_slots[slot].name), -(-first // INT8_BLOCK), 0,
+                         moment.scales[a:b], 0)
+
+
 def _put(optim: TensorFileWriter, name: str, first: int, lo: int, piece: torch.Tensor, cloned: int) -> None:
     """A piece starting at element `first` of tensor `name` (element `lo` of its section): elements below
     `cloned` are in the file already, the rest is written."""
-    data = piece.view(torch.uint8).numpy().data
-    split = 4 * min(max(cloned - lo, 0), piece.numel())
+    data = piece.contiguous().view(torch.uint8).numpy().data
+    size = piece.element_size()
+    split = size * min(max(cloned - lo, 0), piece.numel())
     if split:
-        optim.put(name, 4 * first, data[:split], written=False)
+        optim.put(name, size * first, data[:split], written=False)
     if split < len(data):
-        optim.put(name, 4 * first + split, data[split:])
+        optim.put(name, size * first + split, data[split:])
 
 
 def write_stateful(tmp: str, stateful: Dict[str, Any], algorithm: str) -> Dict[str, Dict[str, Any]]:

@@ -9,7 +9,8 @@ Adam does) and encodes the new m and v. On the CPU with `offload._C` that is one
 (csrc/adam/adam_moments.h); otherwise the same maths in torch operations, which also run on a CUDA device.
 
 [Note: int8 moment codes]
-Each block of `INT8_BLOCK` elements has one fp32 scale, the block's largest magnitude, and each element one code
+Each block of `INT8_BLOCK` elements (counted from a parameter's first element when the moment is laid out by
+parameters: `BlockLayout`) has one fp32 scale, the block's largest magnitude, and each element one code
 byte indexing a non-linear map of [0, 1] ("dynamic" map of 8-bit Adam: bitsandbytes' `create_dynamic_map`,
 torchao's): decade d of the map holds 2^(d+1) evenly spaced values (bucket centres), so precision is finest near
 the block maximum and the range spans six or seven decades; 0 and 1 are exact. Two maps:
@@ -27,8 +28,8 @@ the block maximum and the range spans six or seven decades; 0 and 1 are exact. T
 Encoding is round to nearest: the code of y = |x| * (1/scale) is the number of midpoints between consecutive
 map values that are < y (ties go to the lower code); a block of zeros gets scale 0 and codes 0 (never 0/0).
 Because 1 is in both maps, the largest element of a block decodes to exactly its scale, so decoding, encoding
-and decoding again gives back the same values and codes: a checkpoint of decoded (fp32) moments reloads to the
-same state. (For v this holds while sqrt(v)^2 stays a normal fp32 number, v > 1.2e-38.) A NaN in a block makes
+and decoding again gives back the same values and codes: decoded (fp32) moments (a torch-format state, a
+checkpoint of another setting) reload to the same state. (For v this holds while sqrt(v)^2 stays a normal fp32 number, v > 1.2e-38.) A NaN in a block makes
 its scale NaN, so the whole block decodes to NaN (the new weights are NaN anyway: they come from fp32 m, v).
 
 Infinities are kept as torch keeps them. A gradient whose square overflows fp32 (|g| above about 1.8e19) makes
@@ -101,6 +102,7 @@ from offload.optim.moment_format import (
     EXP_AVG,
     EXP_AVG_SQ,
     INT8_BLOCK,
+    BlockLayout,
     Moment,
     MomentFormat,
     QuantizedMoment,
@@ -265,8 +267,9 @@ def _adam_step_moments_torch(param: Tensor, grad: Tensor, exp_avg: Moment, exp_a
 
 
 def _check_moment(name: str, m: object, fmt: MomentFormat, numel: Optional[int],
-                  device: Optional[torch.device]) -> int:
-    """Checks that `m` is a moment of `fmt` (of `numel` elements when given); returns its element count."""
+                  device: Optional[torch.device], blocks: Optional[BlockLayout] = None) -> int:
+    """Checks that `m` is a moment of `fmt` (of `numel` elements when given; int8: laid out as `blocks`, default
+    one run); returns its element count."""
     if fmt is MomentFormat.INT8:
         if not isinstance(m, QuantizedMoment):
             raise OffloadConfigError(f"{name} must be a QuantizedMoment (codes, scales) for int8 moments, "
@@ -274,7 +277,11 @@ def _check_moment(name: str, m: object, fmt: MomentFormat, numel: Optional[int],
         check_tensor(f"{name}.codes", m.codes, (torch.uint8,), numel, device)
         n = m.codes.numel()
         check_tensor(f"{name}.scales", m.scales, (torch.float32,), None, m.codes.device)
-        if m.scales.numel() != scale_count(fmt, n):
+        if blocks is not None:
+            if blocks.n != n or m.scales.numel() != blocks.scale_count:
+                raise OffloadConfigError(f"{name} has {n} codes and {m.scales.numel()} scales; its block layout "
+                                         f"{blocks!r} needs {blocks.n} and {blocks.scale_count}")
+        elif m.scales.numel() != scale_count(fmt, n):
             raise OffloadConfigError(f"{name}.scales has {m.scales.numel()} scales; {n} codes need "
                                      f"ceil({n} / {INT8_BLOCK}) = {scale_count(fmt, n)}")
         return n
@@ -312,11 +319,32 @@ def _threads(n: int, num_threads: Optional[int]) -> int:
 # --- public operations ------------------------------------------------------------------------------------
 
 
-def decode_moment(m: Moment, fmt: MomentFormat, which: int, out: Tensor) -> None:
-    """Writes the fp32 values of moment `m` (`which`: 1 = exp_avg, 2 = exp_avg_sq) into `out` (fp32, n)."""
+def _runs(fmt: MomentFormat, blocks: Optional[BlockLayout]) -> Optional[tuple]:
+    """The runs of an int8 layout of several runs (each stepped, decoded or encoded as a moment of its own), else
+    None: the moment is one run, handled whole."""
+    if fmt is not MomentFormat.INT8 or blocks is None or len(blocks.runs) <= 1:
+        return None
+    return blocks.runs
+
+
+def _run_of(m: Moment, blocks: BlockLayout, run: tuple) -> QuantizedMoment:
+    assert isinstance(m, QuantizedMoment)
+    start, stop, first = run
+    return QuantizedMoment(m.codes[start:stop], m.scales[first:blocks.scales_before(stop)])
+
+
+def decode_moment(m: Moment, fmt: MomentFormat, which: int, out: Tensor, blocks: Optional[BlockLayout] = None) -> None:
+    """Writes the fp32 values of moment `m` (`which`: 1 = exp_avg, 2 = exp_avg_sq) into `out` (fp32, n); `blocks`:
+    the int8 moment's block layout (default: one run from element 0)."""
     fmt = MomentFormat.parse(fmt)
     _check_which(which)
-    n = _check_moment("m", m, fmt, None, None)
+    n = _check_moment("m", m, fmt, None, None, blocks if fmt is MomentFormat.INT8 else None)
+    runs = _runs(fmt, blocks)
+    if runs is not None:
+        assert blocks is not None
+        for run in runs:
+            decode_moment(_run_of(m, blocks, run), fmt, which, out.view(-1)[run[0]:run[1]])
+        return
     codes, scales = _parts(m)
     check_tensor("out", out, (torch.float32,), n, codes.device)
     native = _native_for(codes, out)
@@ -327,11 +355,19 @@ def decode_moment(m: Moment, fmt: MomentFormat, which: int, out: Tensor) -> None
                           _threads(n, None))
 
 
-def encode_moment(src: Tensor, fmt: MomentFormat, which: int, out: Moment) -> None:
-    """Encodes fp32 `src` (n elements; v itself for exp_avg_sq) into moment `out` of format `fmt`."""
+def encode_moment(src: Tensor, fmt: MomentFormat, which: int, out: Moment,
+                  blocks: Optional[BlockLayout] = None) -> None:
+    """Encodes fp32 `src` (n elements; v itself for exp_avg_sq) into moment `out` of format `fmt`; `blocks`: the
+    int8 moment's block layout (default: one run from element 0)."""
     fmt = MomentFormat.parse(fmt)
     _check_which(which)
-    n = _check_moment("out", out, fmt, None, None)
+    n = _check_moment("out", out, fmt, None, None, blocks if fmt is MomentFormat.INT8 else None)
+    runs = _runs(fmt, blocks)
+    if runs is not None:
+        assert blocks is not None
+        for run in runs:
+            encode_moment(src.view(-1)[run[0]:run[1]], fmt, which, _run_of(out, blocks, run))
+        return
     codes, scales = _parts(out)
     check_tensor("src", src, (torch.float32,), n, codes.device)
     native = _native_for(codes, src)
@@ -360,6 +396,7 @@ def adam_step_moments(
     out: Optional[Tensor] = None,
     num_threads: Optional[int] = None,
     crcs: Optional[Tensor] = None,
+    blocks: Optional[BlockLayout] = None,
 ) -> None:
     """One Adam/AdamW update of fp32 `param` and the moments `exp_avg`, `exp_avg_sq` (stored as `fmt`) in place.
 
@@ -369,14 +406,36 @@ def adam_step_moments(
     otherwise (also on a CUDA device). `grad` may be fp32, bf16 or fp16; `out` (fp32/bf16/fp16) receives the new
     weights; `step` is the 1-based count after this update. INT8 moments must start at a block boundary: whole
     moments or `slice_moment` views. `crcs` (torch.uint32, len(CRC_PIECES) elements, CPU) receives the CRC-32C of each
-    piece written, in CRC_PIECES order ([Note: step CRCs]).
+    piece written, in CRC_PIECES order ([Note: step CRCs]). `blocks`: the int8 moments' block layout (default: one
+    run from element 0); a layout of several runs is stepped run by run, and its CRCs are read back after.
     """
     fmt = MomentFormat.parse(fmt)
     check_tensor("param", param, (torch.float32,), None, None)
     n, device = param.numel(), param.device
     check_tensor("grad", grad, GRAD_DTYPES, n, device)
-    _check_moment("exp_avg", exp_avg, fmt, n, device)
-    _check_moment("exp_avg_sq", exp_avg_sq, fmt, n, device)
+    layout = blocks if fmt is MomentFormat.INT8 else None
+    _check_moment("exp_avg", exp_avg, fmt, n, device, layout)
+    _check_moment("exp_avg_sq", exp_avg_sq, fmt, n, device, layout)
+    runs = _runs(fmt, blocks)
+    if runs is not None:
+        assert blocks is not None
+        if crcs is not None:
+            _check_crcs(crcs, device)
+        native = _native_for(param)
+        if native is not None:
+            _native_step_runs(native, param, grad, exp_avg, exp_avg_sq, fmt, blocks, step=step, lr=lr, beta1=beta1,
+                              beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale,
+                              out=out, num_threads=num_threads, crcs=crcs)
+            return
+        for start, stop, first in runs:
+            adam_step_moments(param.view(-1)[start:stop], grad.view(-1)[start:stop],
+                              _run_of(exp_avg, blocks, (start, stop, first)),
+                              _run_of(exp_avg_sq, blocks, (start, stop, first)), fmt, step=step, lr=lr, beta1=beta1,
+                              beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale,
+                              out=None if out is None else out.view(-1)[start:stop], num_threads=num_threads)
+        if crcs is not None:
+            _crcs_after(crcs, param, exp_avg, exp_avg_sq, out)
+        return
     if out is not None:
         check_tensor("out", out, OUT_DTYPES, n, device)
     if step < 1:
@@ -409,6 +468,23 @@ def adam_step_moments(
         v_codes.data_ptr(), _addr(v_scales), _FORMAT_CODES[fmt], n, _addr(out),
         0 if out is None else _DTYPE_CODES[out.dtype], int(step), float(lr), float(beta1), float(beta2), float(eps),
         float(weight_decay), bool(adamw), float(grad_scale), _threads(n, num_threads), None, "", _addr(crcs))
+
+
+def _native_step_runs(native: Any, param: Tensor, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment,
+                      fmt: MomentFormat, blocks: BlockLayout, *, step: int, lr: float, beta1: float, beta2: float,
+                      eps: float, weight_decay: float, adamw: bool, grad_scale: float, out: Optional[Tensor],
+                      num_threads: Optional[int], crcs: Optional[Tensor]) -> None:
+    """The fused native step over every run of a checked int8 layout in one call (`adam_moments_step_runs`):
+    one GIL release for a layer's many small parameters, not one a run (the worker's update then waits for the
+    training thread at each); a run below PARALLEL_THRESHOLD on one thread; the CRCs those of the whole pieces."""
+    assert fmt is MomentFormat.INT8 and isinstance(exp_avg, QuantizedMoment) and isinstance(exp_avg_sq, QuantizedMoment)
+    threads = _resolve_threads(num_threads)
+    native.adam_moments_step_runs(
+        param.data_ptr(), grad.data_ptr(), _DTYPE_CODES[grad.dtype], exp_avg.codes.data_ptr(),
+        exp_avg.scales.data_ptr(), exp_avg_sq.codes.data_ptr(), exp_avg_sq.scales.data_ptr(), param.numel(),
+        _addr(out), 0 if out is None else _DTYPE_CODES[out.dtype], [list(run) for run in blocks.runs], int(step),
+        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw), float(grad_scale),
+        threads, native.PARALLEL_THRESHOLD, _addr(crcs))
 
 
 def _check_crcs(crcs: object, device: torch.device) -> None:

@@ -33,7 +33,7 @@ from offload.errors import OffloadConfigError
 from offload.io import AsyncIO, SwapFile
 from offload.io.future import IOFuture
 from offload.io.swap_file import file_system_of
-from offload.optim.moment_format import INT8_BLOCK, Moment, QuantizedMoment
+from offload.optim.moment_format import INT8_BLOCK, BlockLayout, Moment, QuantizedMoment
 from offload.tiers.disk_checksums import Piece, RecordChecksums, VerifiedRead
 from offload.tiers.swap_layout import (
     ALIGNMENT,
@@ -120,6 +120,9 @@ class SwapStore:
         self.bytes_read = 0
         self.bytes_written = 0
         self.checksums = RecordChecksums()  # sealed on write, verified on read (disk_checksums.py)
+        # int8 state records' block layouts by key (blocks start over at each parameter), set by the ring that
+        # moves them (`DiskRing.blocks`); a record without one is one run from element 0
+        self.blocks: Dict[str, BlockLayout] = {}
         self._write_layout(size)
 
     def _write_layout(self, size: int) -> None:
@@ -195,7 +198,7 @@ class SwapStore:
         if kind is RecordKind.STATE:
             assert isinstance(data, tuple)
             seal_key, record = self._state_record(key, shadow)
-            return _state_pieces(record, seal_key, start, data), record.block
+            return _state_pieces(record, seal_key, start, data, self.blocks.get(key)), record.block
         assert isinstance(data, Tensor)
         seal_key = key
         if kind is RecordKind.WEIGHTS and key in self.shadows.weights and self._copy(key, shadow):
@@ -226,9 +229,11 @@ class SwapStore:
 SHADOW_SUFFIX = "#shadow"  # the seals of a group's second copy are under its key with this suffix
 
 
-def _state_pieces(record: SwapRecord, key: str, start: int, sections: Sequence[Optional[Moment]]) -> List[Piece]:
+def _state_pieces(record: SwapRecord, key: str, start: int, sections: Sequence[Optional[Moment]],
+                  blocks: Optional[BlockLayout] = None) -> List[Piece]:
     """A state chunk's pieces: the master weights, and each moment as its values, or as its int8 codes and
-    scales (two pieces, each sealed on its own), from element `start` of each given section."""
+    scales (two pieces, each sealed on its own), from element `start` of each given section; `blocks`: the
+    record's int8 block layout (None: one run from element 0)."""
     pieces: List[Piece] = []
     for index, section in enumerate(sections):
         if section is None:
@@ -242,7 +247,7 @@ def _state_pieces(record: SwapRecord, key: str, start: int, sections: Sequence[O
             assert isinstance(section, Tensor)
             pieces.append(Piece((key, 0), start, section, at + 4 * start))
         elif isinstance(section, QuantizedMoment):
-            block = start // INT8_BLOCK
+            block = start // INT8_BLOCK if blocks is None else blocks.scales_before(start)
             pieces.append(Piece((key, index), start, section.codes, at + start))
             pieces.append(Piece((key, index, SCALES), block, section.scales, at + record.scales_at + 4 * block))
         else:

@@ -70,7 +70,7 @@ class SwapRecord:
     def section_sizes(self) -> Tuple[int, int, int]:
         """Bytes of the three sections: the master weights, then each moment (codes padded to 4 KiB, then its
         scales padded to 4 KiB when it has any: [Note: compressed moments])."""
-        moment = moment_section_bytes(self.moment_format, self.numel)
+        moment = moment_section_bytes(self.moment_format, self.numel, len(self.params))
         return self.section_bytes, moment, moment
 
     @functools.cached_property
@@ -108,9 +108,10 @@ def section_bytes(numel: int) -> int:
     return round_up(4 * numel, ALIGNMENT)
 
 
-def moment_section_bytes(fmt: MomentFormat, numel: int) -> int:
-    """Bytes of one moment section: its codes (values) padded to 4 KiB, then its scales padded to 4 KiB."""
-    scales = 4 * scale_count(fmt, numel)
+def moment_section_bytes(fmt: MomentFormat, numel: int, segments: int = 1) -> int:
+    """Bytes of one moment section: its codes (values) padded to 4 KiB, then its scales padded to 4 KiB: room for
+    the int8 blocks of `numel` elements in `segments` parameters (each may end in a partial block)."""
+    scales = 4 * scale_capacity(fmt, numel, segments)
     return round_up(code_nbytes(fmt, numel), ALIGNMENT) + (round_up(scales, ALIGNMENT) if scales else 0)
 
 
@@ -184,6 +185,13 @@ def plan_swap_layout(groups: Iterable[GroupShape], numel_of: Optional[Callable[[
         records[group.key] = record
         offset += round_up(record.nbytes, ALIGNMENT)
     return records, offset
+
+
+def scale_capacity(fmt: MomentFormat, numel: int, segments: int) -> int:
+    """The most int8 scales `numel` elements cut into `segments` parameters (or parts of them) can have: the
+    blocks start over at each one, so each may add one partial block."""
+    count = scale_count(fmt, numel)
+    return count + max(segments - 1, 0) if count else 0
 
 
 def round_up(value: int, multiple: int) -> int:

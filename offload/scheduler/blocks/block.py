@@ -81,6 +81,11 @@ class FlatGroup:
     def nbytes(self) -> int:
         return self.numel * _itemsize(self.dtype)
 
+    @property
+    def trainable_segments(self) -> List[Tuple[int, int]]:
+        """Each trainable parameter's element range [start, stop): where int8 moments' blocks start over."""
+        return [(s.offset, s.offset + s.numel) for s in self.trainable_slots]
+
     def shape(self, block: str) -> GroupShape:
         """What the swap file's layout needs of the group (tiers/swap_layout.py): `block` is its block's name."""
         params = tuple((s.name, tuple(s.shape), s.offset) for s in self.slots)

@@ -19,7 +19,7 @@ from offload.optim.moment_format import moment_nbytes
 from offload.scheduler.blocks.block import Block, FlatGroup, Residency
 from offload.scheduler.records.grad_home import GradHome
 from offload.scheduler.state.adamw import AdamHyper, UpdateSpan, adamw
-from offload.scheduler.state.state_store import StateStore, overwrite_master
+from offload.scheduler.state.state_store import StateStore, moment_blocks, overwrite_master
 from offload.scheduler.torch_internals import versions_of
 from offload.scheduler.weights.weight_home import WeightHome
 
@@ -45,7 +45,8 @@ class GroupState:
     def optimizer_state_bytes(self) -> int:
         """Bytes of fp32 master weights and Adam moments (in the store's format) this rank keeps (its shard), on
         any tier."""
-        return 4 * self.shard.numel + 2 * moment_nbytes(self.store.moments, self.shard.numel)
+        blocks = moment_blocks(self.store.moments, self.store.group)  # int8: one scale more a partial block
+        return 4 * self.shard.numel + 2 * moment_nbytes(self.store.moments, self.shard.numel, blocks)
 
     @property
     def host_bytes(self) -> int:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional,
 from torch import Tensor
 
 from offload.io.future import wait_all
-from offload.optim.moment_format import MomentFormat
+from offload.optim.moment_format import BlockLayout, MomentFormat
 from offload.planner.ring import MIN_DEPTH
 from offload.scheduler.ring.record_moves import RecordMoves
 from offload.scheduler.ring.ring_slots import (
@@ -94,9 +94,29 @@ class DiskRing:
         return self._store
 
     def chunks(self, group: "FlatGroup") -> List[Tuple[int, int]]:
-        """Element ranges [start, stop) covering the group's trainable range, each at most one slot."""
+        """Element ranges [start, stop) covering the group's trainable range, each at most one slot (int8: cut
+        where the group's blocks start, with at most the slot's scales)."""
         n = group.trainable_numel
+        blocks = self.blocks(group)
+        if blocks is not None:
+            return blocks.cuts(self.chunk_numel)
         return [(start, min(start + self.chunk_numel, n)) for start in range(0, n, self.chunk_numel)]
+
+    def blocks(self, group: "FlatGroup") -> Optional[BlockLayout]:
+        """The int8 block layout of the group's record (blocks start over at each parameter, or each parameter's
+        part on this rank), told to the swap file on first use; None for fp32 and bf16 moments."""
+        if self.moments is not MomentFormat.INT8:
+            return None
+        blocks = self._store.blocks.get(group.key)
+        if blocks is None:
+            blocks = self._store.blocks[group.key] = BlockLayout.of_segments(group.trainable_numel,
+                                                                               group.trainable_segments)
+        return blocks
+
+    def _cut(self, slot: Slot, group: "FlatGroup", start: int, stop: int) -> SlotSections:
+        """A slot's sections cut to the chunk [start, stop) of the group: its elements, and its blocks' scales."""
+        blocks = self.blocks(group)
+        return slot.cut(stop - start, None if blocks is None else blocks.scales_before(stop) - blocks.scales_before(start))
 
     def announce(self, groups: List["FlatGroup"], replace: bool = False) -> None:
         """These groups will be updated soon, in this order: read their chunks ahead as slots allow. A chunk
@@ -148,7 +168,7 @@ class DiskRing:
             raise
         self.chunks_loaded += 1
         self._read_ahead()
-        return entry.slot.cut(stop - start)
+        return self._cut(entry.slot, group, start, stop)
 
     def store(self, group: "FlatGroup", start: int, stop: int, sections: SlotSections, shadow: bool = False,
               seals: Optional[ChunkSeals] = None) -> None:
@@ -228,7 +248,7 @@ class DiskRing:
         """Initialise the group's record chunk by chunk: `fill(start, stop, sections)` writes into the slot."""
         for start, stop in self.chunks(group):
             slot = self._order.take()
-            sections = slot.cut(stop - start)
+            sections = self._cut(slot, group, start, stop)
             try:
                 fill(start, stop, sections)
             except BaseException:
@@ -316,7 +336,7 @@ class DiskRing:
         """A chunk's state in one request, and its compute weights in another when they live on disk (they
         move with the chunk); the first's I/O is finished before an error of the second's submission leaves.
         `extra`: keyword arguments of `move` for the state's request and the weights'."""
-        futures = [move(RecordKind.STATE, group.key, start, slot.cut(stop - start), **extra[0])]
+        futures = [move(RecordKind.STATE, group.key, start, self._cut(slot, group, start, stop), **extra[0])]
         weights = self._weight_area(slot, group, start, stop)
         if weights is not None:
             try:

@@ -50,6 +50,7 @@ from offload.io.future import IOFuture, wait_all
 from offload.optim.moment_format import (
     Moment,
     MomentFormat,
+    QuantizedMoment,
     code_nbytes,
     moment_from_bytes,
     scale_count,
@@ -76,7 +77,7 @@ class Slot:
     sections: SlotSections  # `chunk_numel` elements each
     moments: MomentFormat
     weights_offset: int  # where the compute-weight area starts (after the sections, 4 KiB-aligned)
-    cuts: Dict[int, SlotSections] = field(default_factory=dict)  # `cut`'s views, by chunk size
+    cuts: Dict[Tuple[int, Optional[int]], SlotSections] = field(default_factory=dict)  # `cut`'s views by size
     holds: Optional["CleanChunk"] = None  # while free: the chunk whose live bytes on disk it still holds
 
     def weights(self, dtype: torch.dtype, numel: int) -> Tensor:
@@ -85,15 +86,25 @@ class Slot:
         itemsize = dtype.itemsize
         return self.raw[start:start + numel * itemsize].view(dtype)
 
-    def cut(self, numel: int) -> SlotSections:
+    def cut(self, numel: int, scales: Optional[int] = None) -> SlotSections:
         """The three sections' first `numel` elements: a chunk of that many elements in this slot (the cuts of
-        the sizes a record's chunks have are made once)."""
-        cut = self.cuts.get(numel)
+        the sizes a record's chunks have are made once). `scales`: an int8 chunk's blocks (default: one run)."""
+        cut = self.cuts.get((numel, scales))
         if cut is None:
             master, exp_avg, exp_avg_sq = self.sections
-            cut = self.cuts[numel] = (master[:numel], slice_moment(exp_avg, self.moments, 0, numel),
-                                      slice_moment(exp_avg_sq, self.moments, 0, numel))
+            cut = self.cuts[(numel, scales)] = (master[:numel], _moment_prefix(exp_avg, self.moments, numel, scales),
+                                                _moment_prefix(exp_avg_sq, self.moments, numel, scales))
         return cut
+
+
+def _moment_prefix(moment: Moment, moments: MomentFormat, numel: int, scales: Optional[int]) -> Moment:
+    """A slot moment's first `numel` elements and (int8) first `scales` scales."""
+    if scales is None or not isinstance(moment, QuantizedMoment):
+        return slice_moment(moment, moments, 0, numel)
+    if scales > moment.scales.numel():
+        raise OffloadConfigError(f"a chunk of {numel} elements in {scales} int8 blocks does not fit a slot of "
+                                 f"{moment.scales.numel()} scales")
+    return QuantizedMoment(moment.codes[:numel], moment.scales[:scales])
 
 
 def _moment_at(raw: Tensor, offset: int, moments: MomentFormat, chunk: int) -> Moment:

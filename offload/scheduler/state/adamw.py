@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from offload.optim.functional import adam_step_flat, adam_step_torch
-from offload.optim.moment_format import EXP_AVG, EXP_AVG_SQ, INT8_BLOCK, MomentFormat, slice_moment
+from offload.optim.moment_format import EXP_AVG, EXP_AVG_SQ, BlockLayout, MomentFormat, slice_moment
 from offload.optim.moments import CRC_PIECES, adam_step_moments, decode_moment, encode_moment
 from offload.scheduler.state.state_store import StateChunk, StateStore
 
@@ -85,25 +85,30 @@ def _adamw_moments(fmt: MomentFormat, chunk: StateChunk, lo: int, hi: int, grad:
                    grad_scale: float, out: Optional[Tensor], num_threads: Optional[int],
                    crcs: Optional[Tensor] = None) -> None:
     """AdamW on elements [lo, hi) of a chunk whose moments are compressed: the fused kernel on the compressed
-    form when the range starts on a quantization block (every span of a group stepped as one, the usual case);
-    else [Note: compressed moments] the blocks the range touches are decoded, stepped in fp32 and encoded
-    again (the other elements of those blocks are re-encoded at the block's new scale). `crcs` (the whole chunk):
-    receives the CRC-32C of each piece written ([Note: step CRCs])."""
+    form when the range is whole quantization blocks (int8 blocks start over at each parameter, so every span of
+    parameters is); else [Note: compressed moments] the blocks the range touches are decoded, stepped in fp32
+    and encoded again (the other elements of those blocks are re-encoded at the block's new scale). `crcs` (the
+    whole chunk): receives the CRC-32C of each piece written ([Note: step CRCs])."""
     a, b = lo - chunk.start, hi - chunk.start
-    size, block = chunk.stop - chunk.start, block_of(fmt)
-    first = a // block * block
-    if first == a and (b % block == 0 or b == size):  # whole blocks: nothing outside [a, b) shares a scale
-        adam_step_moments(chunk.master[a:b], grad, slice_moment(chunk.exp_avg, fmt, a, b),
-                          slice_moment(chunk.exp_avg_sq, fmt, a, b), fmt, step=step, lr=hyper.lr, beta1=hyper.beta1,
-                          beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay, adamw=True,
-                          grad_scale=grad_scale, out=out, num_threads=num_threads, crcs=crcs)
+    size = chunk.stop - chunk.start
+    blocks = chunk.blocks if fmt is MomentFormat.INT8 else None
+    if fmt is MomentFormat.INT8 and blocks is None:
+        blocks = BlockLayout(size)  # one run from the chunk's start
+    first, last = (a, b) if blocks is None else blocks.enclosing(a, b)
+    if (first, last) == (a, b) or (first == a and b == size):  # whole blocks: nothing outside [a, b) shares a scale
+        adam_step_moments(chunk.master[a:b], grad, slice_moment(chunk.exp_avg, fmt, a, b, blocks),
+                          slice_moment(chunk.exp_avg_sq, fmt, a, b, blocks), fmt, step=step, lr=hyper.lr,
+                          beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay,
+                          adamw=True, grad_scale=grad_scale, out=out, num_threads=num_threads, crcs=crcs,
+                          blocks=None if blocks is None else blocks.sub(a, b))
         return
     assert crcs is None, "the CRCs of a whole chunk come from one fused step"
-    last = min(-(-b // block) * block, size)
-    moments = [slice_moment(m, fmt, first, last) for m in (chunk.exp_avg, chunk.exp_avg_sq)]
+    assert blocks is not None
+    part = blocks.sub(first, last)
+    moments = [slice_moment(m, fmt, first, last, blocks) for m in (chunk.exp_avg, chunk.exp_avg_sq)]
     values = [torch.empty(last - first, dtype=torch.float32, device=chunk.master.device) for _ in moments]
     for which, moment, fp32 in zip((EXP_AVG, EXP_AVG_SQ), moments, values):
-        decode_moment(moment, fmt, which, fp32)
+        decode_moment(moment, fmt, which, fp32, part)
     state = (chunk.master[a:b], grad, values[0][a - first:b - first], values[1][a - first:b - first])
     if chunk.master.device.type == "cpu":
         adam_step_flat(*state, step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps,
@@ -112,12 +117,7 @@ def _adamw_moments(fmt: MomentFormat, chunk: StateChunk, lo: int, hi: int, grad:
     else:
         _adamw_torch(*state, step, hyper, grad_scale, out)
     for which, moment, fp32 in zip((EXP_AVG, EXP_AVG_SQ), moments, values):
-        encode_moment(fp32, fmt, which, moment)
-
-
-def block_of(fmt: MomentFormat) -> int:
-    """Elements that share a scale: where a compressed moment can be cut."""
-    return INT8_BLOCK if fmt is MomentFormat.INT8 else 1
+        encode_moment(fp32, fmt, which, moment, part)
 
 
 def _adamw_torch(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int,

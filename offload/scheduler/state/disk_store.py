@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, List, Opti
 import torch
 
 from offload.io.future import wait_all
-from offload.optim.moment_format import EXP_AVG, EXP_AVG_SQ, MomentFormat, QuantizedMoment, slice_moment
+from offload.optim.moment_format import EXP_AVG, EXP_AVG_SQ, BlockLayout, MomentFormat, QuantizedMoment, slice_moment
 from offload.optim.moments import encode_moment
 from offload.scheduler.blocks.block import FlatGroup
 from offload.scheduler.state.state_store import Cloned, Fill, Span, StateChunk, SwapSections, Views, decode_views
@@ -40,6 +40,7 @@ class DiskStore:
         self.group = group
         self.moments = ring.moments
         self._ring = ring
+        self.blocks = ring.blocks(group)  # int8: blocks start over at each parameter (None: fp32, bf16)
         weights = group.device_buffer
 
         def fill(start: int, stop: int, sections: "SlotSections") -> None:
@@ -93,7 +94,8 @@ class DiskStore:
     def load(self, start: int, stop: int, shadow: bool = False) -> StateChunk:
         """The live record's chunk in a slot; `shadow`: its `store` goes to the shadow copy."""
         sections = self._ring.load(self.group, start, stop)
-        return StateChunk(start, stop, *sections, weights=self._ring.weights_of(sections, self.group), shadow=shadow)
+        return StateChunk(start, stop, *sections, weights=self._ring.weights_of(sections, self.group), shadow=shadow,
+                          blocks=None if self.blocks is None else self.blocks.sub(start, stop))
 
     def store(self, chunk: StateChunk) -> None:
         sections = (chunk.master, chunk.exp_avg, chunk.exp_avg_sq)
@@ -120,7 +122,7 @@ class DiskStore:
     # ----- checkpoint side -----
     def swap_sections(self) -> Optional[SwapSections]:
         """The record's sections in the swap file, for copy-on-write clones (after `drain`); None with
-        compressed moments (a checkpoint holds fp32 values, which the swap file does not)."""
+        compressed moments (their sections are not a checkpoint file's: bf16 or int8 records are written, not cloned)."""
         if self.moments is not MomentFormat.FP32:
             return None
         self.drain()
@@ -128,17 +130,19 @@ class DiskStore:
         return SwapSections(fd, offsets, nbytes)
 
     @contextlib.contextmanager
-    def reading(self) -> Iterator[Iterator[Tuple[int, int, Views]]]:
-        """The record as host chunks in order (read-only; a chunk's views are valid until the next one)."""
+    def reading(self, encoded: bool = False) -> Iterator[Iterator[Tuple[int, int, Views]]]:
+        """The record as host chunks in order (read-only; a chunk's views are valid until the next one);
+        compressed moments decoded to fp32, or (`encoded`) as the record keeps them."""
         self.drain()
         with self._ring.borrow(2) as slots:
-            chunks = self._read_chunks(slots)
+            chunks = self._read_chunks(slots, encoded)
             try:
                 yield chunks
             finally:
                 chunks.close()  # a read still in flight into the other slot finishes before it goes back
 
-    def _read_chunks(self, slots: List["SlotSections"]) -> Generator[Tuple[int, int, Views], None, None]:
+    def _read_chunks(self, slots: List["SlotSections"],
+                     encoded: bool = False) -> Generator[Tuple[int, int, Views], None, None]:
         """Chunk i is read into one slot while the caller writes chunk i-1 from the other (when the ring lends
         two), so the swap file's reads overlap the checkpoint's writes. Compressed moments are decoded to
         fp32 (the checkpoint side's form) before the chunk is handed out."""
@@ -147,7 +151,7 @@ class DiskStore:
 
         def read(i: int) -> Tuple[Any, List[Any]]:
             start, stop = chunks[i]
-            views = _cut(slots[i % len(slots)], self.moments, stop - start)
+            views = self._cut(slots[i % len(slots)], start, stop)
             return views, [swap.read(RecordKind.STATE, self.group.key, start, views)]
 
         pending = read(0) if chunks else None
@@ -157,7 +161,10 @@ class DiskStore:
                 views, futures = pending
                 pending = None
                 wait_all(futures)
-                fp32 = views if self.moments is MomentFormat.FP32 else decode_views(self.moments, *views)
+                if self.moments is not MomentFormat.FP32 and not encoded:
+                    master, exp_avg, exp_avg_sq = views
+                    views = decode_views(self.moments, master, exp_avg, exp_avg_sq, self._chunk_blocks(start, stop))
+                fp32 = views
                 if i + 1 < len(chunks) and len(slots) > 1:
                     pending = read(i + 1)
                 yield start, stop, fp32
@@ -170,7 +177,7 @@ class DiskStore:
                 except Exception:  # noqa: BLE001 - dropped: nobody reads this chunk; the caller's error stands
                     pass
 
-    def write(self, fill: Fill, cloned: Cloned = (0, 0, 0)) -> None:
+    def write(self, fill: Fill, cloned: Cloned = (0, 0, 0), encoded: bool = False) -> None:
         """New state chunk by chunk: chunk i is filled while chunk i-1 is written. `cloned[i]`: the swap file
         already holds that many leading elements of section i (cloned copy-on-write); they are sealed, not
         written. A `fill` that fails leaves the record partly written, which the load reports."""
@@ -182,12 +189,15 @@ class DiskStore:
                 for i, (start, stop) in enumerate(self.chunks()):
                     if len(in_flight) == len(slots):
                         in_flight.pop(0)()  # this slot's previous write is done before it is filled again
-                    views = _cut(slots[i % len(slots)], self.moments, stop - start)
+                    views = self._cut(slots[i % len(slots)], start, stop)
                     if self.moments is MomentFormat.FP32:
                         fill(start, stop, views)  # type: ignore[arg-type]
                         in_flight.append(self._store_chunk(start, stop, views, cloned))  # type: ignore[arg-type]
                         continue
-                    _fill_encoded(fill, start, stop, views, self.moments)
+                    if encoded:  # the moments as the record keeps them: nothing to encode
+                        fill(start, stop, views)  # type: ignore[arg-type]
+                    else:
+                        _fill_encoded(fill, start, stop, views, self.moments, self._chunk_blocks(start, stop))
                     futures = [self._ring.swap.write(RecordKind.STATE, self.group.key, start, views)]
                     in_flight.append(functools.partial(wait_all, futures))
                 while in_flight:
@@ -198,6 +208,20 @@ class DiskStore:
                         finish()
                     except Exception:  # noqa: BLE001 - the first error is already on its way up
                         pass
+
+    def _chunk_blocks(self, start: int, stop: int) -> Optional[BlockLayout]:
+        return None if self.blocks is None else self.blocks.sub(start, stop)
+
+    def _cut(self, sections: "SlotSections", start: int, stop: int) -> "SlotSections":
+        """A borrowed slot's sections, cut to the chunk [start, stop): its elements and (int8) its blocks' scales."""
+        master, exp_avg, exp_avg_sq = sections
+        numel, blocks = stop - start, self.blocks
+        if blocks is None or not isinstance(exp_avg, QuantizedMoment) or not isinstance(exp_avg_sq, QuantizedMoment):
+            return (master[:numel], slice_moment(exp_avg, self.moments, 0, numel),
+                    slice_moment(exp_avg_sq, self.moments, 0, numel))
+        scales = blocks.scales_before(stop) - blocks.scales_before(start)
+        return (master[:numel], QuantizedMoment(exp_avg.codes[:numel], exp_avg.scales[:scales]),
+                QuantizedMoment(exp_avg_sq.codes[:numel], exp_avg_sq.scales[:scales]))
 
     def _store_chunk(self, start: int, stop: int, views: Views, cloned: Cloned) -> Callable[[], None]:
         """Start writing the chunk's sections, except what a clone already put in the file; the returned
@@ -224,17 +248,12 @@ class DiskStore:
         return finish
 
 
-def _cut(sections: "SlotSections", moments: MomentFormat, numel: int) -> "SlotSections":
-    """A borrowed slot's sections, cut to a chunk of `numel` elements."""
-    master, exp_avg, exp_avg_sq = sections
-    return master[:numel], slice_moment(exp_avg, moments, 0, numel), slice_moment(exp_avg_sq, moments, 0, numel)
-
-
-def _fill_encoded(fill: Fill, start: int, stop: int, sections: "SlotSections", moments: MomentFormat) -> None:
+def _fill_encoded(fill: Fill, start: int, stop: int, sections: "SlotSections", moments: MomentFormat,
+                  blocks: Optional[BlockLayout]) -> None:
     """`fill` a chunk of a record with compressed moments: the master weights straight into the slot, the
     moments into fp32 staging, then encoded into the slot."""
     master, exp_avg, exp_avg_sq = sections
     staged = (torch.empty(stop - start, dtype=torch.float32), torch.empty(stop - start, dtype=torch.float32))
     fill(start, stop, (master, *staged))
     for which, moment, values in ((EXP_AVG, exp_avg, staged[0]), (EXP_AVG_SQ, exp_avg_sq, staged[1])):
-        encode_moment(values, moments, which, moment)
+        encode_moment(values, moments, which, moment, blocks)

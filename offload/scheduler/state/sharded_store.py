@@ -33,6 +33,13 @@ class ShardGroup:
         self.device_buffer: Optional[Tensor] = group.device_buffer[shard.lo:shard.hi]
         self.trainable_slots: List[ParamSlot] = group.trainable_slots  # names for the swap layout only
 
+    @property
+    def trainable_segments(self) -> List[Tuple[int, int]]:
+        """Each trainable parameter's part on this rank, in the part's own coordinates: where int8 moments'
+        blocks start over (a block never crosses a parameter nor a rank's boundary)."""
+        lo, hi = self.shard.lo, self.shard.hi
+        return [(max(a, lo) - lo, min(b, hi) - lo) for a, b in self.whole.trainable_segments if a < hi and b > lo]
+
 
 class ShardedStore:
     """The `StateStore` of `[lo, hi)` of a group: `inner` holds that part as its own `[0, hi - lo)`."""
@@ -92,16 +99,16 @@ class ShardedStore:
         self.inner.drain()
 
     @contextlib.contextmanager
-    def reading(self) -> Iterator[Iterator[Tuple[int, int, Views]]]:
+    def reading(self, encoded: bool = False) -> Iterator[Iterator[Tuple[int, int, Views]]]:
         lo = self.shard.lo
-        with self.inner.reading() as chunks:
+        with self.inner.reading(encoded) as chunks:
             yield ((lo + a, lo + b, views) for a, b, views in chunks)
 
-    def write(self, fill: Fill, cloned: Cloned = (0, 0, 0)) -> None:
+    def write(self, fill: Fill, cloned: Cloned = (0, 0, 0), encoded: bool = False) -> None:
         """`fill` in the group's coordinates. Nothing is cloned into a part (`swap_sections` is None)."""
         if any(cloned):
             raise ValueError(f"a rank's part of the optimizer state is written, never cloned (cloned={cloned})")
-        self.inner.write(_InPartCoordinates(fill, self.shard.lo))
+        self.inner.write(_InPartCoordinates(fill, self.shard.lo), encoded=encoded)
 
     def swap_sections(self) -> Optional[SwapSections]:
         return None  # a part's sections are not a checkpoint file's: no copy-on-write clones

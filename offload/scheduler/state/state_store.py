@@ -10,7 +10,7 @@ store on another device) is a new implementation of this protocol, not a new bra
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, List, NamedTuple, Optional, Protocol, Sequence, Tuple, cast
+from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Protocol, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor
@@ -18,6 +18,7 @@ from torch import Tensor
 from offload.optim.moment_format import (
     EXP_AVG,
     EXP_AVG_SQ,
+    BlockLayout,
     Moment,
     MomentFormat,
     QuantizedMoment,
@@ -29,6 +30,7 @@ from offload.optim.moments import decode_moment, encode_moment
 from offload.scheduler.blocks.block import FlatGroup
 
 Views = Tuple[Tensor, Tensor, Tensor]  # master, exp_avg, exp_avg_sq: fp32, contiguous (the checkpoint side)
+EncodedViews = Tuple[Tensor, Moment, Moment]  # master (fp32) and the moments in the store's format, on the host
 Span = Tuple[int, int]  # elements [start, stop) of the group's trainable range
 Fill = Callable[[int, int, Views], None]  # writes a chunk's new state into host views
 Cloned = Sequence[int]  # per section, how many leading elements a swap file already holds (cloned)
@@ -49,6 +51,16 @@ class StateChunk(NamedTuple):
     # and scales, `weights`), computed by the step in the same pass (`seals_in_step`); `store` seals the swap file's
     # pieces with them instead of reading the chunk back. None: the store computes its seals itself.
     crcs: Optional[Tensor] = None
+    # int8 moments: where the chunk's quantization blocks lie, from its first element (None: fp32 or bf16)
+    blocks: Optional[BlockLayout] = None
+
+
+def moment_blocks(moments: MomentFormat, group: "FlatGroup | Any") -> Optional[BlockLayout]:
+    """The block layout of a group's (or a rank's part's) int8 moments: blocks start over at each parameter
+    ([Note: compressed moments]); None for fp32 and bf16, which have no blocks."""
+    if moments is not MomentFormat.INT8:
+        return None
+    return BlockLayout.of_segments(group.trainable_numel, group.trainable_segments)
 
 
 class SwapSections(NamedTuple):
@@ -113,9 +125,13 @@ class StateStore(Protocol):
     def drain(self) -> None:
         """Every write of the state on its medium, reads ahead dropped (the checkpoint side's first step)."""
 
-    def reading(self) -> "contextlib.AbstractContextManager[Iterator[Tuple[int, int, Views]]]": ...
+    def reading(self, encoded: bool = False) -> "contextlib.AbstractContextManager[Iterator[Tuple[int, int, Views]]]":
+        """The state as host chunks (cut where int8 blocks start), fp32; `encoded`: the moments as the store keeps
+        them (`Moment`s of its format: what a checkpoint stores of bf16 and int8 moments)."""
 
-    def write(self, fill: Fill, cloned: Cloned = (0, 0, 0)) -> None: ...
+    def write(self, fill: Fill, cloned: Cloned = (0, 0, 0), encoded: bool = False) -> None:
+        """New state from `fill` (fp32 views; `encoded`: the moments in the store's own format, filled as they
+        are, nothing rounded)."""
 
     def swap_sections(self) -> Optional[SwapSections]: ...
 
@@ -160,8 +176,9 @@ class MemoryStore:
         aliased = group.dtype == torch.float32 and not on_host
         self.master = weights if aliased else weights.to(device, torch.float32, copy=True)
         self.writes_compute_copy = not aliased
-        self.exp_avg = zeros_moment(moments, n, device)
-        self.exp_avg_sq = zeros_moment(moments, n, device)
+        self.blocks = moment_blocks(moments, group)
+        self.exp_avg = zeros_moment(moments, n, device, self.blocks)
+        self.exp_avg_sq = zeros_moment(moments, n, device, self.blocks)
         self._shadow: Optional[Tuple[Tensor, Moment, Moment]] = None  # `add_shadow`: where speculation writes
 
     def add_shadow(self) -> None:
@@ -169,8 +186,8 @@ class MemoryStore:
         plan affords its bytes)."""
         assert self.writes_compute_copy, "the master weights are the compute weights: nothing to speculate into"
         n, device = self.group.trainable_numel, self.master.device
-        self._shadow = (torch.empty_like(self.master), zeros_moment(self.moments, n, device),
-                        zeros_moment(self.moments, n, device))
+        self._shadow = (torch.empty_like(self.master), zeros_moment(self.moments, n, device, self.blocks),
+                        zeros_moment(self.moments, n, device, self.blocks))
 
     @property
     def shadowed(self) -> bool:
@@ -183,7 +200,7 @@ class MemoryStore:
     @property
     def nbytes_in_memory(self) -> int:
         own_master = 0 if not self.writes_compute_copy else self.master.nbytes
-        state = own_master + 2 * moment_nbytes(self.moments, self.group.trainable_numel)
+        state = own_master + 2 * moment_nbytes(self.moments, self.group.trainable_numel, self.blocks)
         return 2 * state if self._shadow is not None else state
 
     # ----- update side: one chunk, the tensors themselves; nothing to read ahead or write back -----
@@ -195,17 +212,18 @@ class MemoryStore:
 
     def load(self, start: int, stop: int, shadow: bool = False) -> StateChunk:
         """The state itself; `shadow`: the shadow's, holding a copy of the live state to update in place."""
-        live = (self.master[start:stop], slice_moment(self.exp_avg, self.moments, start, stop),
-                slice_moment(self.exp_avg_sq, self.moments, start, stop))
+        blocks = None if self.blocks is None else self.blocks.sub(start, stop)
+        live = (self.master[start:stop], slice_moment(self.exp_avg, self.moments, start, stop, self.blocks),
+                slice_moment(self.exp_avg_sq, self.moments, start, stop, self.blocks))
         if not shadow:
-            return StateChunk(start, stop, *live)
+            return StateChunk(start, stop, *live, blocks=blocks)
         assert self._shadow is not None
         master, exp_avg, exp_avg_sq = self._shadow
-        copies = (master[start:stop], slice_moment(exp_avg, self.moments, start, stop),
-                  slice_moment(exp_avg_sq, self.moments, start, stop))
+        copies = (master[start:stop], slice_moment(exp_avg, self.moments, start, stop, self.blocks),
+                  slice_moment(exp_avg_sq, self.moments, start, stop, self.blocks))
         for target, source in zip(copies, live):
             copy_moment(target, source)
-        return StateChunk(start, stop, *copies, shadow=True)
+        return StateChunk(start, stop, *copies, shadow=True, blocks=blocks)
 
     def commit_shadow(self) -> None:
         """The shadow (a speculative update's new state) becomes the state; the old state the next shadow."""
@@ -228,11 +246,12 @@ class MemoryStore:
 
     # ----- checkpoint side -----
     @contextlib.contextmanager
-    def reading(self) -> Iterator[Iterator[Tuple[int, int, Views]]]:
+    def reading(self, encoded: bool = False) -> Iterator[Iterator[Tuple[int, int, Views]]]:
         """The state as host chunks (read-only): the fp32 tensors themselves on the host, copies from a device;
-        compressed moments decoded to fp32 a piece at a time (`DECODE_CHUNK`)."""
+        compressed moments decoded to fp32 a piece at a time (`DECODE_CHUNK`), or (`encoded`) as they are."""
         if self.moments is not MomentFormat.FP32:
-            yield decoded_chunks(self, self.master, self.exp_avg, self.exp_avg_sq)
+            state = (self, self.master, self.exp_avg, self.exp_avg_sq)
+            yield encoded_chunks(*state) if encoded else decoded_chunks(*state)  # type: ignore[misc]
             return
         views = tuple(t.detach().to("cpu").contiguous() for t in self._fp32_state())
         yield iter([(0, self.group.trainable_numel, views)])  # type: ignore[list-item]
@@ -242,13 +261,16 @@ class MemoryStore:
         assert self.moments is MomentFormat.FP32
         return self.master, cast(Tensor, self.exp_avg), cast(Tensor, self.exp_avg_sq)
 
-    def write(self, fill: Fill, cloned: Cloned = (0, 0, 0)) -> None:
+    def write(self, fill: Fill, cloned: Cloned = (0, 0, 0), encoded: bool = False) -> None:
         """New state from `fill`: straight into host tensors (a load verified the files before anything
         changes), through host staging for device tensors; compressed moments are filled in fp32 a piece at
-        a time and encoded."""
+        a time and encoded, or (`encoded`) filled as they are."""
         n = self.group.trainable_numel
         if self.moments is not MomentFormat.FP32:
-            encode_chunks(self, self.master, self.exp_avg, self.exp_avg_sq, fill)
+            if encoded:
+                fill_encoded_chunks(self, self.master, self.exp_avg, self.exp_avg_sq, fill)  # type: ignore[arg-type]
+            else:
+                encode_chunks(self, self.master, self.exp_avg, self.exp_avg_sq, fill)
             return
         targets = self._fp32_state()
         if all(t.device.type == "cpu" and t.is_contiguous() for t in targets):
@@ -267,25 +289,67 @@ class MemoryStore:
 DECODE_CHUNK = 1 << 22  # elements a checkpoint decodes or encodes at once: 32 MiB of fp32 moments
 
 
+def decode_cuts(n: int, blocks: Optional[BlockLayout]) -> List[Span]:
+    """[0, n) in pieces of at most DECODE_CHUNK elements, each cut where an int8 block starts."""
+    if blocks is None:
+        return [(start, min(start + DECODE_CHUNK, n)) for start in range(0, n, DECODE_CHUNK)]
+    return blocks.cuts(DECODE_CHUNK, DECODE_CHUNK)
+
+
 def decoded_chunks(store: StateStore, master: Tensor, exp_avg: Moment,
                    exp_avg_sq: Moment) -> Iterator[Tuple[int, int, Views]]:
-    """A memory store's compressed state as fp32 host chunks of DECODE_CHUNK elements (a multiple of every
-    quantization block): the checkpoint side sees fp32 whatever the format."""
-    n = store.group.trainable_numel
-    for start in range(0, n, DECODE_CHUNK):
-        stop = min(start + DECODE_CHUNK, n)
+    """A memory store's compressed state as fp32 host chunks of at most DECODE_CHUNK elements (cut where
+    quantization blocks start): the checkpoint side sees fp32 whatever the format."""
+    blocks = moment_blocks(store.moments, store.group)
+    for start, stop in decode_cuts(store.group.trainable_numel, blocks):
         yield start, stop, decode_views(store.moments, master[start:stop].detach(),
-                                        slice_moment(exp_avg, store.moments, start, stop),
-                                        slice_moment(exp_avg_sq, store.moments, start, stop))
+                                        slice_moment(exp_avg, store.moments, start, stop, blocks),
+                                        slice_moment(exp_avg_sq, store.moments, start, stop, blocks),
+                                        None if blocks is None else blocks.sub(start, stop))
 
 
-def decode_views(moments: MomentFormat, master: Tensor, exp_avg: Moment, exp_avg_sq: Moment) -> Views:
+def _host_moment(m: Moment) -> Moment:
+    if isinstance(m, QuantizedMoment):
+        return QuantizedMoment(m.codes.to("cpu"), m.scales.to("cpu"))
+    return m.to("cpu")
+
+
+def encoded_chunks(store: StateStore, master: Tensor, exp_avg: Moment,
+                   exp_avg_sq: Moment) -> Iterator[Tuple[int, int, EncodedViews]]:
+    """A memory store's compressed state as host chunks in its own format (copies from a device)."""
+    blocks = moment_blocks(store.moments, store.group)
+    for start, stop in decode_cuts(store.group.trainable_numel, blocks):
+        yield start, stop, (master[start:stop].detach().to("cpu"),
+                            _host_moment(slice_moment(exp_avg, store.moments, start, stop, blocks)),
+                            _host_moment(slice_moment(exp_avg_sq, store.moments, start, stop, blocks)))
+
+
+def fill_encoded_chunks(store: StateStore, master: Tensor, exp_avg: Moment, exp_avg_sq: Moment,
+                        fill: Callable[[int, int, EncodedViews], None]) -> None:
+    """A memory store's new compressed state from `fill`, in its own format: straight into host tensors,
+    through host staging for device ones."""
+    blocks = moment_blocks(store.moments, store.group)
+    for start, stop in decode_cuts(store.group.trainable_numel, blocks):
+        targets = (master[start:stop], slice_moment(exp_avg, store.moments, start, stop, blocks),
+                   slice_moment(exp_avg_sq, store.moments, start, stop, blocks))
+        if master.device.type == "cpu":
+            fill(start, stop, targets)
+            continue
+        staged = tuple(_host_moment(t) for t in targets)
+        fill(start, stop, staged)  # type: ignore[arg-type]
+        with torch.no_grad():
+            for target, source in zip(targets, staged):
+                copy_moment(target, source)
+
+
+def decode_views(moments: MomentFormat, master: Tensor, exp_avg: Moment, exp_avg_sq: Moment,
+                 blocks: Optional[BlockLayout] = None) -> Views:
     """fp32 host copies of one chunk's state (the master weights as they are when already on the host)."""
     n = master.numel()
     out = []
     for which, moment in ((EXP_AVG, exp_avg), (EXP_AVG_SQ, exp_avg_sq)):
         values = torch.empty(n, dtype=torch.float32, device=master.device)
-        decode_moment(moment, moments, which, values)
+        decode_moment(moment, moments, which, values, blocks)
         out.append(values.to("cpu"))
     return master.to("cpu").contiguous(), out[0], out[1]
 
@@ -293,9 +357,8 @@ def decode_views(moments: MomentFormat, master: Tensor, exp_avg: Moment, exp_avg
 def encode_chunks(store: StateStore, master: Tensor, exp_avg: Moment, exp_avg_sq: Moment, fill: Fill) -> None:
     """A memory store's new compressed state from `fill`, DECODE_CHUNK elements at a time through fp32 host
     staging; the master weights are filled in place when they are on the host."""
-    n = store.group.trainable_numel
-    for start in range(0, n, DECODE_CHUNK):
-        stop = min(start + DECODE_CHUNK, n)
+    blocks = moment_blocks(store.moments, store.group)
+    for start, stop in decode_cuts(store.group.trainable_numel, blocks):
         on_host = master.device.type == "cpu"
         target = master[start:stop] if on_host else torch.empty(stop - start, dtype=torch.float32)
         staged = (target, torch.empty(stop - start, dtype=torch.float32), torch.empty(stop - start, dtype=torch.float32))
@@ -304,8 +367,9 @@ def encode_chunks(store: StateStore, master: Tensor, exp_avg: Moment, exp_avg_sq
             if not on_host:
                 master[start:stop].copy_(target)
             for which, moment, values in ((EXP_AVG, exp_avg, staged[1]), (EXP_AVG_SQ, exp_avg_sq, staged[2])):
-                piece = slice_moment(moment, store.moments, start, stop)
-                encode_moment(values.to(master.device), store.moments, which, piece)
+                piece = slice_moment(moment, store.moments, start, stop, blocks)
+                encode_moment(values.to(master.device), store.moments, which, piece,
+                              None if blocks is None else blocks.sub(start, stop))
 
 
 def copy_moment(target: Moment, source: Moment) -> None:
