@@ -305,10 +305,10 @@ def test_a_dropped_speculation_leaves_a_resident_blocks_upload_source_as_it_was(
     from offload.scheduler.weights.weight_home import HostMirror
     own = placement._weight_home
 
-    def as_on_a_gpu(block, group, policy, tiers, streamed, on_disk, trains):
+    def as_on_a_gpu(block, group, policy, tiers, streamed, on_disk, trains, whole_state):
         if block.name not in on_disk and block.name not in streamed and trains:
             return HostMirror(group, tiers.copies, whole=False)
-        return own(block, group, policy, tiers, streamed, on_disk, trains)
+        return own(block, group, policy, tiers, streamed, on_disk, trains, whole_state)
 
     monkeypatch.setattr(placement, "_weight_home", as_on_a_gpu)
     batches = make_batches(3, 1, seed=8)
@@ -408,6 +408,43 @@ def test_a_backward_that_fails_partway_is_skipped_as_torch_skips_it(tmp_path):
             assert (got - want).abs().max().item() < 1e-5, name
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_weights_read_between_backward_and_step_are_the_weights_before_it(tmp_path, tier):
+    """With the CPU computing, a resident block's speculative update writes its weights in place (no shadow to
+    allocate or copy at the commit): whatever reads them before step() (a norm of one layer's weight, the
+    module's state_dict) must still see the weights before the step, as in torch, so the read drops that block's
+    speculation and puts its weights back from the master; the step then redoes its update exactly."""
+    batches = make_batches(4, 1, seed=6)
+    reads: Dict[object, List[torch.Tensor]] = {}
+
+    def between(engine, step):
+        seen = reads.setdefault(engine.policy.speculative_clipping, [])
+        if step == 1:
+            seen.append(engine.module.h[2].fc.weight.detach().clone())
+        if step == 2:
+            seen.extend(v.detach().clone() for v in engine.module.state_dict().values())
+
+    on, norms, off = _both(tmp_path, tier, BELOW, batches, between=between, grad_accumulation_steps=1)
+    try:
+        assert not any(b.shadow_device_bytes for b in on.plan.blocks), str(on.plan)
+        for block in on.plan.blocks:  # the state's shadow only (master and moments in memory on the cpu tier)
+            trainable = sum(p.numel() for p in on.module.get_submodule(block.name).parameters() if p.requires_grad)
+            assert block.shadow_host_bytes == (12 * trainable if tier == "cpu" and block.shadowed else 0), block
+        assert len(reads[True]) == len(reads[False]) > 1
+        for got, want in zip(reads[True], reads[False]):
+            assert torch.equal(got, want)
+        _bit_identical(_state(on), _state(off))
+        model, torch_norms = _torch(batches, BELOW)
+        _close_to_torch(on, model, norms, torch_norms)
+        stats, blocks = on.stats(), len(on.plan.shadowed_blocks)
+        # step 1 dropped the block read; step 2 every block (the whole state_dict); steps 0 and 3 kept all
+        assert stats["forgotten_speculations"] == 1 + blocks, stats
+        assert stats["committed_speculations"] == 3 * blocks - 1, stats
+    finally:
+        on.close()
+        off.close()
 
 
 def _raise(*_args):

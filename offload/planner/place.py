@@ -22,7 +22,7 @@ from offload.policy import Tier
 def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[int],
               host_budget: Optional[int], ring: Optional[RingSize] = None, grads: Optional[GradFlow] = None,
               shard_world: int = 1, speculate: bool = False, disk_room: Optional[int] = None,
-              updates_write_device: bool = False) -> Plan:
+              resident_weight_shadows: bool = False) -> Plan:
     """Place each block; raises OffloadConfigError naming the block or budget that cannot work.
 
     nvme tier (`ring` given): host memory holds the gradients (all of them; or a window of GRAD_WINDOW_BLOCKS
@@ -38,8 +38,10 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
     Speculative clipping (`speculate`: clipping asked for, and speculation allowed): the shadows come last, from
     what the budgets leave (`disk_room`: free bytes where the swap file goes, None: not measured), last blocks of
     the forward first, since their gradients complete first in the backward ([Note: speculative clipping]).
-    `updates_write_device`: the compute device is the host's CPU, so an update writes a resident block's weights on
-    the device itself, and their shadow is device memory (else a host copy)."""
+    `resident_weight_shadows`: a resident block's speculative weights need a shadow, in device memory (else host
+    memory: the same RAM), because the CPU computes with each data-parallel rank holding a part of the master;
+    otherwise none: one process writes them in place and puts them back from the master when dropped, a GPU's
+    update writes a host upload source."""
     grads = grads if grads is not None else GradFlow()
     if not blocks:
         raise OffloadConfigError("the model has no parameters to offload")
@@ -119,7 +121,8 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
             unshadowed = Plan(tier, tuple(placements), device_budget, host_budget, grads_on_disk=on_disk)
             disk_left = disk_room - unshadowed.bytes_on(Location.DISK) - DISK_SLACK
         placements, host_left, said = _shadows(blocks, placements, host_left, disk_left,
-                                               device_left if updates_write_device else None, updates_write_device)
+                                               device_left if resident_weight_shadows else None,
+                                               resident_weight_shadows)
     slots = None
     if tier is Tier.NVME and ring is not None:
         ring_bytes += read_ahead_bytes(host_left, ring_bytes, sum(b.state_bytes for b in blocks),
@@ -134,13 +137,12 @@ DISK_SLACK = 64 << 20  # free disk the shadows leave: the layout's padding, the 
 
 def _shadows(blocks: Sequence[BlockSpec], placements: List[BlockPlacement], host_left: Optional[int],
              disk_left: Optional[int], device_left: Optional[int],
-             updates_write_device: bool) -> Tuple[List[BlockPlacement], Optional[int], str]:
+             resident_weight_shadows: bool) -> Tuple[List[BlockPlacement], Optional[int], str]:
     """Speculative clipping's shadows, last blocks first, while the budgets leave room: each block's state shadow
     lives where its state does, its weight shadow where the update writes (host memory for weights kept there;
-    the device for resident weights when it is the host's CPU, or host memory when the device budget is full,
-    since both are the same RAM there; none for resident weights on a GPU, whose host
-    upload source nothing else reads; disk with weights on disk). (placements, host bytes left, the plan's
-    line)."""
+    disk with weights on disk; for resident weights only with `resident_weight_shadows`, on the device, or in host
+    memory when the device budget is full, since both are the same RAM there). (placements, host bytes left, the
+    plan's line)."""
     out = list(placements)
     missing: Optional[Tuple[str, Tuple[int, int, int]]] = None  # the first block left without, and its needs
     for index in reversed(range(len(blocks))):
@@ -148,8 +150,8 @@ def _shadows(blocks: Sequence[BlockSpec], placements: List[BlockPlacement], host
         if not spec.shadow_state_bytes:
             continue
         weights_at: Optional[Location] = placed.weights
-        if weights_at is Location.DEVICE and not updates_write_device:
-            weights_at = None  # the update writes a host copy that only the upload after it reads: no shadow
+        if weights_at is Location.DEVICE and not resident_weight_shadows:
+            weights_at = None  # written in place (put back from the master when dropped), or a GPU's upload source
         # on disk the weight record's shadow is the whole record (its frozen part too), the rank's part if sharded
         weight_need = {Location.DISK: spec.weight_bytes if spec.part_weight_bytes is None else spec.part_weight_bytes}
         left = {Location.HOST: host_left, Location.DISK: disk_left, Location.DEVICE: device_left}

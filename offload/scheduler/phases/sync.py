@@ -60,9 +60,11 @@ class Synchronizer:
         self._copies.synchronize()
 
     def settle_weights(self) -> None:
-        """Every pending update done and its weights in the parameters (swap writes may still be in flight)."""
+        """Every pending update done and its weights in the parameters (swap writes may still be in flight); a
+        speculation that wrote them in place is dropped (what the caller reads is what torch shows before step())."""
         self._worker.wait_all()
         for record in self._records:
+            record.show_live_weights()
             if record.needs_push:
                 record.push()
         self._copies.synchronize()

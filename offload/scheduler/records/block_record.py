@@ -198,7 +198,9 @@ class BlockRecord:
 
     def settle(self, counted: bool = False) -> None:
         """Its pending update done and its new weights in the parameters, which are then plain again (no
-        longer guarded). `counted`: the wait is the forward's (reported as waiting time)."""
+        longer guarded). `counted`: the wait is the forward's (reported as waiting time). A speculation that wrote
+        the parameters in place is dropped first: whatever reads them before step() sees the weights torch would."""
+        self.show_live_weights()
         self.wait_for_update(counted)
         if self.needs_push:
             self.push()
@@ -256,7 +258,19 @@ class BlockRecord:
         self.keep_writes()  # before the flag: a write kept now forgets no speculation (the job below reads it)
         self.speculated = True
         self.services.counters.speculative_updates += 1
+        if self.speculates_in_params:  # before the job writes them: any read from now on drops the speculation
+            self.services.guard.guard(self.block)
         self._submit_update(hypers, 1.0, check_finite=False, speculative=True)
+
+    @property
+    def speculates_in_params(self) -> bool:
+        """Whether its speculative update writes the weights its parameters show (put back when dropped)."""
+        return any(group.home.speculates_in_params for group in self.groups if group.state is not None)
+
+    def show_live_weights(self) -> None:
+        """Before anything but step() reads its weights: a speculation that wrote them in place is dropped."""
+        if self.speculated and self.speculates_in_params:
+            self.forget_speculation()
 
     def commit_speculation(self) -> None:
         """The step scales by 1: the speculative update's state and weights become the block's (a switch of the
@@ -273,6 +287,7 @@ class BlockRecord:
         self.services.counters.committed_speculations += 1
         if self.pushes:
             self.needs_push = True
+        self.services.guard.release(self.block)  # written in place: the new weights are the block's now
 
     def forget_speculation(self) -> None:
         """The speculative update's result is dropped (the step clips or skips; a gradient, a weight or a
@@ -284,9 +299,10 @@ class BlockRecord:
         for group in self.groups:
             if group.state is not None:
                 group.state.forget_shadow()
-            group.home.forget_shadow()
+                group.home.forget_shadow(group.state.store)
         self.speculated = False
         self.services.counters.forgotten_speculations += 1
+        self.services.guard.release(self.block)  # weights written in place are the live ones again
 
     def written_since_speculation(self) -> bool:
         """Whether a parameter was written through since the speculative update read the master weights (its

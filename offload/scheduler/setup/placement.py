@@ -207,7 +207,7 @@ def _make_plan(blocks: List[Block], policy: OffloadPolicy, ring: Optional[RingSi
     speculate = policy.speculates
     return make_plan([b.spec(policy.tier, policy.moments, world, sharded) for b in blocks], policy.tier,
                      policy.device_memory, policy.host_memory, ring, flow, world if sharded else 1, speculate,
-                     disk_room, updates_write_device=policy.device.type == "cpu")
+                     disk_room, resident_weight_shadows=policy.device.type == "cpu" and dp is not None)
 
 
 def _shards_weights(blocks: List[Block], policy: OffloadPolicy, dp: Optional[DataParallel],
@@ -285,7 +285,7 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
                 state = GroupState(group, store, grads, [optimizer_group_of[s.param] for s in group.trainable_slots],
                                    shard)
             home = _partitioned_home(block, group, tiers, on_disk, dp, shard) if sharded else \
-                _weight_home(block, group, policy, tiers, streamed, on_disk, state is not None)
+                _weight_home(block, group, policy, tiers, streamed, on_disk, state is not None, shard is None)
             if state is not None and block.name in shadowed:
                 state.store.add_shadow()
                 home.add_shadow()
@@ -331,9 +331,10 @@ def _grad_home(group: FlatGroup, on_host: bool, policy: OffloadPolicy, tiers: Ti
 
 
 def _weight_home(block: Block, group: FlatGroup, policy: OffloadPolicy, tiers: Tiers, streamed: set, on_disk: set,
-                 trains: bool) -> WeightHome:
+                 trains: bool, whole_state: bool) -> WeightHome:
     """Disk for blocks the plan puts there, a whole host copy for other streamed blocks, an upload source
-    for resident trainable weights whose state is on the host of a GPU, else the device alone."""
+    for resident trainable weights whose state is on the host of a GPU, else the device alone (`whole_state`: this
+    process holds the group's whole master, so a speculation may write the device weights in place)."""
     if block.name in on_disk:
         assert tiers.ring is not None
         return DiskHome(group, tiers.ring.weights, tiers.copies)
@@ -341,7 +342,7 @@ def _weight_home(block: Block, group: FlatGroup, policy: OffloadPolicy, tiers: T
         return HostMirror(group, tiers.copies, whole=True)
     if trains and policy.tier is not Tier.GPU and policy.device.type != "cpu":
         return HostMirror(group, tiers.copies, whole=False)  # an upload sends all of it, updated or not
-    return DeviceHome(group)
+    return DeviceHome(group, whole_state)
 
 
 def _partitioned_home(block: Block, group: FlatGroup, tiers: Tiers, on_disk: set, dp: Optional[DataParallel],

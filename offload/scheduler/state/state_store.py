@@ -157,6 +157,19 @@ def overwrite_master(store: StateStore, weights: Tensor, ranges: Sequence[Tuple[
         store.store(chunk)
 
 
+def weights_from_master(store: StateStore, weights: Tensor) -> None:
+    """The group's trainable compute weights (`weights`) made what the store's live master weights say: the weights
+    are a cast of them (an update writes both; a write through a parameter, `overwrite_master`, both), so a
+    speculation that wrote the weights in place and is dropped puts them back this way. Through the store's update
+    path, chunk by chunk, nothing written back."""
+    for start, stop in store.chunks():
+        chunk = store.load(start, stop)
+        try:
+            weights[start:stop].copy_(chunk.master)
+        finally:
+            store.abandon(chunk)
+
+
 class MemoryStore:
     """State as three tensors on `device`: host memory (cpu tier, the fused CPU Adam) or the compute
     device (gpu tier, torch maths). On the gpu tier with fp32 compute weights the master weights are the

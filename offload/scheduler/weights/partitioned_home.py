@@ -20,6 +20,7 @@ from torch import Tensor
 from offload.distributed.data_parallel import DataParallel, Shard
 from offload.distributed.gather_check import READ, USE
 from offload.scheduler.blocks.block import FlatGroup
+from offload.scheduler.state.state_store import StateStore
 from offload.scheduler.weights.weight_home import UpdateOwner, UpdateSharing
 
 if TYPE_CHECKING:
@@ -142,6 +143,7 @@ class PartitionedHome:
 
     pushes = True
     partitioned = True
+    speculates_in_params = False
 
     def __init__(self, group: FlatGroup, part: Shard, state_shard: Optional[Shard], dp: DataParallel,
                  keeper: PartKeeper) -> None:
@@ -192,7 +194,7 @@ class PartitionedHome:
         self._secondary = None
         self._keeper.commit_shadow()
 
-    def forget_shadow(self) -> None:
+    def forget_shadow(self, live: StateStore) -> None:
         pass  # the part's shadow (a host tensor, or the record's other copy) is written whole before it is read
 
     def push(self, resident: bool) -> None:

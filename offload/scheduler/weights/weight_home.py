@@ -15,7 +15,10 @@ streamer's (streamer.py); CUDA events are the copy context's (tiers/copies.py).
 
 A speculative update ([Note: speculative clipping]) writes its new weights where nothing reads them: a shadow in
 host memory (`add_shadow`, `shadow_target`), or, for weights on disk, the record's shadow copy through the store's
-chunks; `commit_shadow` makes them the weights.
+chunks; `commit_shadow` makes them the weights. One home writes them in place instead: the CPU's own weights of a
+resident block, when this process holds the whole master (`DeviceHome`): a dropped speculation puts the live weights
+back from the live master (`forget_shadow`), and the block's parameters are guarded meanwhile
+(`speculates_in_params`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 from torch import Tensor
 
 from offload.scheduler.blocks.block import FlatGroup
+from offload.scheduler.state.state_store import StateStore, weights_from_master
 from offload.tiers.copies import CopyContext
 
 if TYPE_CHECKING:
@@ -39,6 +43,7 @@ class WeightHome(Protocol):
     reads_ahead_from_disk: bool  # a prefetch starts disk reads (`prefetch`) instead of a fetch
     partitioned: bool  # it keeps this rank's part only (sharded weights), gathered whole for each use
     target_base: int  # the group element that `update_target()`'s element 0 is
+    speculates_in_params: bool  # a speculative update writes the weights the parameters show (guard them)
 
     def update_target(self) -> Optional[Tensor]: ...
 
@@ -59,8 +64,9 @@ class WeightHome(Protocol):
     def commit_shadow(self) -> None:
         """The speculative update's weights become the weights (the caller pushes them to the device after)."""
 
-    def forget_shadow(self) -> None:
-        """The speculative update's weights are dropped (the worker is done with them)."""
+    def forget_shadow(self, live: StateStore) -> None:
+        """The speculative update's weights are dropped (the worker is done with them); `live`: the group's state,
+        whose master weights (never touched by a speculation) the live weights are a cast of."""
 
     def fetch(self, ahead: bool = False) -> None: ...
 
@@ -96,19 +102,16 @@ class UpdateSharing(Protocol):
 class WholeWeights:
     """What the homes of whole weights share: a fetch ahead reads what is at home (nothing to wait for), every
     rank's new part of an update is gathered into each rank's weights at once, and a speculative update's weights
-    wait in a host shadow of the trainable range (copied in when committed)."""
+    wait in a shadow of the trainable range (copied in when committed)."""
 
     _shadow: Optional[Tensor] = None
+    speculates_in_params = False
 
     def before_prefetch(self, owner: UpdateOwner) -> None:
         pass
 
     def share_update(self, sharing: UpdateSharing, state: Any, out: Optional[Tensor]) -> None:
         sharing.send_new_weights(state, out)
-
-    def _new_shadow(self, group: FlatGroup) -> None:
-        assert group.device_buffer is not None
-        self._shadow = torch.empty(group.trainable_numel, dtype=group.dtype, device=group.device_buffer.device)
 
     @property
     def shadow_nbytes(self) -> int:
@@ -118,22 +121,31 @@ class WholeWeights:
         assert self._shadow is not None, "no shadow: the plan gave this group none"
         return self._shadow
 
-    def forget_shadow(self) -> None:
+    def forget_shadow(self, live: StateStore) -> None:
         pass  # nothing reads a shadow before the next speculative update writes it whole
 
 
 class DeviceHome(WholeWeights):
-    """Weights on the compute device only."""
+    """Weights on the compute device only.
+
+    A speculative update of a block whose whole master this process holds (`whole_state`: one process) writes
+    these weights in place, with nothing to allocate or copy at the commit: the weights are a cast of the master,
+    which the speculation never touches, so a dropped one is put back from it, and the block's parameters read
+    through the pending guard until step() decides (a read first drops the speculation: torch shows the weights
+    before the step there). Only the CPU computing speculates into a device home (a GPU's updates write a host
+    mirror); a data-parallel rank holds a part of the master only, so its shadow is a second buffer."""
 
     pushes = False
     reads_ahead_from_disk = False
     partitioned = False
     target_base = 0
 
-    def __init__(self, group: FlatGroup) -> None:
+    def __init__(self, group: FlatGroup, whole_state: bool) -> None:
         assert group.device_buffer is not None
         self._group = group
         self._buffer = group.device_buffer
+        self._whole_state = whole_state
+        self.speculates_in_params = False
 
     def update_target(self) -> Optional[Tensor]:
         return self._buffer[:self._group.trainable_numel]
@@ -145,12 +157,25 @@ class DeviceHome(WholeWeights):
         pass
 
     def add_shadow(self) -> None:
-        self._new_shadow(self._group)  # on the device: the CPU computing (a CUDA device's host state mirrors)
+        if self._whole_state:
+            self.speculates_in_params = True
+        else:
+            self._shadow = torch.empty(self._group.trainable_numel, dtype=self._group.dtype,
+                                       device=self._buffer.device)
+
+    def shadow_target(self) -> Optional[Tensor]:
+        return self.update_target() if self.speculates_in_params else super().shadow_target()
 
     def commit_shadow(self) -> None:
+        if self.speculates_in_params:
+            return  # written in place
         assert self._shadow is not None
         with torch.no_grad():
             self._buffer[:self._group.trainable_numel].copy_(self._shadow)
+
+    def forget_shadow(self, live: StateStore) -> None:
+        if self.speculates_in_params:
+            weights_from_master(live, self._buffer[:self._group.trainable_numel])
 
     def fetch(self, ahead: bool = False) -> None:
         raise AssertionError("a block whose weights stay on the device is never fetched")
@@ -214,7 +239,7 @@ class HostMirror(WholeWeights):
         self.release_source()
         self.host[:self._group.trainable_numel].copy_(self._shadow)
 
-    def forget_shadow(self) -> None:
+    def forget_shadow(self, live: StateStore) -> None:
         """A resident block's upload source holds the dropped update's weights: the device's (the live ones) go
         back in, since the next push uploads the whole trainable range, also parameters a later update skips."""
         if not self._whole:
