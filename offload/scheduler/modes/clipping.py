@@ -170,7 +170,8 @@ class NormClipping:
         self._worker.wait_all()  # the norms computed during the backward (and the speculative updates)
         total_norm, scale = self._reduction.global_norm(blocks, slots, self.max_norm)
         self.last_norm = total_norm
-        calm = math.isfinite(total_norm) and scale == 1.0
+        finite = math.isfinite(total_norm)
+        calm = finite and scale == 1.0
         if self.speculation is not None:  # one collective a step on every rank, whatever each speculated
             tried = self._speculated_with is not None
             keep_all = tried and calm and self._speculated_with == hypers
@@ -182,10 +183,9 @@ class NormClipping:
                 if kept:
                     block.commit_speculation()
                 else:
-                    block.forget_speculation()
+                    block.forget_speculation(redone=finite)  # a finite norm: step() runs the update again now
             self.speculation.after_step(not none_tried, kept_all, calm)
         self._speculated_with = None
-        finite = math.isfinite(total_norm)
         if not finite:
             warnings.warn(f"offload: optimizer step {step + 1} skipped: the gradient norm is {total_norm}",
                           RuntimeWarning, stacklevel=2)

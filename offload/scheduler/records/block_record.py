@@ -289,17 +289,20 @@ class BlockRecord:
             self.needs_push = True
         self.services.guard.release(self.block)  # written in place: the new weights are the block's now
 
-    def forget_speculation(self) -> None:
+    def forget_speculation(self, redone: bool = False) -> None:
         """The speculative update's result is dropped (the step clips or skips; a gradient, a weight or a
         hyperparameter changed since; zero_grad): nothing it wrote is live, so the block is as before it, and its
-        update runs at step() as without speculation."""
+        update runs at step() as without speculation. `redone`: step() schedules that update now, on the same
+        gradients, so it rewrites every weight the speculation wrote in place before anything reads them (the
+        step waits for it, or guards the block until it lands): they need not be put back first."""
         if not self.speculated:
             return
         self.wait_for_update(counted=False)
         for group in self.groups:
             if group.state is not None:
                 group.state.forget_shadow()
-                group.home.forget_shadow(group.state.store)
+                if not (redone and group.home.speculates_in_params):
+                    group.home.forget_shadow(group.state.store)
         self.speculated = False
         self.services.counters.forgotten_speculations += 1
         self.services.guard.release(self.block)  # weights written in place are the live ones again

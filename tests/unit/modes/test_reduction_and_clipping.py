@@ -103,7 +103,7 @@ class Records:
                     state = GroupState(group, MemoryStore(group, CPU, on_host=True),
                                        GradHome(group, CPU, copies, off_device=False),
                                        [0] * len(group.trainable_slots))
-                groups.append(GroupRecord(block, group, DeviceHome(group), state))
+                groups.append(GroupRecord(block, group, DeviceHome(group, whole_state=True), state))
             self.records.append(BlockRecord(block, groups, False, self.services))
         self.slots = SlotTable(self.records, model)
         self.params = dict(model.named_parameters())
@@ -342,8 +342,8 @@ class SpeculatingBlock(FakeBlock):
         self.calls.append("commit")
         self.speculated = False
 
-    def forget_speculation(self) -> None:
-        self.calls.append("forget")
+    def forget_speculation(self, redone: bool = False) -> None:
+        self.calls.append("forget, redone at step()" if redone else "forget")
         self.speculated = False
 
 
@@ -372,7 +372,7 @@ def test_a_speculation_is_kept_only_where_every_rank_keeps_it_and_every_rank_ask
         mode.block_complete(block, hypers, backward=LastBackward.DECLARED)
     assert all(b.speculated for b in blocks)
     assert mode.scale_for_step(blocks, None, 0, hypers.read()) == 1.0  # type: ignore[arg-type]
-    assert [b.calls for b in blocks] == [["commit"], ["forget"]]
+    assert [b.calls for b in blocks] == [["commit"], ["forget, redone at step()"]]
     assert ("everywhere", [True, True, True, False]) in log
     log.clear()
     quiet = [SpeculatingBlock(False), SpeculatingBlock(False)]  # this rank speculated nothing this step

@@ -100,7 +100,7 @@ class OneBlock:
             store = self.stores[group.dtype] = Logged(MemoryStore(group, CPU, on_host=True))
             grads = GradHome(group, CPU, copies, off_device=False)
             state = GroupState(group, store, grads, [0] * len(group.trainable_slots))  # type: ignore[arg-type]
-            groups.append(GroupRecord(self.block, group, DeviceHome(group), state))
+            groups.append(GroupRecord(self.block, group, DeviceHome(group, whole_state=True), state))
         self.record = BlockRecord(self.block, groups, False, self.services)
 
     def group(self, dtype: torch.dtype) -> GroupRecord:

@@ -199,7 +199,7 @@ def test_resident_trainable_weights_on_a_gpu_with_host_state_get_an_upload_sourc
                                       (Tier.CPU, blocks[1], False, DeviceHome), (Tier.GPU, blocks[0], True, DeviceHome)]:
         policy = OffloadPolicy(tier=tier, nvme_path="/nonexistent" if tier is Tier.NVME else None, device=cuda)
         group = block.groups[0]
-        home = placement._weight_home(block, group, policy, tiers, set(), set(), trains)
+        home = placement._weight_home(block, group, policy, tiers, set(), set(), trains, whole_state=True)
         assert type(home) is want, (tier, block.name)
         if isinstance(home, HostMirror):
             assert home.host.numel() == group.trainable_numel, "the trainable range only"

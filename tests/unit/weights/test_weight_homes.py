@@ -67,7 +67,7 @@ def home_kit(kind: str, tmp_path) -> Iterator[Kit]:
             ring.drain()
             return
         if kind == "device":
-            home = DeviceHome(group)
+            home = DeviceHome(group, whole_state=True)
         else:
             home = HostMirror(group, copies, whole=kind == "mirror")
 
