@@ -5,6 +5,7 @@ disk bound measured in the same run.
                                                        # a 489 MB checkpoint, 5 rounds (~2-3 min on 2 cores)
     python benchmarks/bench_checkpoint.py --dim 768    # larger
     python benchmarks/bench_checkpoint.py --quick      # a tiny model, 1 round (a smoke run)
+    python benchmarks/bench_checkpoint.py --sizes      # bytes only: each moments= and compute dtype, no timing
 
 One model, trained one step (so the Adam moments are real), is saved by each rival, interleaved round by
 round (the order rotated each round): offload's cpu and nvme tiers (`engine.save`, swap file on the
@@ -288,6 +289,35 @@ def crc_rate(nbytes: int) -> float:
     return nbytes / sorted(times)[1]
 
 
+def checkpoint_sizes(make_model: Callable[[], torch.nn.Module], batch, base: Path) -> None:
+    """Bytes of a checkpoint of the model after one step, for each `moments=` and compute dtype (cpu tier):
+    the optimizer files, the whole directory, and each against fp32 moments' of the same compute dtype
+    ([Note: master weights stored once])."""
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        reference: Dict[str, int] = {}
+        for moments in ("fp32", "bf16", "int8"):
+            engine = offload.wrap(make_model(), tier="cpu", dtype=dtype, device="cpu", moments=moments)
+            idx, tgt = batch
+            engine(idx, tgt).backward()
+            engine.step()
+            engine.zero_grad()
+            path = base / f"sizes-{moments}-{dtype}"
+            engine.save(str(path), progress=False)
+            engine.close()
+            optim = sum(f.stat().st_size for f in path.iterdir() if f.name.startswith("optimizer"))
+            whole = tree_bytes(path)
+            manifest = json.loads((path / "manifest.json").read_text())
+            reference = reference or {"optim": optim, "whole": whole}
+            rows.append({"compute": str(dtype).replace("torch.", ""), "moments": moments,
+                         "version": manifest["version"], "masters_derived": len(manifest.get("masters", {})),
+                         "optimizer_MB": round(optim / MB, 2), "checkpoint_MB": round(whole / MB, 2),
+                         "optimizer_vs_fp32": f"{optim / reference['optim']:.3f}x",
+                         "checkpoint_vs_fp32": f"{whole / reference['whole']:.3f}x"})
+            shutil.rmtree(path)
+    print_table(rows, list(rows[0]))
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -298,6 +328,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--dir", default=None, help="where checkpoints and the swap file go (default: a temp dir)")
     parser.add_argument("--no-xfs", action="store_true", help="skip the loop-mounted XFS (clone) rows")
     parser.add_argument("--quick", action="store_true", help="a tiny model and 1 round (a smoke run)")
+    parser.add_argument("--sizes", action="store_true", help="only the checkpoint's bytes for each moments= and "
+                        "compute dtype (no timing)")
     parser.add_argument("--no-csv", action="store_true", help="do not append to benchmarks/results/checkpoint.csv")
     args = parser.parse_args(argv)
     if args.quick:
@@ -314,6 +346,15 @@ def main(argv: Optional[List[str]] = None) -> None:
         model.lm_head.weight = model.wte.weight
         return model
 
+    if args.sizes:
+        base = Path(tempfile.mkdtemp(prefix="offload-bench-ckpt-", dir=args.dir))
+        try:
+            print(f"DemoGPT layers={args.layers} dim={args.dim} vocab={args.vocab} | {n_params / 1e6:.2f}M params, "
+                  "cpu tier, one step")
+            checkpoint_sizes(make_model, batch, base)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        return
     state_bytes = 16 * n_params  # fp32 weights + master + two moments
     probe_bytes = (8 if args.quick else 64) << 20
     base = Path(tempfile.mkdtemp(prefix="offload-bench-ckpt-", dir=args.dir))

@@ -17,6 +17,7 @@ import torch
 
 import offload
 from offload.checkpoint import reflink
+from offload.checkpoint.reader import master_weights
 from offload.errors import OffloadIntegrityError
 from tests.checkpoint_child import BATCHES, make_engine, train
 from tests.models import TinyGPT, one_intraop_thread
@@ -85,12 +86,13 @@ def test_files_are_readable_without_offload(tmp_path):
     assert weights.keys() == expected.keys()  # tied aliases included, so load_state_dict(strict=True) works
     assert all(torch.equal(weights[k], expected[k]) for k in expected)
     optim = safetensors.torch.load_file(directory / "optimizer.safetensors")
-    assert {k for k in optim if not k.startswith("__pad__/")} == {f"{kind}/{n}" for kind in ("master", "exp_avg", "exp_avg_sq") for n in trainable}
-    assert all(torch.equal(optim[f"master/{n}"], expected[n]) for n in trainable)  # fp32: master == weights
+    # fp32 compute: the masters are the weights, stored once in model.safetensors ([Note: master weights stored once])
+    assert {k for k in optim if not k.startswith("__pad__/")} == {f"{kind}/{n}" for kind in ("exp_avg", "exp_avg_sq") for n in trainable}
     assert torch.load(directory / "scheduler.pt", weights_only=True)["last_epoch"] == K
     assert "torch" in torch.load(directory / "rng.pt", weights_only=True)
     manifest = json.loads((directory / "manifest.json").read_text())
-    assert (manifest["version"], manifest["tier"], manifest["step"]) == (1, "nvme", K)
+    assert (manifest["version"], manifest["tier"], manifest["step"]) == (3, "nvme", K)
+    assert manifest["masters"] == {n: "weights" for n in trainable}
     steps = {p["name"]: p["steps"] for b in manifest["blocks"] for g in b["groups"] for p in g["params"]}
     assert all(steps[n] == K for n in trainable)
     assert manifest["tied"] == {"lm_head.weight": "wte.weight"}
@@ -220,8 +222,9 @@ def xfs_dir(tmp_path):
 
 
 def _clonable_bytes(engine):
-    """Bytes a section-by-section clone covers: each record's three sections, rounded down to 4 KiB."""
-    return sum(3 * (4 * g.trainable_numel // reflink.BLOCK * reflink.BLOCK)
+    """Bytes a section-by-section clone covers: each record's two moment sections, rounded down to 4 KiB (fp32
+    compute: the masters are not in the optimizer file, [Note: master weights stored once])."""
+    return sum(2 * (4 * g.trainable_numel // reflink.BLOCK * reflink.BLOCK)
                for _b, g, s in engine._checkpoints.checkpoint_groups() if s is not None)
 
 
@@ -231,7 +234,7 @@ def _xfs_resume(clone_expected, xfs_dir, tmp_path, monkeypatch):
         train(engine, scheduler, range(K))
         engine.save(xfs_dir / "ckpt", scheduler=scheduler, rng=True)
         saved = engine.state_dict()
-        clonable, state_bytes = _clonable_bytes(engine), 12 * sum(
+        clonable, state_bytes = _clonable_bytes(engine), 8 * sum(
             g.trainable_numel for _b, g, s in engine._checkpoints.checkpoint_groups() if s is not None)
         losses = train(engine, scheduler, range(K, K + M))  # rewrites every swap record: the clone must not change
     import offload.checkpoint.reader as reader
@@ -241,7 +244,7 @@ def _xfs_resume(clone_expected, xfs_dir, tmp_path, monkeypatch):
     resumed, resumed_scheduler = make_engine("nvme", str(xfs_dir))
     with resumed:  # load into the nvme tier: records cloned from the checkpoint into the new swap file
         resumed.load(xfs_dir / "ckpt", scheduler=resumed_scheduler, rng=True)
-        if clone_expected:  # three sections of every record of at least 4 KiB a section, each once
+        if clone_expected:  # both moment sections of every record of at least 4 KiB a section, each once
             assert sum(c[2] for c in clones) == clonable and len({c[4] for c in clones}) == len(clones), clones
         assert train(resumed, resumed_scheduler, range(K, K + M)) == losses
     manifest = json.loads((xfs_dir / "ckpt" / "manifest.json").read_text())
@@ -254,8 +257,8 @@ def _xfs_resume(clone_expected, xfs_dir, tmp_path, monkeypatch):
         other.load(xfs_dir / "ckpt")
         loaded = other.state_dict()
         assert all(torch.equal(loaded[k], saved[k]) for k in saved)
-    optim = safetensors.torch.load_file(xfs_dir / "ckpt" / "optimizer.safetensors")
-    assert all(torch.equal(optim[f"master/{k}"], saved[k]) for k in ("h.0.fc.weight", "ln_f.bias"))
+    masters = master_weights(str(xfs_dir / "ckpt"))
+    assert all(torch.equal(masters[k], saved[k]) for k in ("h.0.fc.weight", "ln_f.bias"))
 
 
 def test_nvme_checkpoint_on_a_reflink_file_system_resumes_exactly(xfs_dir, tmp_path, monkeypatch):

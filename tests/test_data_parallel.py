@@ -160,15 +160,17 @@ def test_ddp_around_the_engine_and_torch_clipping_one_ranks_gradients_are_refuse
 
 def optimizer_tensors(directory: Path) -> Dict[str, torch.Tensor]:
     """Every `<kind>/<param>` optimizer tensor of a checkpoint, whole, whether one process or several ranks
-    saved it (read with offload's own readers, checksums verified)."""
+    saved it (read with offload's own readers, checksums verified; the masters wherever the checkpoint keeps them,
+    [Note: master weights stored once])."""
     from offload.checkpoint.manifest import read_manifest
+    from offload.checkpoint.reader import master_weights
     from offload.checkpoint.sharded import PartsReader
     from offload.checkpoint.tensor_file import TensorFileReader
 
     manifest = read_manifest(str(directory))
     shapes = {p["name"]: p["shape"] for b in manifest["blocks"] for g in b["groups"] for p in g["params"]
               if p["trainable"]}
-    names = [f"{kind}/{name}" for kind in ("master", "exp_avg", "exp_avg_sq") for name in shapes]
+    names = [f"{kind}/{name}" for kind in ("exp_avg", "exp_avg_sq") for name in shapes]
     if manifest.get("optimizer_parts"):
         reader = PartsReader(str(directory), manifest, {})
     else:
@@ -182,6 +184,7 @@ def optimizer_tensors(directory: Path) -> Dict[str, torch.Tensor]:
                 numel *= d
             out[name] = torch.empty(numel)
             reader.read_at(name, 0, out[name])
+    out.update({f"master/{name}": value.reshape(-1) for name, value in master_weights(str(directory)).items()})
     return out
 
 

@@ -7,7 +7,9 @@ reads every tensor of both files through one small buffer to check its checksum,
 raises OffloadIntegrityError naming the file, tensor and block and leaves the engine exactly as it was.
 The second pass loads: one flat group's weights at a time, and its optimizer state chunk by chunk (for the
 nvme tier through two slots of the engine's own staging ring), checking checksums again; only an I/O error
-or a file changed between the passes can fail there, and that error says the engine is partly loaded.
+or a file changed between the passes can fail there, and that error says the engine is partly loaded. Master
+weights the optimizer files leave out (version 3, the manifest's `masters`) come from the weights file:
+[Note: master weights stored once].
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import Tensor
 from offload.checkpoint import rng as rng_state
 from offload.checkpoint.atomic import resolve
 from offload.checkpoint.manifest import MODEL_FILE, OPTIMIZER_FILE, read_manifest
+from offload.checkpoint.masters import FROM_BF16, FROM_WEIGHTS, join_bf16, low_key, tie_bytes, tie_key, unpack_bits
 from offload.checkpoint.reflink import BLOCK, clone_range
 from offload.checkpoint.sharded import PartsReader
 from offload.checkpoint.target import pieces
@@ -88,15 +91,16 @@ def load_checkpoint(engine: "CheckpointTarget", path: str, *, stateful: Optional
         with TensorFileReader(model_path, model_info["checksums"], algorithm, block_of) as weights, \
                 optim_reader as optim, \
                 progress_bar(2 * total, progress, f"offload: loading {os.path.basename(directory)}") as bar:
+            masters = Masters(manifest.get("masters", {}), weights, optim)
             # Pass 1 changes nothing: every tensor is found, sized and checksummed before the engine is touched.
-            _check_entries(engine, groups, weights, optim)
+            _check_entries(engine, groups, weights, optim, masters)
             scratch = memoryview(bytearray(VERIFY_BYTES))
             weights.verify_all(scratch, bar.update)
             optim.verify_all(scratch, bar.update)
             del scratch
             engine.prepare_for_load()
             try:  # pass 2: the files were intact a moment ago; only an I/O error or a concurrent change fails here
-                _load_tensors(engine, groups, weights, optim, steps, bar)
+                _load_tensors(engine, groups, weights, optim, masters, steps, bar)
             except (OffloadIntegrityError, OffloadIOError) as exc:
                 partly = type(exc)(*_partly_loaded(exc))
                 engine.mark_inconsistent(partly)
@@ -114,6 +118,30 @@ def load_checkpoint(engine: "CheckpointTarget", path: str, *, stateful: Optional
         if "rng" in extras:
             rng_state.restore(extras["rng"])
     return manifest
+
+
+def master_weights(path: str) -> Dict[str, Tensor]:
+    """Every trainable parameter's fp32 master weights in a checkpoint, by name, whichever way it keeps them
+    (a version 3 optimizer file may leave them to the weights file: [Note: master weights stored once]), each
+    tensor's checksum verified. Holds them all in memory: for inspection and tests, not for a large model."""
+    directory = resolve(path)
+    manifest = read_manifest(directory)
+    algorithm, block_of = manifest["checksum"], manifest.get("block_of", {})
+    shapes = {p["name"]: p["shape"] for b in manifest["blocks"] for g in b["groups"] for p in g["params"]
+              if p["trainable"]}
+    model_info = manifest["files"][MODEL_FILE]
+    optim_reader = (PartsReader(directory, manifest, block_of) if manifest.get("optimizer_parts") else
+                    TensorFileReader(os.path.join(directory, OPTIMIZER_FILE),
+                                     manifest["files"][OPTIMIZER_FILE]["checksums"], algorithm, block_of))
+    out = {}
+    with TensorFileReader(os.path.join(directory, MODEL_FILE), model_info["checksums"], algorithm, block_of) as weights, \
+            optim_reader as optim:
+        masters = Masters(manifest.get("masters", {}), weights, optim)
+        for name, shape in shapes.items():
+            out[name] = torch.empty(shape, dtype=torch.float32)
+            masters.require(name, out[name].numel())
+            masters.read(name, 0, out[name].view(-1))
+    return out
 
 
 @contextlib.contextmanager
@@ -157,17 +185,66 @@ def _partly_loaded(exc: Union[OffloadIntegrityError, OffloadIOError]) -> tuple:
     return (f"{exc}{note}", exc.path)
 
 
+class Masters:
+    """Where each master weight of a checkpoint is read from ([Note: master weights stored once]): `master/<name>`
+    of the optimizer files, or (version 3, the manifest's `masters`) the fp32 weight, or the bf16 weight with the
+    optimizer file's low halves and tie bits."""
+
+    def __init__(self, schemes: Dict[str, str], weights: TensorFileReader, optim: "OptimizerReader") -> None:
+        unknown = sorted({s for s in schemes.values() if s not in (FROM_WEIGHTS, FROM_BF16)})
+        if unknown:
+            raise OffloadIntegrityError(f"the manifest's masters come from {unknown[0]!r}, which this offload does "
+                                        "not know: upgrade offload", weights.path)
+        self._schemes = schemes
+        self._weights = weights
+        self._optim = optim
+
+    def require(self, name: str, numel: int) -> None:
+        """The tensors parameter `name`'s master is read from exist with their sizes (pass 1)."""
+        scheme = self._schemes.get(name)
+        if scheme is None:
+            self._optim.require(optimizer_key("master", name), numel, torch.float32)
+        elif scheme == FROM_WEIGHTS:
+            self._weights.require(name, numel, torch.float32)
+        else:
+            self._weights.require(name, numel, torch.bfloat16)
+            self._optim.require(low_key(name), numel, torch.int16)
+            self._optim.require(tie_key(name), tie_bytes(numel), torch.uint8)
+
+    def stored(self, names: List[str]) -> bool:
+        """Whether the optimizer files hold all these parameters' masters (so their section can be cloned)."""
+        return not any(name in self._schemes for name in names)
+
+    def read(self, name: str, first: int, out: Tensor) -> None:
+        """Elements [first, first + len(out)) of parameter `name`'s fp32 master into `out`."""
+        scheme = self._schemes.get(name)
+        if scheme is None:
+            self._optim.read_at(optimizer_key("master", name), 4 * first, out)
+        elif scheme == FROM_WEIGHTS:
+            self._weights.read_at(name, 4 * first, out)
+        else:
+            n = out.numel()
+            weights, low = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.int16)
+            self._weights.read_at(name, 2 * first, weights)
+            self._optim.read_at(low_key(name), 2 * first, low)
+            packed = torch.empty(tie_bytes(first % 8 + n), dtype=torch.uint8)
+            self._optim.read_at(tie_key(name), first // 8, packed)
+            out.copy_(join_bf16(weights, low, unpack_bits(packed, first % 8, n)))
+
+
 def _check_entries(engine: "CheckpointTarget", groups: List[Any], weights: TensorFileReader,
-                   optim: "OptimizerReader") -> None:
+                   optim: "OptimizerReader", masters: Masters) -> None:
     """Every tensor the load will read exists with the size it needs (weights may be of another dtype)."""
     for _block, group, state in groups:
         for slot in group.slots:
             weights.require(slot.name, slot.numel)
         if state is not None:
-            for kind in STATE_TENSORS:
+            for slot in group.trainable_slots:
+                masters.require(slot.name, slot.numel)
+            for kind in STATE_TENSORS[1:]:
                 for slot in group.trainable_slots:
                     name = optimizer_key(kind, slot.name)
-                    dtype = torch.float32 if kind == "master" else _stored_dtype(optim, name)
+                    dtype = _stored_dtype(optim, name)
                     if dtype not in _STORED_FORMATS:
                         raise OffloadIntegrityError(f"tensor {name!r} of the optimizer state is {dtype}: not a "
                                                     "moment format offload stores (fp32, bf16, int8 codes)", name)
@@ -182,7 +259,7 @@ def _check_entries(engine: "CheckpointTarget", groups: List[Any], weights: Tenso
 
 
 def _load_tensors(engine: "CheckpointTarget", groups: List[Any], weights: TensorFileReader, optim: "OptimizerReader",
-                  steps: Dict[str, int], bar: Any) -> None:
+                  masters: Masters, steps: Dict[str, int], bar: Any) -> None:
     clone_state = {"try": True}
     for _block, group, state in groups:
         flat = torch.empty(group.numel, dtype=group.dtype)
@@ -193,7 +270,7 @@ def _load_tensors(engine: "CheckpointTarget", groups: List[Any], weights: Tensor
         bar.update(group.nbytes)
         if state is None:
             continue
-        _load_record(optim, group, state, clone_state)
+        _load_record(optim, masters, group, state, clone_state)
         state.restore_steps([steps[slot.name] for slot in group.trainable_slots])
         bar.update(12 * group.trainable_numel)
     stored = {s.name for _b, g, _s in groups for s in g.slots}
@@ -225,7 +302,8 @@ def _stored_moments(optim: "OptimizerReader", group: Any) -> MomentFormat:
     return found.pop()  # type: ignore[return-value]
 
 
-def _load_record(optim: "OptimizerReader", group: Any, state: Any, clone_state: Dict[str, bool]) -> None:
+def _load_record(optim: "OptimizerReader", masters: Masters, group: Any, state: Any,
+                 clone_state: Dict[str, bool]) -> None:
     """One group's optimizer state, chunk by chunk; moments stored as codes or bf16 values in an engine that keeps
     them the same way, with the same blocks, are copied as they are (`_load_encoded`), others decoded to fp32. Into the nvme tier each section's block-aligned part
     is first cloned from the checkpoint (copy-on-write, same file system, sections aligned as the swap
@@ -237,13 +315,13 @@ def _load_record(optim: "OptimizerReader", group: Any, state: Any, clone_state: 
     if stored is not MomentFormat.FP32:
         if stored is store.moments and (stored is MomentFormat.BF16 or moment_blocks(stored, store.group)
                                         == BlockLayout.of_segments(group.trainable_numel, group.trainable_segments)):
-            _load_encoded(optim, group, state)
+            _load_encoded(optim, masters, group, state)
             return
         if stored is store.moments:  # the same format, other blocks: a part of a parameter on another world size
             warnings.warn(f"offload: the int8 moments of block {group.key!r} are stored in blocks of whole parameters "
                           "and this engine cuts parameters between data-parallel ranks: they are decoded and encoded "
                           "again in this engine's blocks (rounded)", RuntimeWarning, stacklevel=5)
-        _load_decoded(optim, group, state, stored)
+        _load_decoded(optim, masters, group, state, stored)
         return
     cloned = [0, 0, 0]
     single_file = isinstance(optim, TensorFileReader)  # parts saved by several ranks are read, never cloned
@@ -252,6 +330,8 @@ def _load_record(optim: "OptimizerReader", group: Any, state: Any, clone_state: 
         assert isinstance(optim, TensorFileReader)
         aligned = target.nbytes // BLOCK * BLOCK
         for index, offset in enumerate(target.offsets):
+            if index == 0 and not masters.stored([slot.name for slot in group.trainable_slots]):
+                continue  # masters from the weights file: written, not cloned
             span = optim.span(names[index])
             if aligned and (span is None or span[1] != target.nbytes
                             or not clone_range(optim.fileno(), span[0], aligned, target.fd, offset)):
@@ -260,21 +340,26 @@ def _load_record(optim: "OptimizerReader", group: Any, state: Any, clone_state: 
             cloned[index] = aligned // 4
 
     def fill(start: int, stop: int, views: Views) -> None:
-        for index, view in enumerate(views):
+        _read_masters(masters, group, start, stop, views[0])
+        for index, view in enumerate(views[1:], start=1):
             for slot, first, _lo, piece in pieces(group, start, stop, view):
                 optim.read_at(names[index][slot], 4 * first, piece)
 
     state.state_store.write(fill, cloned)
 
 
-def _load_encoded(optim: "OptimizerReader", group: Any, state: Any) -> None:
+def _read_masters(masters: Masters, group: Any, start: int, stop: int, master: Tensor) -> None:
+    for slot, first, _lo, piece in pieces(group, start, stop, master):
+        masters.read(group.trainable_slots[slot].name, first, piece)
+
+
+def _load_encoded(optim: "OptimizerReader", masters: Masters, group: Any, state: Any) -> None:
     """bf16 values or int8 codes and scales into a store that keeps them the same way: copied, nothing rounded."""
     whole = BlockLayout.of_segments(group.trainable_numel, group.trainable_segments)
 
     def fill(start: int, stop: int, views: Any) -> None:
         master, exp_avg, exp_avg_sq = views
-        for slot, first, _lo, piece in pieces(group, start, stop, master):
-            optim.read_at(optimizer_key("master", group.trainable_slots[slot].name), 4 * first, piece)
+        _read_masters(masters, group, start, stop, master)
         blocks = whole.sub(start, stop)
         for kind, moment in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
             codes = moment.codes if isinstance(moment, QuantizedMoment) else moment
@@ -288,14 +373,13 @@ def _load_encoded(optim: "OptimizerReader", group: Any, state: Any) -> None:
     state.state_store.write(fill, encoded=True)
 
 
-def _load_decoded(optim: "OptimizerReader", group: Any, state: Any, stored: MomentFormat) -> None:
+def _load_decoded(optim: "OptimizerReader", masters: Masters, group: Any, state: Any, stored: MomentFormat) -> None:
     """bf16 values or int8 codes into a store of another format or other blocks: each piece decoded to fp32 (int8:
     from the start of its first block), which the store encodes in its own format."""
 
     def fill(start: int, stop: int, views: Views) -> None:
         master, exp_avg, exp_avg_sq = views
-        for slot, first, _lo, piece in pieces(group, start, stop, master):
-            optim.read_at(optimizer_key("master", group.trainable_slots[slot].name), 4 * first, piece)
+        _read_masters(masters, group, start, stop, master)
         for kind, which, view in (("exp_avg", EXP_AVG, exp_avg), ("exp_avg_sq", EXP_AVG_SQ, exp_avg_sq)):
             for slot, first, _lo, piece in pieces(group, start, stop, view):
                 _read_decoded(optim, kind, which, group.trainable_slots[slot], first, piece, stored)

@@ -2,8 +2,9 @@
 checkpoint directory, committed atomically across the ranks, loadable at any world size.
 
 Files: `model.safetensors` (rank 0; every rank holds the same weights: still a plain full-weights file),
-`optimizer-<r>-of-<N>.safetensors` (rank r: for each parameter its elements [a, b) of `master/`,
-`exp_avg/`, `exp_avg_sq/`, as 1-D tensors), `scheduler.pt` and `data.pt` (rank 0), `rng-<r>-of-<N>.pt` (each rank's own
+`optimizer-<r>-of-<N>.safetensors` (rank r: for each parameter its elements [a, b) of `exp_avg/`, `exp_avg_sq/`
+and `master/`, as 1-D fp32 tensors; with fp32 weights that every rank holds whole, the masters come from
+`model.safetensors` instead, checked as in a single file: [Note: master weights stored once]), `scheduler.pt` and `data.pt` (rank 0), `rng-<r>-of-<N>.pt` (each rank's own
 generators, when asked), `manifest.json` last. The manifest's `optimizer_parts` records for each file the
 range [a, b) of each parameter it holds, so `PartsReader` can serve any element range of any parameter to
 an engine of any world size (a single-process checkpoint loads into N ranks through the plain reader:
@@ -19,7 +20,7 @@ failed makes every rank raise, and the previous checkpoint stays.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, cast
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 from torch import Tensor
@@ -28,6 +29,7 @@ from tqdm import tqdm
 from offload.checkpoint import rng as rng_state
 from offload.checkpoint.atomic import begin, fsync_dir, publish
 from offload.checkpoint.manifest import MODEL_FILE, write_manifest
+from offload.checkpoint.masters import FROM_WEIGHTS, MasterCheck
 from offload.checkpoint.target import pieces
 from offload.checkpoint.tensor_file import Entry, TensorFileReader, TensorFileWriter
 from offload.checksum import preferred_algorithm
@@ -91,8 +93,11 @@ def save_parts(engine: "CheckpointTarget", dp: "DataParallel", path: str, statef
     assert tmp is not None
     files: Dict[str, Dict[str, Any]] = {}
     mine = parts_of(groups)
+    # masters from the weights where each rank can check its part against them: fp32 weights, not gathered
+    derive = () if engine.weights_gathered else (FROM_WEIGHTS,)
+    failed: Set[str] = set()
     try:
-        layout = checkpoint_layout(engine, groups)
+        layout = checkpoint_layout(engine, groups, derive=derive)
         total = sum(12 * (b - a) for a, b in mine.values())
         if dp.rank == 0:
             total += sum(e.nbytes for e in layout.model_entries)
@@ -115,32 +120,41 @@ def save_parts(engine: "CheckpointTarget", dp: "DataParallel", path: str, statef
                 name = rng_file(dp.rank, dp.world)
                 files[name] = write_pickle(os.path.join(tmp, name), rng_state.capture(), algorithm)
             name = optimizer_file(dp.rank, dp.world)
-            files[name] = _write_part_file(groups, mine, os.path.join(tmp, name), algorithm, bar)
+            files[name], failed = _write_part_file(engine, groups, layout, mine, os.path.join(tmp, name), algorithm,
+                                                   bar)
+            if failed:  # masters the weights do not give back (rare): this rank's file again, with them in full
+                retry = checkpoint_layout(engine, groups, stored_masters=failed, derive=derive)
+                files[name], again = _write_part_file(engine, groups, retry, mine, os.path.join(tmp, name),
+                                                      algorithm, bar)
+                assert not again, f"masters {sorted(again)[:3]} changed during the save"
     except (OSError, OffloadIOError) as exc:
         error = _described(exc, path)
         if dp.rank != 0 and not os.path.isdir(tmp):
             error += (f" (rank 0 made {tmp!r}, which this rank does not see: the checkpoint directory must be on a "
                       "file system every node sees, at the same path on each)")
-    results = cast(List[Tuple[Optional[str], Dict[str, Any], Parts]], dp.all_gather_object((error, files, mine)))
-    failed = [(rank, err) for rank, (err, _f, _m) in enumerate(results) if err is not None]
+    results = cast(List[Tuple[Optional[str], Dict[str, Any], Parts, Set[str]]],
+                   dp.all_gather_object((error, files, mine, failed)))
+    errors = [(rank, err) for rank, (err, _f, _m, _s) in enumerate(results) if err is not None]
     committed: Optional[str] = None
-    if not failed and dp.rank == 0:
+    if not errors and dp.rank == 0:
         try:
             every: Dict[str, Dict[str, Any]] = {}
-            for _err, theirs, _m in results:
+            for _err, theirs, _m, _s in results:
                 every.update(theirs)
+            stored = set().union(*(s for _e, _f, _m, s in results))  # any rank's failed masters are stored
+            layout = checkpoint_layout(engine, groups, stored_masters=stored, derive=derive)
             _write_manifest(engine, tmp, layout, algorithm, every, dp.world,
-                            [m for _e, _f, m in results], stateful, rng)
+                            [m for _e, _f, m, _s in results], stateful, rng)
             fsync_dir(tmp)
             publish(tmp, path)
             committed = path
         except (OSError, OffloadIOError) as exc:
-            failed = [(0, _described(exc, path))]
+            errors = [(0, _described(exc, path))]
     if dp.rank == 0 and committed is None:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
-    outcome = dp.broadcast_object(failed)
+    outcome = dp.broadcast_object(errors)
     if outcome:
         rank, err = outcome[0]  # type: ignore[index]
         raise explained_io_error(OffloadIOError(5, f"rank {rank} could not write its part of checkpoint {path!r}: "
@@ -152,35 +166,50 @@ def _described(exc: BaseException, path: str) -> str:
     return str(exc) or f"{type(exc).__name__} while saving {path!r}"
 
 
-def _write_part_file(groups: list, mine: Parts, path: str, algorithm: str, bar: tqdm) -> Dict[str, Any]:
-    """This rank's parts of each state section, per parameter, streamed chunk by chunk from its stores."""
+def _write_part_file(engine: "CheckpointTarget", groups: list, layout: Any, mine: Parts, path: str, algorithm: str,
+                     bar: tqdm) -> Tuple[Dict[str, Any], Set[str]]:
+    """This rank's parts of each state section, per parameter, streamed chunk by chunk from its stores; the
+    masters `layout` derives are checked against the (local) weights instead. Returns the file's entry and the
+    parameters whose masters failed that check (the file then lacks them: the caller writes it again)."""
     entries = []
     for _block, group, state in groups:
         if state is None:
             continue
         for kind in STATE_TENSORS:
             for slot in group.trainable_slots:
-                if slot.name in mine:
+                if slot.name in mine and not (kind == "master" and slot.name in layout.masters):
                     a, b = mine[slot.name]
                     entries.append(Entry(f"{kind}/{slot.name}", torch.float32, (b - a,)))
     writer = TensorFileWriter(path, entries, algorithm, {"format": "pt"})
+    failed: Set[str] = set()
+
+    def put(name: str, first: int, data: Tensor) -> None:
+        writer.put(name, data.element_size() * first, data.contiguous().view(torch.uint8).numpy().data)
+
     try:
         for _block, group, state in groups:
             if state is None:
                 continue
+            derived = any(slot.name in layout.masters for slot in group.trainable_slots)
+            check = MasterCheck(layout.masters, engine.group_weights(group) if derived else None, put, failed)
             with state.state_store.reading() as chunks:
                 for start, stop, views in chunks:
-                    for kind, view in zip(STATE_TENSORS, views):
+                    for index, first, lo, piece in pieces(group, start, stop, views[0]):
+                        slot = group.trainable_slots[index]
+                        check.piece(slot.name, slot.numel, first, lo, piece, stored_from=mine[slot.name][0])
+                    for kind, view in zip(STATE_TENSORS[1:], views[1:]):
                         for index, first, _lo, piece in pieces(group, start, stop, view):
                             name = group.trainable_slots[index].name
-                            data = piece.contiguous().view(torch.uint8).numpy().data
-                            writer.put(f"{kind}/{name}", 4 * (first - mine[name][0]), data)
+                            put(f"{kind}/{name}", first - mine[name][0], piece)
                     bar.update(12 * (stop - start))
-        writer.close()
+        if failed:
+            writer.abort()
+        else:
+            writer.close()
     except BaseException:
         writer.abort()
         raise
-    return {"size": os.path.getsize(path), "checksums": writer.checksums}
+    return {"size": os.path.getsize(path), "checksums": writer.checksums}, failed
 
 
 def _write_manifest(engine: "CheckpointTarget", tmp: str, layout: Any, algorithm: str,

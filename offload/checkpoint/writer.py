@@ -2,12 +2,16 @@
 
 Files, all written into a temporary directory that replaces `path` atomically (atomic.py):
 `model.safetensors` (every entry of the model's state_dict, readable without offload),
-`optimizer.safetensors` (fp32 `master/<name>`, `exp_avg/<name>`, `exp_avg_sq/<name>` of each trainable
-parameter, each record's three sections 4 KiB-aligned as in the swap file, so they can be cloned; bf16 moments
-as bf16 values, int8 ones as uint8 codes plus `exp_avg_scales/<name>`, `exp_avg_sq_scales/<name>`: the
-parameter's block scales, [Note: compressed moments] in docs/design.md),
+`optimizer.safetensors` (`exp_avg/<name>`, `exp_avg_sq/<name>` of each trainable parameter and, where the weights
+do not give it back, its fp32 `master/<name>`; with bf16 weights `master_low/<name>` and `master_tie/<name>`, what
+the master adds to them: [Note: master weights stored once], masters.py; each record's three sections 4 KiB-aligned
+as in the swap file, so they can be cloned; bf16 moments as bf16 values, int8 ones as uint8 codes plus
+`exp_avg_scales/<name>`, `exp_avg_sq_scales/<name>`: the parameter's block scales, [Note: compressed moments] in
+docs/design.md),
 `scheduler.pt`, `data.pt` (a data stream's position) and `rng.pt` when asked, and `manifest.json` last. One flat group is in host memory at a
-time; for the nvme tier not even that: one chunk of its record, in a slot of the engine's staging ring.
+time; for the nvme tier not even that: one chunk of its record, in a slot of the engine's staging ring. Both
+files are written in one walk over the groups, so each group's weights, read once, are also what its masters are
+checked against.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, AbstractSet, Any, Collection, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from tqdm import tqdm
@@ -35,6 +39,7 @@ from offload.checkpoint.manifest import (
     version_for,
     write_manifest,
 )
+from offload.checkpoint.masters import FROM_BF16, FROM_WEIGHTS, MasterCheck, low_key, scheme_for, tie_bytes, tie_key
 from offload.checkpoint.reflink import BLOCK
 from offload.checkpoint.target import pieces
 from offload.checkpoint.tensor_file import Entry, TensorFileWriter
@@ -60,11 +65,20 @@ def scales_key(kind: str, name: str) -> str:
     return f"{kind}_scales/{name}"
 
 
-def state_entries(kind: str, group: Any, moments: MomentFormat) -> List[Entry]:
-    """The entries of one section of a group's optimizer state ([Note: compressed moments]): fp32 master weights;
-    each moment as the engine keeps it: fp32 or bf16 values, or int8 codes (uint8, the parameter's shape) and then
-    every parameter's fp32 block scales (its blocks start at its first element: `BlockLayout`)."""
-    if kind == "master" or moments is MomentFormat.FP32:
+def state_entries(kind: str, group: Any, moments: MomentFormat, masters: Dict[str, str]) -> List[Entry]:
+    """The entries of one section of a group's optimizer state ([Note: compressed moments]): fp32 master weights
+    where `masters` has no other source for them, low halves and tie bits where it says FROM_BF16 ([Note: master
+    weights stored once]); each moment as the engine keeps it: fp32 or bf16 values, or int8 codes (uint8, the
+    parameter's shape) and then every parameter's fp32 block scales (its blocks start at its first element:
+    `BlockLayout`)."""
+    if kind == "master":
+        slots = group.trainable_slots
+        return ([Entry(optimizer_key(kind, s.name), torch.float32, tuple(s.shape)) for s in slots
+                 if s.name not in masters]
+                + [Entry(low_key(s.name), torch.int16, tuple(s.shape)) for s in slots if masters.get(s.name) == FROM_BF16]
+                + [Entry(tie_key(s.name), torch.uint8, (tie_bytes(s.numel),)) for s in slots
+                   if masters.get(s.name) == FROM_BF16])
+    if moments is MomentFormat.FP32:
         return [Entry(optimizer_key(kind, s.name), torch.float32, tuple(s.shape)) for s in group.trainable_slots]
     if moments is MomentFormat.BF16:
         return [Entry(optimizer_key(kind, s.name), torch.bfloat16, tuple(s.shape)) for s in group.trainable_slots]
@@ -111,10 +125,23 @@ class CheckpointLayout:
     optim_entries: List[Entry] = field(default_factory=list)
     extra: List[Tuple[str, torch.Tensor]] = field(default_factory=list)  # tied aliases, buffers
     tied: Dict[str, str] = field(default_factory=dict)  # alias -> stored name
+    masters: Dict[str, str] = field(default_factory=dict)  # name -> where its master comes from, when not stored
+
+    def record_bytes(self, group: Any, moments: MomentFormat) -> int:
+        """The bytes of a group's optimizer state in the file (padding aside)."""
+        return sum(e.nbytes for kind in STATE_TENSORS for e in state_entries(kind, group, moments, self.masters))
 
 
-def checkpoint_layout(engine: "CheckpointTarget", groups: list) -> CheckpointLayout:
+def checkpoint_layout(engine: "CheckpointTarget", groups: list, stored_masters: AbstractSet[str] = frozenset(),
+                      derive: Collection[str] = (FROM_WEIGHTS, FROM_BF16)) -> CheckpointLayout:
+    """The files' layout. Masters come from the weights by the schemes in `derive` ([Note: master weights stored
+    once]; the writer checks them against the weights as it writes), except those in `stored_masters` (ones that
+    failed that check)."""
     out, optim_bytes = CheckpointLayout(), 0
+    for _block, group, state in groups:
+        scheme = scheme_for(group.dtype) if state is not None else None
+        if scheme in derive:
+            out.masters.update({s.name: scheme for s in group.trainable_slots if s.name not in stored_masters})
     for block, group, state in groups:
         if not out.blocks or out.blocks[-1]["name"] != block.name:
             out.blocks.append({"name": block.name, "groups": []})
@@ -128,11 +155,14 @@ def checkpoint_layout(engine: "CheckpointTarget", groups: list) -> CheckpointLay
         if state is None:
             continue
         for kind in STATE_TENSORS:  # each section starts on a file-system block, as in the swap record (v2)
+            entries = state_entries(kind, group, state.state_store.moments, out.masters)
+            if not entries:
+                continue
             gap = -optim_bytes % BLOCK
             if gap:
                 out.optim_entries.append(Entry(f"{PAD}/{len(out.optim_entries)}", torch.uint8, (gap,)))
                 out.block_of[out.optim_entries[-1].name] = block.name
-            for entry in state_entries(kind, group, state.state_store.moments):
+            for entry in entries:
                 out.optim_entries.append(entry)
                 out.block_of[entry.name] = block.name
                 optim_bytes += entry.nbytes
@@ -164,9 +194,22 @@ def _save(engine: "CheckpointTarget", path: str, stateful: Dict[str, Any], rng: 
         if rng:
             files[RNG_FILE] = write_pickle(os.path.join(tmp, RNG_FILE), rng_state.capture(), algorithm)
         files.update(write_stateful(tmp, stateful, algorithm))
-        files[MODEL_FILE] = write_model_file(engine, groups, layout, os.path.join(tmp, MODEL_FILE), algorithm, bar)
-        files[OPTIMIZER_FILE], transfer = _write_optimizer(groups, layout, os.path.join(tmp, OPTIMIZER_FILE),
-                                                           algorithm, bar)
+        model = TensorFileWriter(os.path.join(tmp, MODEL_FILE), layout.model_entries, algorithm, {"format": "pt"})
+        try:
+            files[OPTIMIZER_FILE], transfer, failed = _write_optimizer(engine, groups, layout, os.path.join(
+                tmp, OPTIMIZER_FILE), algorithm, bar, model)
+            for name, value, _nbytes in extras_in_file_order(engine, groups, layout):
+                model.write(name, value)
+            model.close()
+        except BaseException:
+            model.abort()
+            raise
+        files[MODEL_FILE] = {"size": os.path.getsize(os.path.join(tmp, MODEL_FILE)), "checksums": model.checksums}
+        if failed:  # masters the weights do not give back (rare): the optimizer file again, with them in full
+            layout = checkpoint_layout(engine, groups, stored_masters=failed)
+            files[OPTIMIZER_FILE], transfer, failed = _write_optimizer(engine, groups, layout, os.path.join(
+                tmp, OPTIMIZER_FILE), algorithm, bar)
+            assert not failed, f"masters {sorted(failed)[:3]} changed during the save"
         write_manifest(tmp, dict(
             manifest_fields(engine, layout, algorithm, files),
             **stateful_fields(stateful), rng=RNG_FILE if rng else None,
@@ -181,8 +224,8 @@ def manifest_fields(engine: "CheckpointTarget", layout: CheckpointLayout, algori
     counters = engine.checkpoint_counters()
     names = {id(p): name for name, p in engine.module.named_parameters()}  # tied: the first name
     return {
-        "format": FORMAT, "version": version_for(engine.policy.moments.value), "created": time.time(),
-        "checksum": algorithm,
+        "format": FORMAT, "version": version_for(engine.policy.moments.value, bool(layout.masters)),
+        "created": time.time(), "checksum": algorithm,
         "tier": engine.policy.tier.value, "compute_dtype": str(engine.policy.dtype).replace("torch.", ""),
         # [Note: compressed moments] the engine's moment format; a single-file checkpoint holds the moments as
         # the engine keeps them (bf16 values, int8 codes and scales), data-parallel parts their fp32 values
@@ -191,6 +234,9 @@ def manifest_fields(engine: "CheckpointTarget", layout: CheckpointLayout, algori
         "param_groups": [dict(jsonable_group(g), param_names=[names[id(p)] for p in g["params"]])
                          for g in engine.optimizer.param_groups],
         "blocks": layout.blocks, "tied": layout.tied, "block_of": layout.block_of, "files": files,
+        # [Note: master weights stored once] parameter -> where its master comes from, when the optimizer files
+        # do not hold it: "weights" (the fp32 weight) or "bf16+low" (the bf16 weight, master_low/, master_tie/)
+        "masters": layout.masters,
     }
 
 
@@ -210,59 +256,97 @@ def write_model_file(engine: "CheckpointTarget", groups: list, layout: Checkpoin
     return {"size": os.path.getsize(path), "checksums": writer.checksums}
 
 
+def group_slices(group: Any, flat: torch.Tensor) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Each parameter of a group's flat weights, by name, in its shape."""
+    for slot in group.slots:
+        yield slot.name, flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+
 def weights_in_file_order(engine: "CheckpointTarget", groups: list,
                           layout: CheckpointLayout) -> Iterator[Tuple[str, torch.Tensor, int]]:
     """model.safetensors' tensors in file order, with the bytes of progress each completes: each group's current
     weights, then tied aliases and buffers. Sharded weights: the other ranks walk it too (each read is a gather)."""
-    where = {slot.name: (group, slot) for _b, group, _s in groups for slot in group.slots}
     for _block, group, _state in groups:
-        flat = engine.group_weights(group)
-        for index, slot in enumerate(group.slots):
-            last = index == len(group.slots) - 1
-            yield slot.name, flat[slot.offset:slot.offset + slot.numel].view(slot.shape), group.nbytes if last else 0
+        named = list(group_slices(group, engine.group_weights(group)))
+        for index, (name, value) in enumerate(named):
+            yield name, value, group.nbytes if index == len(named) - 1 else 0
+    yield from extras_in_file_order(engine, groups, layout)
+
+
+def extras_in_file_order(engine: "CheckpointTarget", groups: list,
+                         layout: CheckpointLayout) -> Iterator[Tuple[str, torch.Tensor, int]]:
+    """model.safetensors' tensors after the groups' weights: tied aliases (the stored parameter's current
+    weights; a gather with sharded weights) and buffers."""
+    where = {slot.name: (group, slot) for _b, group, _s in groups for slot in group.slots}
     for name, value in layout.extra:
-        if name in layout.tied:  # the stored parameter's current weights
+        if name in layout.tied:
             group, slot = where[layout.tied[name]]
             value = engine.group_weights(group)[slot.offset:slot.offset + slot.numel].view(slot.shape)
         yield name, value.detach(), 0
 
 
-def _write_optimizer(groups: list, layout: CheckpointLayout, path: str, algorithm: str,
-                     bar: tqdm) -> Tuple[Dict[str, Any], Dict[str, int]]:
-    """optimizer.safetensors, one record at a time and each record chunk by chunk; returns the file's entry
-    and the bytes cloned/written."""
+def _write_optimizer(engine: "CheckpointTarget", groups: list, layout: CheckpointLayout, path: str, algorithm: str,
+                     bar: tqdm, model: Optional[TensorFileWriter] = None) -> Tuple[Dict[str, Any], Dict[str, int],
+                                                                                  Set[str]]:
+    """optimizer.safetensors, one record at a time and each record chunk by chunk, each group's masters checked
+    against its weights (read once a group, and written into `model` too when given); returns the file's entry,
+    the bytes cloned/written and the parameters whose masters the weights did not give back (the file then
+    lacks them: the caller writes it again with them stored)."""
     writer = TensorFileWriter(path, layout.optim_entries, algorithm, {"format": "pt"}, align=BLOCK)
     transfer = {"cloned_bytes": 0, "copied_bytes": 0}
+    failed: Set[str] = set()
     try_clone = True
     try:
         for entry in layout.optim_entries:
             if entry.name.startswith(PAD + "/"):
                 writer.write_zeros(entry.name)
         for _block, group, state in groups:
+            derived = state is not None and any(s.name in layout.masters for s in group.trainable_slots)
+            flat = engine.group_weights(group) if model is not None or derived else None
+            if model is not None:
+                assert flat is not None
+                for name, value in group_slices(group, flat):
+                    model.write(name, value)
+                bar.update(group.nbytes)
             if state is None:
                 continue
+            check = MasterCheck(layout.masters, flat, lambda name, first, data: _put(writer, name, first, 0, data, 0),
+                                failed)
             moments = state.state_store.moments
+            nbytes = layout.record_bytes(group, moments)
             if moments is not MomentFormat.FP32:
-                _write_encoded_record(writer, group, state)
-                bar.update(sum(e.nbytes for kind in STATE_TENSORS for e in state_entries(kind, group, moments)))
+                _write_encoded_record(writer, group, state, check)
+                bar.update(nbytes)
                 continue
-            cloned, complete = _write_record(writer, group, state, try_clone)
+            cloned, complete = _write_record(writer, group, state, try_clone, check, not derived)
             try_clone = try_clone and complete  # a file system that cannot clone one record cannot clone the next
             transfer["cloned_bytes"] += cloned
-            transfer["copied_bytes"] += 12 * group.trainable_numel - cloned
-            bar.update(12 * group.trainable_numel)
-        writer.close()
+            transfer["copied_bytes"] += nbytes - cloned
+            bar.update(nbytes)
+        if failed:
+            writer.abort()
+        else:
+            writer.close()
     except BaseException:
         writer.abort()
         raise
-    return {"size": os.path.getsize(path), "checksums": writer.checksums}, transfer
+    return {"size": os.path.getsize(path), "checksums": writer.checksums}, transfer, failed
 
 
-def _write_record(optim: TensorFileWriter, group: Any, state: Any, try_clone: bool) -> Tuple[int, bool]:
+def _masters(check: MasterCheck, group: Any, start: int, stop: int, master: torch.Tensor) -> None:
+    """A chunk's master weights: each parameter's piece through the group's `MasterCheck`."""
+    for slot, first, lo, piece in pieces(group, start, stop, master):
+        trainable = group.trainable_slots[slot]
+        check.piece(trainable.name, trainable.numel, first, lo, piece)
+
+
+def _write_record(optim: TensorFileWriter, group: Any, state: Any, try_clone: bool, check: MasterCheck,
+                  masters_stored: bool) -> Tuple[int, bool]:
     """One group's optimizer state, chunk by chunk through a ring slot (nvme) or from memory. Each
     section's block-aligned part is first cloned from its swap-record section when possible (the file
-    mirrors the record's padded sections), and only the rest written; every byte still passes through
-    the per-tensor checksums. Returns (bytes cloned, whether every clone tried worked)."""
+    mirrors the record's padded sections; the masters' only when the file stores them all), and only the rest
+    written; every byte still passes through the per-tensor checksums. Returns (bytes cloned, whether every
+    clone tried worked)."""
     names = [[optimizer_key(kind, slot.name) for slot in group.trainable_slots] for kind in STATE_TENSORS]
     cloned = [0, 0, 0]  # per section: leading elements the clone covered
     source = state.state_store.swap_sections() if try_clone else None
@@ -270,30 +354,36 @@ def _write_record(optim: TensorFileWriter, group: Any, state: Any, try_clone: bo
     if source is not None:
         aligned = source.nbytes // BLOCK * BLOCK
         for index, offset in enumerate(source.offsets):
+            if index == 0 and not masters_stored:
+                continue
             if aligned and not optim.clone(names[index][0], aligned, source.fd, offset):
                 complete = False
                 break
             cloned[index] = aligned // 4
     with state.state_store.reading() as chunks:
         for start, stop, views in chunks:
-            for index, view in enumerate(views):
+            if cloned[0]:
+                for slot, first, lo, piece in pieces(group, start, stop, views[0]):
+                    _put(optim, names[0][slot], first, lo, piece, cloned[0])
+            else:
+                _masters(check, group, start, stop, views[0])
+            for index, view in enumerate(views[1:], start=1):
                 for slot, first, lo, piece in pieces(group, start, stop, view):
                     _put(optim, names[index][slot], first, lo, piece, cloned[index])
     return 4 * sum(cloned), complete
 
 
-def _write_encoded_record(optim: TensorFileWriter, group: Any, state: Any) -> None:
-    """One group's bf16 or int8 optimizer state as the store keeps it, chunk by chunk: fp32 master weights, the
-    moments' values or codes, and each parameter's int8 scales (its blocks start at its first element, so its
-    scales are a range of the store's: [Note: compressed moments])."""
+def _write_encoded_record(optim: TensorFileWriter, group: Any, state: Any, check: MasterCheck) -> None:
+    """One group's bf16 or int8 optimizer state as the store keeps it, chunk by chunk: the master weights
+    (`check`), the moments' values or codes, and each parameter's int8 scales (its blocks start at its first
+    element, so its scales are a range of the store's: [Note: compressed moments])."""
     store = state.state_store
     whole = BlockLayout.of_segments(group.trainable_numel, group.trainable_segments)
     if store.moments is MomentFormat.INT8:
         assert moment_blocks(store.moments, store.group) == whole, "a single file holds whole parameters' blocks"
     with store.reading(encoded=True) as chunks:
         for start, stop, (master, exp_avg, exp_avg_sq) in chunks:
-            for slot, first, lo, piece in pieces(group, start, stop, master):
-                _put(optim, optimizer_key("master", group.trainable_slots[slot].name), first, lo, piece, 0)
+            _masters(check, group, start, stop, master)
             for kind, moment in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
                 codes = moment.codes if isinstance(moment, QuantizedMoment) else moment
                 for slot, first, lo, piece in pieces(group, start, stop, codes):
