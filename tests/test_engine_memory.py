@@ -29,7 +29,8 @@ _CHILD = textwrap.dedent('''
     from tests.models import TinyGPT, make_batches
     from tests.proc_status import reset_peak, status
 
-    nvme_path, streamed = sys.argv[1], sys.argv[2] == "1"
+    nvme_path, streamed, moments = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
+    max_grad_norm = float(sys.argv[4]) if sys.argv[4] != "none" else None
     torch.manual_seed(0)
     model = TinyGPT(vocab=1024, dim=512, layers=4, context=64, heads=8)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -48,7 +49,8 @@ _CHILD = textwrap.dedent('''
     baseline = status("VmRSS")
     reset_peak()
     engine = offload.wrap(model, tier="nvme", nvme_path=nvme_path, dtype=torch.bfloat16, device="cpu",
-                          host_memory=host_memory, device_memory=device_memory, grad_accumulation_steps=1)
+                          host_memory=host_memory, device_memory=device_memory, grad_accumulation_steps=1,
+                          moments=moments, max_grad_norm=max_grad_norm)
     losses = []
     for (micro,) in batches:
         loss = engine(*micro)
@@ -61,19 +63,21 @@ _CHILD = textwrap.dedent('''
     stats = engine.stats()
     plan_device = engine.plan.bytes_on(offload.planner.plan.Location.DEVICE)
     disk_weights = len(engine.plan.disk_weight_blocks)
+    speculating = len(engine.plan.shadowed_blocks)
     engine.close()
     print(json.dumps(dict(growth=peak - baseline, host_memory=host_memory, state_bytes=state_bytes,
                           device_memory=device_memory or plan_device, losses=losses,
-                          disk_weights=disk_weights, disk_read=stats["bytes_disk_read"])))
+                          disk_weights=disk_weights, disk_read=stats["bytes_disk_read"], speculating=speculating,
+                          kept=stats["committed_speculations"])))
 ''')
 
 
-def _run(tmp_path: Path, streamed: bool) -> dict:
+def _run(tmp_path: Path, streamed: bool, moments: str = "fp32", max_grad_norm: str = "none") -> dict:
     if not CAN_RESET_PEAK:
         pytest.skip(SKIP_REASON)
     root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), "1" if streamed else "0"], cwd=root,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), "1" if streamed else "0", moments,
+                           max_grad_norm], cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -87,3 +91,13 @@ def test_nvme_peak_rss_growth_within_host_memory(tmp_path, streamed):
     assert all(loss == loss for loss in result["losses"]) and result["losses"][-1] < result["losses"][0]
     if streamed:
         assert result["disk_weights"] > 0  # the host budget could not hold the streamed weights
+
+
+def test_int8_moments_and_speculative_clipping_stay_within_the_same_bound(tmp_path):
+    """int8 moments (codes and per-parameter block scales in the ring's slots) with clipping, whose speculative
+    updates write the weights in place and the state's shadow copy on disk: no memory beyond the budgets either."""
+    result = _run(tmp_path, False, "int8", "1e3")
+    bound = result["host_memory"] + result["device_memory"] + RSS_SLACK
+    assert result["growth"] <= bound, result
+    assert result["speculating"] > 0 and result["kept"] > 0, result
+    assert all(loss == loss for loss in result["losses"]) and result["losses"][-1] < result["losses"][0]
