@@ -200,3 +200,29 @@ def test_cli_gives_the_collectives_bytes_with_and_without_the_zero_plus_plus_opt
     quantized = capsys.readouterr().out
     assert "gradients 5.2 GiB, weight gathers 10.4 GiB" in quantized
     assert "hpZ: the backward's within groups of 2 ranks, its parts up to 6.5 GiB of host memory a rank" in quantized
+
+
+def test_the_largest_model_a_disk_holds_per_moments_format(capsys):
+    """`--disk`: each moments format's bytes a parameter on disk and in memory, and the largest model (of as many
+    blocks) whose plan fits the budgets and that disk: the plan just above it needs more disk than given."""
+    from offload.cli.estimate import disk_bytes, largest_params
+
+    flow, disk = GradFlow(1, True, 2), 40 * 10**9
+    assert main(["estimate", "--params", "1e9", "--layers", "16", "--tier", "nvme", "--host-memory", "4GB",
+                 "--device-memory", "4GB", "--grad-accumulation-steps", "1", "--max-grad-norm", "--disk", "40GB"]) == 0
+    out = capsys.readouterr().out
+    found = {}
+    for moments in MomentFormat:
+        line = re.search(rf"moments={moments.value}\s+disk\s+([\d.]+) B, memory\s+([\d.]+) B; the largest model "
+                         rf"on 37.3 GiB of disk: ([\d.]+)B parameters", out)
+        assert line, out
+        found[moments] = float(line.group(3)) * 1e9
+        largest, plan = largest_params(ModelShape.uniform(int(1e9), 16), torch.bfloat16, 4 * 10**9, 4 * 10**9, flow,
+                                       moments, 1, None, disk)
+        assert disk_bytes(plan) <= disk < disk_bytes(estimate(ModelShape.uniform(int(largest * 1.001), 16),
+                                                             Tier.NVME, torch.bfloat16, 4 * 10**9, 4 * 10**9, flow,
+                                                             moments))
+        assert abs(largest - found[moments]) / largest < 0.01
+        assert float(line.group(1)) * 1e9 == pytest.approx(disk_bytes(estimate(
+            ModelShape.uniform(int(1e9), 16), Tier.NVME, torch.bfloat16, 4 * 10**9, 4 * 10**9, flow, moments)), rel=1e-3)
+    assert found[MomentFormat.FP32] < found[MomentFormat.BF16] < found[MomentFormat.INT8]

@@ -4,6 +4,7 @@
     python -m offload estimate --layers 32 --dim 4096 --vocab 32000 --tier nvme --blocks
     python -m offload estimate --params 70e9 --host-memory 128GB --device-memory 24GB --tier nvme \
         --grad-accumulation-steps 1
+    python -m offload estimate --params 7e9 --host-memory 12GB --device-memory 12GB --tier nvme --disk 50GB
 
 Runs the same planner `offload.wrap` runs, on blocks described by sizes instead of a model: a GPT config
 gives one block per layer (12 d^2 + 13 d parameters) plus the embeddings; `--params N` is split into
@@ -17,7 +18,7 @@ import argparse
 import math
 import sys
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -144,6 +145,73 @@ def _moments_line(moments: MomentFormat, params: int) -> str:
             f"fp32 moments holds a {shown}-parameter model's with {moments.value}, and each step moves that much less")
 
 
+def disk_bytes(plan: Plan) -> int:
+    """What the swap file needs for this plan, speculation's shadow copies apart (the plan gives them only the
+    room that is left: without it those blocks wait for the global norm instead)."""
+    return plan.bytes_on(Location.DISK) - sum(b.shadow_disk_bytes for b in plan.blocks)
+
+
+def _per_param_lines(shape: ModelShape, dtype: torch.dtype, device_memory: Optional[int], host_memory: Optional[int],
+                     flow: GradFlow, world: int, shard: Optional[bool], disk: Optional[int]) -> List[str]:
+    """nvme tier: what one parameter costs on disk and in memory with each moments format under these budgets, and,
+    given the free `disk`, the largest model of this many blocks that it and the budgets hold, against the classic
+    16 bytes a parameter of mixed-precision training (2 weights + 2 gradients + 12 optimizer)."""
+    lines = ["bytes per parameter (nvme tier, these budgets):"]
+    for moments in MomentFormat:
+        try:
+            plan = estimate(shape, Tier.NVME, dtype, device_memory, host_memory, flow, moments, world, shard)
+        except OffloadConfigError as exc:
+            lines.append(f"  moments={moments.value:<4} does not fit: {exc}")
+            continue
+        memory = plan.bytes_on(Location.DEVICE) + plan.bytes_on(Location.HOST)
+        line = (f"  moments={moments.value:<4} disk {disk_bytes(plan) / shape.params:5.2f} B, "
+                f"memory {memory / shape.params:5.2f} B")
+        if disk is not None:
+            found = largest_params(shape, dtype, device_memory, host_memory, flow, moments, world, shard, disk)
+            if found is None:
+                line += f"; no model of {len(shape.blocks)} blocks fits {_human(disk)} of disk"
+            else:
+                largest, used = found
+                there = used.bytes_on(Location.DEVICE) + used.bytes_on(Location.HOST)
+                line += (f"; the largest model on {_human(disk)} of disk: {_count(largest)} parameters, "
+                         f"{largest * 16 / (disk + there):.2f}x (disk + its {_human(there)} of memory) / 16 B")
+        lines.append(line)
+    return lines
+
+
+def largest_params(shape: ModelShape, dtype: torch.dtype, device_memory: Optional[int], host_memory: Optional[int],
+                   flow: GradFlow, moments: MomentFormat, world: int, shard: Optional[bool],
+                   disk: int) -> Optional[Tuple[int, Plan]]:
+    """The most parameters (to 1 in 10,000), in as many equal blocks as `shape` has, whose plan fits the budgets
+    and `disk`, with that plan; None: none does. The disk a plan needs grows with the parameters: a bisection."""
+    blocks = len(shape.blocks)
+
+    def plan_within(params: int) -> Optional[Plan]:
+        try:
+            plan = estimate(ModelShape.uniform(params, blocks), Tier.NVME, dtype, device_memory, host_memory, flow,
+                            moments, world, shard)
+        except OffloadConfigError:
+            return None
+        return plan if disk_bytes(plan) <= disk else None
+
+    best: Optional[Tuple[int, Plan]] = None
+    low, high = 0, blocks
+    while (plan := plan_within(high)) is not None and high < 1 << 50:
+        best, low, high = (high, plan), high, 2 * high
+    while high - low > max(low // 10000, 1):
+        middle = (low + high) // 2
+        plan = plan_within(middle)
+        if plan is None:
+            high = middle
+        else:
+            best, low = (middle, plan), middle
+    return best
+
+
+def _count(params: float) -> str:
+    return f"{params / 1e9:.3g}B" if params >= 1e9 else f"{params / 1e6:.3g}M"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m offload estimate", description=__doc__.split("\n")[0])
     add_arguments(parser)
@@ -200,6 +268,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="attention saves its s x s scores (no fused/flash kernel; CPU training with dropout)")
     parser.add_argument("--checkpointing", action="store_true",
                         help="activation checkpointing per layer: only each layer's input is kept (--seq-len)")
+    parser.add_argument("--disk", type=byte_size, default=None,
+                        help="free disk for the swap file, e.g. 50GB: the nvme tier's largest model it and the "
+                             "budgets hold, for each moments format")
     parser.add_argument("--blocks", action="store_true", help="print the per-block plan table too")
 
 
@@ -234,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
     if seq_len is not None and args.dim is None:
         return _usage_error("--seq-len estimates a GPT config's activations: give --layers and --dim (and --heads)")
     tiers = list(Tier) if args.tier == "all" else [Tier.parse(args.tier)]
-    count = f"{shape.params / 1e9:.3g}B" if shape.params >= 1e9 else f"{shape.params / 1e6:.3g}M"
+    count = _count(shape.params)
     print(f"model: {count} parameters in {len(shape.blocks)} blocks, compute dtype {args.dtype}; "
           f"budgets: device {_human(device_memory) if device_memory else 'none'}, "
           f"host {_human(host_memory) if host_memory else 'none'}")
@@ -256,6 +327,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"tier={tier.value:<5} {_summary(plan)}")
         if tier is Tier.NVME:
             print("           " + _moments_line(moments, shape.params))
+            per_param = _per_param_lines(shape, dtype, device_memory, host_memory, flow, world, shard,
+                                         _budget(getattr(args, "disk", None), "--disk"))
+            print("\n".join("           " + line for line in per_param))
         if world > 1:
             print("           " + _collectives_line(args, plan, shape.params, dtype, world))
         if seq_len is not None:
