@@ -6,7 +6,7 @@ in one forward, and optional activation checkpointing (reentrant or not) around 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +82,19 @@ def make_batches(steps: int, micro: int, batch: int = 4, context: int = 16, voca
     gen = torch.Generator().manual_seed(seed)
     return [[(torch.randint(0, vocab, (batch, context), generator=gen),
               torch.randint(0, vocab, (batch, context), generator=gen)) for _ in range(micro)] for _ in range(steps)]
+
+
+def train_steps(engine, batches) -> List[float]:
+    """One optimizer step per (idx, targets) batch, gradients zeroed after each; the losses. Synchronized at the end."""
+    losses = []
+    for idx, tgt in batches:
+        loss = engine(idx, tgt)
+        loss.backward()
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    engine.synchronize()
+    return losses
 
 
 def one_intraop_thread():

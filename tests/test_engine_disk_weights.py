@@ -11,7 +11,7 @@ import torch
 
 import offload
 from offload.planner.plan import Location
-from tests.models import TinyGPT, one_intraop_thread
+from tests.models import TinyGPT, one_intraop_thread, train_steps
 from tests.test_engine_parity import _compare
 from tests.test_engine_streaming import BUDGET
 
@@ -74,27 +74,17 @@ def test_save_and_load_with_weights_on_disk(tmp_path):
 
     batches = [b for step in make_batches(4, 1) for b in step]
 
-    def train(engine, items):
-        losses = []
-        for idx, tgt in items:
-            loss = engine(idx, tgt)
-            loss.backward()
-            engine.step()
-            engine.zero_grad()
-            losses.append(loss.item())
-        engine.synchronize()
-        return losses
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     with make(tmp_path / "a") as first:
         assert first.plan.disk_weight_blocks
-        train(first, batches[:2])
+        train_steps(first, batches[:2])
         first.save(tmp_path / "ckpt")
         saved = first.state_dict()
-        expected = train(first, batches[2:])
+        expected = train_steps(first, batches[2:])
     with make(tmp_path / "b") as second:
         second.load(tmp_path / "ckpt")
         loaded = second.state_dict()
         assert all(torch.equal(loaded[k], saved[k]) for k in saved)
-        assert train(second, batches[2:]) == expected
+        assert train_steps(second, batches[2:]) == expected

@@ -257,7 +257,7 @@ def test_the_nvme_update_seals_its_chunks_with_the_steps_crcs(moments, weights_o
     CRCs]), the compute weights' too when they live on disk, nothing read back; every later read of those chunks
     verifies against them (a wrong CRC raises OffloadIntegrityError), and the run equals the cpu tier's."""
     from offload.tiers.disk_checksums import RecordChecksums
-    from tests.models import TinyGPT
+    from tests.models import TinyGPT, train_steps
     from tests.test_engine_streaming import BUDGET
 
     given, computed = [], []
@@ -282,15 +282,8 @@ def test_the_nvme_update_seals_its_chunks_with_the_steps_crcs(moments, weights_o
                 extra.update(device_memory=BUDGET, host_memory=_host_for_disk_weights(moments))
         engine = offload.wrap(TinyGPT(), tier, dtype=torch.float32, device="cpu", lr=1e-2, moments=moments, **extra)
         gen = torch.Generator().manual_seed(2)
-        losses = []
-        for _ in range(4):
-            idx, tgt = (torch.randint(0, 64, (4, 16), generator=gen) for _ in range(2))
-            loss = engine(idx, tgt)
-            loss.backward()
-            engine.step()
-            engine.zero_grad()
-            losses.append(loss.item())
-        engine.synchronize()
+        losses = train_steps(engine, [tuple(torch.randint(0, 64, (4, 16), generator=gen) for _ in range(2))
+                                      for _ in range(4)])
         plan = engine.plan
         engine.close()
         return losses, plan
