@@ -11,6 +11,7 @@ run in tests/rank_agreement_child.py.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import signal
@@ -416,7 +417,7 @@ def test_a_backward_that_fails_partway_is_skipped_as_torch_skips_it(tmp_path):
 def test_weights_read_between_backward_and_step_are_the_weights_before_it(tmp_path, tier, options):
     """With the CPU computing, a resident block's speculative update writes its weights in place (no shadow to
     allocate or copy at the commit): whatever reads them before step() (a norm of one layer's weight, the
-    module's state_dict) must still see the weights before the step, as in torch, so the read drops that block's
+    module's state_dict, a deepcopy, `.data`) must still see the weights before the step, as in torch, so the read drops that block's
     speculation and puts its weights back from the master; the step then redoes its update exactly."""
     batches = make_batches(4, 1, seed=6)
     reads: Dict[object, List[torch.Tensor]] = {}
@@ -425,6 +426,9 @@ def test_weights_read_between_backward_and_step_are_the_weights_before_it(tmp_pa
         seen = reads.setdefault(engine.policy.speculative_clipping, [])
         if step == 1:
             seen.append(engine.module.h[2].fc.weight.detach().clone())
+        if step == 3:
+            seen.extend(p.data.clone() for p in engine.module.h[0].parameters())
+            seen.extend(p.detach().clone() for p in copy.deepcopy(engine.module.h[2]).parameters())
         if step == 2:
             seen.extend(v.detach().clone() for v in engine.module.state_dict().values())
 
@@ -442,9 +446,10 @@ def test_weights_read_between_backward_and_step_are_the_weights_before_it(tmp_pa
             model, torch_norms = _torch(batches, BELOW)
             _close_to_torch(on, model, norms, torch_norms)
         stats, blocks = on.stats(), len(on.plan.shadowed_blocks)
-        # step 1 dropped the block read; step 2 every block (the whole state_dict); steps 0 and 3 kept all
-        assert stats["forgotten_speculations"] == 1 + blocks, stats
-        assert stats["committed_speculations"] == 3 * blocks - 1, stats
+        # step 1 dropped the block read; steps 2 and 3 every block (the whole state_dict; a deepcopy synchronizes
+        # the engine); step 0 kept all
+        assert stats["forgotten_speculations"] == 1 + 2 * blocks, stats
+        assert stats["committed_speculations"] == 2 * blocks - 1, stats
     finally:
         on.close()
         off.close()
