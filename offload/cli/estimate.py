@@ -111,7 +111,7 @@ def _summary(plan: Plan) -> str:
     if plan.speculation:
         line += f"\n           speculative clipping: {plan.speculation}"
     if plan.disk_weights:
-        line += f"\n           weights on disk: {plan.disk_weights}"
+        line += f"\n           disk-resident weights: {plan.disk_weights}"
     if plan.shard_world > 1:
         line += (f"\n           weights sharded: each rank keeps 1/{plan.shard_world} of every block's, gathered whole "
                  "on the device for each use")
@@ -165,7 +165,8 @@ def _per_param_lines(shape: ModelShape, dtype: torch.dtype, device_memory: Optio
     the weights the budgets leave on disk (a copy, or read from the fp32 master) under these budgets, and, given
     the free `disk`, the largest model of this many blocks that it and the budgets hold, against the classic 16
     bytes a parameter of mixed-precision training (2 weights + 2 gradients + 12 optimizer)."""
-    lines = ["bytes per parameter (nvme tier, these budgets; weights on disk as a copy, or read from the master):"]
+    lines = ["bytes per parameter (nvme tier, these budgets; disk-resident weights kept as a copy, or read from the "
+             "fp32 master):"]
     for moments in MomentFormat:
         for weights in (DiskWeights.COPY, DiskWeights.MASTER):
             label = f"  moments={moments.value:<4} weights={weights.value:<6}"

@@ -154,7 +154,8 @@ def _disk_weights(blocks: Sequence[BlockSpec], placements: List[BlockPlacement],
     short = disk_room is not None and disk_need > disk_room - DISK_SLACK
     if choice is DiskWeights.COPY or not eligible or (choice is DiskWeights.AUTO and not short):
         why = "disk_weights='copy'" if choice is DiskWeights.COPY else \
-            "no block's weights all have a master" if not eligible else "they fit the free disk"
+            "no block's weights all have a master" if not eligible else \
+            "free disk not measured" if disk_room is None else "they fit the free disk"
         return placements, (f"{len(on_disk)} blocks' weights kept as a copy in the swap file ({_human(copies)}; {why}"
                             "; disk_weights='master' reads them from the fp32 master instead)")
     out = list(placements)

@@ -183,7 +183,7 @@ class Plan:
         if self.speculation:
             lines.append(f"  speculative clipping: {self.speculation}")
         if self.disk_weights:
-            lines.append(f"  weights on disk: {self.disk_weights}")
+            lines.append(f"  disk-resident weights: {self.disk_weights}")
         if self.device_grad_bytes:
             lines.append(f"  device keeps {human_bytes(self.device_grad_bytes)} for the largest gradient autograd makes "
                          "before the engine takes it")
