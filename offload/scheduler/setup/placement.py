@@ -12,7 +12,7 @@ import dataclasses
 import os
 import shutil
 import warnings
-from typing import Any, Callable, Dict, List, Optional, cast
+from typing import AbstractSet, Any, Callable, Dict, List, Optional, cast
 
 import torch
 from torch import nn
@@ -333,7 +333,7 @@ def _grad_home(group: FlatGroup, on_host: bool, policy: OffloadPolicy, tiers: Ti
 
 
 def _weight_home(block: Block, group: FlatGroup, policy: OffloadPolicy, tiers: Tiers, streamed: set, on_disk: set,
-                 trains: bool, whole_state: bool, from_master: set) -> WeightHome:
+                 trains: bool, whole_state: bool, from_master: AbstractSet[str] = frozenset()) -> WeightHome:
     """Disk for blocks the plan puts there (their own record, or read from the master: `from_master`), a whole host
     copy for other streamed blocks, an upload source for resident trainable weights whose state is on the host of a
     GPU, else the device alone (`whole_state`: this process holds the group's whole master, so a speculation may
