@@ -147,3 +147,13 @@ def test_options_checked():
         offload.wrap(TinyGPT(), tier="nvme", nvme_path="/tmp", disk_weights="mirror")
     with pytest.raises(OffloadConfigError, match="only tier='nvme'"):
         offload.wrap(TinyGPT(), tier="cpu", disk_weights="master")
+
+
+def test_close_without_restoring_the_weights(tmp_path):
+    """engine.close(restore_weights=False), for a model larger than RAM: no streamed weights come back, the swap
+    file goes, and the engine is closed (a second close does nothing)."""
+    engine = _wrap(tmp_path / "a", "master")
+    train_steps(engine, [b for step in make_batches(1, 1) for b in step])
+    engine.close(restore_weights=False)
+    assert list((tmp_path / "a").iterdir()) == []
+    engine.close()
