@@ -8,6 +8,8 @@ built on the meta device, initialized block by block by offload, trained a few s
     python benchmarks/bench_scale.py --moments int8       # int8 Adam moments: half the state on disk
     python benchmarks/bench_scale.py --params-target 1.2e9 --clipping-rounds 2   # speculative clipping (issue 35):
         # no clipping, and max_grad_norm=1.0 with norms below it and above it, in separate processes, interleaved
+    python benchmarks/bench_scale.py --params-target auto --moments int8 --max-grad-norm 1.0 --min-free-disk 5GB
+        # the largest model this machine's free disk and RAM hold, by the planner (issue 36), printing the arithmetic
 
 The model is transformers' `LlamaForCausalLM` from a `LlamaConfig` (hidden 2560, MLP 6912, 20 heads, vocab
 32000, untied head, layers chosen to reach `--params-target`), built under `accelerate.init_empty_weights()`
@@ -51,12 +53,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import append_csv, machine_header, print_table  # noqa: E402
 
 import offload  # noqa: E402
-from offload.cli.estimate import ModelShape, estimate  # noqa: E402
+from offload.cli.estimate import ModelShape, disk_bytes, estimate  # noqa: E402
 from offload.measure import DiskProbe, dram_bandwidth  # noqa: E402
 from offload.optim.moment_format import MomentFormat, moment_nbytes
 from offload.planner.plan import GradFlow, Location
 from offload.planner.plan import human_bytes as human
-from offload.policy import Tier, parse_bytes  # noqa: E402
+from offload.policy import DiskWeights, Tier, parse_bytes  # noqa: E402
 
 try:
     from tqdm import tqdm
@@ -294,23 +296,104 @@ def deepspeed_line() -> str:
 
 
 def estimate_plan(blocks: List[tuple], device_memory: int, host_memory: int, clipping: bool,
-                  moments: MomentFormat = MomentFormat.FP32):
+                  moments: MomentFormat = MomentFormat.FP32, disk_weights: DiskWeights = DiskWeights.AUTO):
     """What `python -m offload estimate` predicts for these blocks and budgets and this run's gradient flow
-    (grad_accumulation_steps declared, clipping as asked)."""
+    (grad_accumulation_steps declared, clipping as asked), weights on disk kept as the run kept them."""
     shape = ModelShape(tuple(blocks))
     try:
         plan = estimate(shape, Tier.NVME, torch.bfloat16, device_memory, host_memory, GradFlow(1, clipping, 2),
-                        moments)
+                        moments, disk_weights=disk_weights)
         return plan, True, None
     except Exception as exc:  # noqa: BLE001 - OffloadConfigError: the estimate refuses; reported
         return None, True, f"{type(exc).__name__}: {exc}"
 
 
+def mem_available() -> int:
+    """MemAvailable of /proc/meminfo (the RAM other processes leave), else all of it."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return ram_bytes()
+
+
+def model_blocks(args: argparse.Namespace, layers: int) -> List[tuple]:
+    """The engine's blocks of the Llama (the embedding, each layer, the final norm, the head) as the estimate
+    takes them: (name, parameters, parameters of the largest tensor)."""
+    vocab, dim = args.vocab, args.dim
+    return ([("embed_tokens", vocab * dim, vocab * dim)]
+            + [(f"layers.{i}", layer_params(dim, args.hidden), dim * args.hidden) for i in range(layers)]
+            + [("norm", dim, dim), ("lm_head", vocab * dim, vocab * dim)])
+
+
+def auto_size(args: argparse.Namespace, ram: int, free: int, min_free: int, moments: MomentFormat,
+              device_memory: int) -> Optional[Tuple[int, int, List[str]]]:
+    """`--params-target auto`: the most layers of this width whose plan (the planner's own, `estimate`) fits this
+    machine: its swap file within the free disk less `min_free` (weights on disk read from the master when copies
+    would not fit: wrap's disk_weights auto), every bf16 gradient in host memory (2 B/param: with clipping, none
+    then waits on disk), and the budgets within min(80% of RAM, MemAvailable - 2 GiB), the rest left for the
+    process's baseline, the 512 MiB over the budgets a run may take, and the other processes. (layers, host_memory,
+    the arithmetic's lines); None: not even one layer fits."""
+    available = mem_available()
+    cap = min(int(0.8 * ram), available - (2 << 30))
+    room = free - min_free
+    clipping = args.max_grad_norm is not None
+
+    def plan_for(layers: int):
+        params = model_params(args.vocab, args.dim, args.hidden, layers)
+        host = 2 * params + (1 << 30)  # every gradient (bf16), 1 GiB for the ring and streamed weights
+        if host + device_memory > cap:
+            return None
+        try:
+            plan = estimate(ModelShape(tuple(model_blocks(args, layers))), Tier.NVME, torch.bfloat16, device_memory,
+                            host, GradFlow(1, clipping, 2), moments, disk_weights=DiskWeights.AUTO, disk_room=room)
+        except Exception:  # noqa: BLE001 - OffloadConfigError: the budgets cannot hold it
+            return None
+        if plan.grads_on_disk or disk_bytes(plan) > room:
+            return None
+        return plan, host
+
+    low, high = 0, 1
+    while plan_for(high) is not None:
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if plan_for(middle) is not None else (low, middle)
+    if low == 0:
+        return None
+    found = plan_for(low)
+    assert found is not None
+    plan, host = found
+    params = model_params(args.vocab, args.dim, args.hidden, low)
+    memory = plan.bytes_on(Location.DEVICE) + plan.bytes_on(Location.HOST)
+    weights = ("read from the fp32 master (disk_weights auto: the copies would not fit)" if plan.master_weight_blocks
+               else "kept as a copy" if plan.disk_weight_blocks else "none on disk")
+    lines = [
+        f"auto size: RAM {ram / GB:.1f} GB (MemAvailable {available / GB:.1f} GB); free disk {free / GB:.1f} GB, "
+        f"--min-free-disk {min_free / GB:.1f} GB kept: {room / GB:.1f} GB for the swap file; budgets within "
+        f"min(0.8 x RAM, MemAvailable - 2 GiB) = {cap / GB:.1f} GB",
+        f"  the planner, per parameter ({moments.value} moments, {'clipping, ' if clipping else ''}weights on disk "
+        f"{weights}): disk {disk_bytes(plan) / params:.2f} B, memory {memory / params:.2f} B (gradients 2 B in host "
+        f"memory, the ring, streamed weights)",
+        f"  largest: {low} layers x {args.dim} = {params:,} parameters ({params / 1e9:.3f}B): swap file "
+        f"{disk_bytes(plan) / GB:.1f} of {room / GB:.1f} GB; budgets host {host / GB:.1f} + device "
+        f"{device_memory / GB:.1f} = {(host + device_memory) / GB:.1f} of {cap / GB:.1f} GB; {low + 1} layers do not fit",
+        f"  params / ((RAM + free disk) / 16 B) = {params / 1e9:.3f}B / (({ram / GB:.1f} + {free / GB:.1f}) GB / 16 B"
+        f" = {(ram + free) / 16 / 1e9:.2f}B) = {params * 16 / (ram + free):.2f}",
+    ]
+    return low, host, lines
+
+
 # ----- the run ---------------------------------------------------------------------------------------------------
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--params-target", type=float, default=None,
-                        help="parameters to reach: the fewest layers that do (default 2.5e9: 30 layers, 2.54B)")
+    parser.add_argument("--params-target", default=None,
+                        help="parameters to reach: the fewest layers that do (default 2.5e9: 30 layers, 2.54B); "
+                             "'auto': the largest model the free disk and RAM hold, by the planner (budgets chosen "
+                             "too: every gradient in host memory), printing the arithmetic")
     parser.add_argument("--host-memory", default=None, help="offload host_memory budget (default 3GB)")
     parser.add_argument("--device-memory", default=None,
                         help="offload device_memory budget; the device is this CPU's RAM here (default 3GB)")
@@ -353,23 +436,41 @@ def main(argv: Optional[List[str]] = None) -> int:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    host_memory = parse_bytes(args.host_memory, "--host-memory")
+    auto = args.params_target == "auto"
+    if auto and args.device_memory == "3GB":
+        args.device_memory = "2GB"  # the layers' room to stream; host memory is sized from the model
     device_memory = parse_bytes(args.device_memory, "--device-memory")
     min_free = parse_bytes(args.min_free_disk or ("1GB" if args.quick else "10GB"), "--min-free-disk")
-    args.layers = layers_for(args.params_target, args.vocab, args.dim, args.hidden)
-    n_params = model_params(args.vocab, args.dim, args.hidden, args.layers)
     moments = MomentFormat.parse(args.moments)
     per_param = state_bytes_per_param(moments)
-    state_bytes = int(per_param * n_params)
     ram = ram_bytes()
-
     base_dir = args.nvme_path or tempfile.gettempdir()
     free_before = shutil.disk_usage(base_dir).free
+    sizing: List[str] = []
+    if auto:
+        sized = auto_size(args, ram, free_before, min_free, moments, device_memory)
+        if sized is None:
+            print("not run: no model of this width fits the free disk and the RAM", file=sys.stderr)
+            return 2
+        args.layers, host_memory, sizing = sized
+        args.host_memory = str(host_memory)
+        # the shadows would fill the disk --min-free-disk keeps free (the plan gives them whatever is left)
+        args.no_speculation = True
+        sizing.append("  speculative clipping off (speculative_clipping=False): its shadows would take the disk "
+                      "--min-free-disk keeps free; every update waits for the global norm (exact, serial)")
+        print("\n".join(sizing), flush=True)
+    else:
+        args.params_target = float(args.params_target)
+        args.layers = layers_for(args.params_target, args.vocab, args.dim, args.hidden)
+    host_memory = parse_bytes(args.host_memory, "--host-memory")
+    n_params = model_params(args.vocab, args.dim, args.hidden, args.layers)
+    state_bytes = int(per_param * n_params)
+
     # The swap file: 12 B/param of state, plus the bf16 weights the plan puts on disk (at most 2 B/param) and,
-    # clipping, the bf16 gradients' records (2 B/param).
+    # clipping, the bf16 gradients' records (2 B/param); auto: the planner's own bytes, checked already.
     disk_per_param = per_param - 2 + (2 if args.max_grad_norm is not None else 0)
     disk_need = int(disk_per_param * n_params) + (1 << 30)
-    if free_before - disk_need < min_free:
+    if not auto and free_before - disk_need < min_free:
         fits = (free_before - min_free - (1 << 30)) / disk_per_param
         print(f"not run: ~{disk_need / GB:.1f} GB of swap for {n_params / 1e9:.2f}B parameters would leave "
               f"{(free_before - disk_need) / GB:.1f} GB free in {base_dir} (< --min-free-disk {min_free / GB:.0f} GB); "
@@ -378,6 +479,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     header = machine_header()
     print(header)
+    if sizing:
+        print("\n".join(sizing))
     print(f"# {deepspeed_line()}")
     malloc_env = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")]
     if malloc_env:
@@ -429,6 +532,10 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{sum(b.weights is Location.HOST for b in plan.blocks)} on host, {len(plan.disk_weight_blocks)} on disk "
               f"(of {len(plan.blocks)})")
         print(f"gradients: {plan.grads_placement()}")
+        if plan.disk_weights:
+            print(f"weights on disk: {plan.disk_weights}")
+        if plan.speculation:
+            print(f"speculative clipping: {plan.speculation}")
 
         print(f"init check: {init_check(model)}")
 
@@ -469,10 +576,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         blocks = [(b.name, sum(g.trainable_numel for g in b.groups),
                    max((s.numel for g in b.groups for s in g.trainable_slots), default=0)) for b in engine.blocks]
         clipping = args.max_grad_norm is not None
-        est, windowed, refused = estimate_plan(blocks, device_memory, host_memory, clipping, moments)
+        kept = DiskWeights.MASTER if plan.master_weight_blocks else DiskWeights.COPY
+        est, windowed, refused = estimate_plan(blocks, device_memory, host_memory, clipping, moments, kept)
         uniform_est, _, uniform_refused = estimate_plan(list(ModelShape.uniform(n_params, len(blocks)).blocks),
-                                                        device_memory, host_memory, clipping, moments)
-        engine.close()
+                                                        device_memory, host_memory, clipping, moments, kept)
+        engine.close(restore_weights=not auto)  # auto: a model larger than RAM cannot come back whole
         leftovers = [n for n in os.listdir(swap_dir) if not n.startswith("offload-probe-")]
         probe.close()
         os.rmdir(swap_dir)
@@ -525,6 +633,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             dict(quantity=f"params / ((RAM + free disk) / {per_param:.4g} B)", value=f"{n_params / capacity:.2f}",
                  against=f"{capacity / 1e9:.2f}B params = ({ram / GB:.1f} + {free_before / GB:.1f} GB) / "
                          f"{per_param:.4g} B"),
+            dict(quantity="params / ((RAM + free disk) / 16 B)", value=f"{n_params * 16 / (ram + free_before):.2f}",
+                 against=f"{(ram + free_before) / 16 / 1e9:.2f}B params = ({ram / GB:.1f} + {free_before / GB:.1f} GB)"
+                         " / 16 B (free disk at start)"),
+            dict(quantity="peak RSS, whole / growth, vs budgets + 512 MiB",
+                 value=f"{peak / GB:.2f} / {(peak - rss_base) / GB:.2f} GB",
+                 against=f"{(mem_bound + (512 << 20)) / GB:.2f} GB: whole process "
+                         f"{'within' if peak <= mem_bound + (512 << 20) else 'OVER'}, growth "
+                         f"{'within' if peak - rss_base <= mem_bound + (512 << 20) else 'OVER'}"),
             dict(quantity="over-budget events (device, host grads)",
                  value=f"{final_stats.get('device_over_budget_events', 0)}, "
                        f"{final_stats.get('host_grad_over_budget_events', 0)}",
@@ -558,6 +674,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             cells, off = dict(source=label), []
             for loc in Location:
                 e, p = plan_est.bytes_on(loc), plan.bytes_on(loc)
+                if loc is Location.DISK and args.no_speculation:
+                    e = disk_bytes(plan_est)  # estimate() speculates with clipping: its shadows apart
                 ok = abs(e - p) <= 0.1 * p or abs(e - p) < (1 << 20)  # within 10% (or 1 MiB: fp32 norms vs bf16)
                 if not ok:
                     off.append(loc.value)
@@ -578,7 +696,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"swap directory {swap_dir} removed")
 
         if not args.quick:
-            append_csv("bench_scale", [dict(r, params=n_params, layers=args.layers, dim=args.dim,
+            append_csv("bench_scale", [dict(r, params=n_params, disk_weights=kept.value, layers=args.layers, dim=args.dim,
                                             host_memory=host_memory, device_memory=device_memory,
                                             peak_rss_GB=peak / GB, rss_growth_GB=(peak - rss_base) / GB,
                                             disk_read_GBps=disk.read / GB, disk_write_GBps=disk.write / GB,

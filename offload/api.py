@@ -16,7 +16,16 @@ from offload.errors import OffloadConfigError
 from offload.integrations.accelerate import adopt_accelerate
 from offload.optim.moment_format import MomentFormat
 from offload.param_groups import parse_param_groups
-from offload.policy import COMPUTE_DTYPES, Activations, OffloadPolicy, ShardWeights, Tier, parse_bytes, resolve_device
+from offload.policy import (
+    COMPUTE_DTYPES,
+    Activations,
+    DiskWeights,
+    OffloadPolicy,
+    ShardWeights,
+    Tier,
+    parse_bytes,
+    resolve_device,
+)
 from offload.scheduler.setup.initial_weights import choose
 
 Bytes = Union[int, str, None]
@@ -46,6 +55,7 @@ def wrap(
     zero_quantized_weights: bool = False,
     zero_quantized_gradients: bool = False,
     zero_hpz_partition_size: int = 1,
+    disk_weights: Optional[str] = None,
     weights: Optional[Union[str, os.PathLike]] = None,
     init: Optional[Callable[[nn.Module], None]] = None,
     **unknown: object,
@@ -114,6 +124,12 @@ def wrap(
             forward's gather, so the backward gathers it within the machine. Exact; costs that part in host
             memory between a block's forward and its update (the plan says how much; within host_memory, else
             wrap() raises naming the budget). Default 1: off.
+        disk_weights: tier="nvme", the compute weights the budgets leave on disk: "copy" keeps a record of their
+            own in the swap file (2 B/param more on disk in bf16, each fetch reads 2 B/param); "master" keeps none:
+            each fetch reads the fp32 master from the block's state record and casts it, which is exactly the
+            weights an update writes (the same bits), for 4 B/param read per fetch instead of 2; None (default,
+            "auto"): "master" only when the copies would not fit the swap directory's free disk. The plan says
+            which, and its bandwidth cost.
         weights: a pretrained checkpoint to fill the model from, block by block as it is placed (a
             `.safetensors` file, a directory of Hugging Face shards, or an offload checkpoint directory):
             the model may be built on the meta device (`accelerate.init_empty_weights()`), so it never
@@ -150,6 +166,7 @@ def wrap(
         zero_quantized_weights=zero_quantized_weights,
         zero_quantized_gradients=zero_quantized_gradients,
         zero_hpz_partition_size=zero_hpz_partition_size,
+        disk_weights=DiskWeights.parse(disk_weights),
     )
     if policy.tier is Tier.NVME:
         _check_nvme_path(policy.nvme_path)

@@ -59,6 +59,31 @@ class ShardWeights(enum.Enum):
                                  "True (each rank keeps 1/N of the weights) or False (each rank keeps them all)")
 
 
+class DiskWeights(enum.Enum):
+    """nvme tier: how the compute weights the budgets leave on disk are kept. COPY: a record of their own in the
+    compute dtype (2 B/param more on disk for bf16; each fetch reads 2 B/param); MASTER: none, each fetch reads the
+    fp32 master from the state record and casts it, the weights an update makes exactly (4 B/param read per fetch,
+    no byte on disk); AUTO: MASTER only when the copies would not fit the swap directory's free disk. See
+    docs/design.md [Note: weights from the master]."""
+
+    AUTO = "auto"
+    COPY = "copy"
+    MASTER = "master"
+
+    @staticmethod
+    def parse(value: Union[None, str, "DiskWeights"]) -> "DiskWeights":
+        if value is None:
+            return DiskWeights.AUTO
+        if isinstance(value, DiskWeights):
+            return value
+        for option in DiskWeights:
+            if value == option.value:
+                return option
+        raise OffloadConfigError(f"disk_weights={value!r} is not a setting: use None or 'auto' (read from the master "
+                                 "only when the disk is short), 'copy' (a record of their own) or 'master' (read from "
+                                 "the fp32 master and cast)")
+
+
 class Tier(enum.Enum):
     """Where the optimizer state (fp32 master weights, Adam moments) lives.
 
@@ -171,6 +196,8 @@ class OffloadPolicy:
         zero_quantized_gradients: data-parallel mode: the gradients' reduce-scatter sends each rank's pieces as
             int8 blocks through all-to-alls, summed in fp32 where they land, within each machine first and then
             across machines (ZeRO++'s qgZ). Changes the maths by the quantization error. Off by default.
+        disk_weights: nvme tier, weights the budgets put on disk: a copy of their own, or read from the fp32 master
+            (`DiskWeights`).
         zero_hpz_partition_size: with sharded weights, > 1 makes ranks in consecutive groups of this many (the ranks
             of one machine: LOCAL_WORLD_SIZE) keep a secondary part of each block from its forward's gather, so
             the backward's gathers stay within the group (ZeRO++'s hpZ). Exact. 1 (default): off.
@@ -197,6 +224,7 @@ class OffloadPolicy:
     zero_quantized_weights: bool = False
     zero_quantized_gradients: bool = False
     zero_hpz_partition_size: int = 1
+    disk_weights: DiskWeights = DiskWeights.AUTO
 
     @property
     def speculates(self) -> bool:
@@ -289,6 +317,13 @@ class OffloadPolicy:
                                      "shard_weights=False keeps them whole on every rank: set shard_weights=True")
         if self.overlap_step is not None and not isinstance(self.overlap_step, bool):
             raise OffloadConfigError(f"overlap_step must be True, False or None, got {self.overlap_step!r}")
+        if not isinstance(self.disk_weights, DiskWeights):
+            raise OffloadConfigError(f"disk_weights must be a DiskWeights, got {self.disk_weights!r}; use "
+                                     "DiskWeights.parse()")
+        if self.disk_weights is DiskWeights.MASTER and self.tier is not Tier.NVME:
+            raise OffloadConfigError(f"disk_weights='master' reads weights on disk from the master in the swap file, "
+                                     f"which only tier='nvme' has (tier is {self.tier.value!r}): use tier='nvme', or "
+                                     "disk_weights=None")
 
 
 def _check_number(name: str, value: object, *, minimum: float) -> None:

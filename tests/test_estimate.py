@@ -213,7 +213,7 @@ def test_the_largest_model_a_disk_holds_per_moments_format(capsys):
     out = capsys.readouterr().out
     found = {}
     for moments in MomentFormat:
-        line = re.search(rf"moments={moments.value}\s+disk\s+([\d.]+) B, memory\s+([\d.]+) B; the largest model "
+        line = re.search(rf"moments={moments.value}\s+weights=copy\s+disk\s+([\d.]+) B, memory\s+([\d.]+) B; the largest model "
                          rf"on 37.3 GiB of disk: ([\d.]+)B parameters", out)
         assert line, out
         found[moments] = float(line.group(3)) * 1e9

@@ -5,6 +5,8 @@
     python -m offload estimate --params 70e9 --host-memory 128GB --device-memory 24GB --tier nvme \
         --grad-accumulation-steps 1
     python -m offload estimate --params 7e9 --host-memory 12GB --device-memory 12GB --tier nvme --disk 50GB
+    python -m offload estimate --params 7e9 --host-memory 17GB --device-memory 2GB --tier nvme --disk 50GB \
+        --moments int8 --max-grad-norm --disk-weights master
 
 Runs the same planner `offload.wrap` runs, on blocks described by sizes instead of a model: a GPT config
 gives one block per layer (12 d^2 + 13 d parameters) plus the embeddings; `--params N` is split into
@@ -31,7 +33,7 @@ from offload.planner.place import make_plan, shards_weights, spec_of
 from offload.planner.plan import BlockSpec, GradFlow, Location, Plan
 from offload.planner.plan import human_bytes as _human
 from offload.planner.ring import ring_size_for
-from offload.policy import Tier, parse_bytes
+from offload.policy import DiskWeights, Tier, parse_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
@@ -68,14 +70,18 @@ class ModelShape:
 
 def estimate(shape: ModelShape, tier: Tier, dtype: torch.dtype, device_memory: Optional[int],
              host_memory: Optional[int], flow: Optional[GradFlow] = None,
-             moments: MomentFormat = MomentFormat.FP32, world: int = 1, shard_weights: Optional[bool] = None) -> Plan:
+             moments: MomentFormat = MomentFormat.FP32, world: int = 1, shard_weights: Optional[bool] = None,
+             disk_weights: DiskWeights = DiskWeights.AUTO, disk_room: Optional[int] = None) -> Plan:
     """The plan `offload.wrap` would make for a model of this shape (all parameters trainable); `flow`: when the
     gradients are consumed (declared accumulation, clipping), which decides where the nvme tier keeps them;
     `moments`: how the Adam moments are kept (wrap's `moments=`); `world`: data-parallel ranks, the plan one rank's,
-    with `shard_weights` as wrap takes it (None: sharded when the whole weights do not fit host memory)."""
+    with `shard_weights` as wrap takes it (None: sharded when the whole weights do not fit host memory);
+    `disk_weights`: weights on disk as a copy or read from the master (wrap's), AUTO deciding on `disk_room`, the
+    free disk (None: not given, copies)."""
     if world > 1 and tier is not Tier.GPU and shard_weights is None:
         shard_weights = shards_weights(
-            lambda: estimate(shape, tier, dtype, device_memory, host_memory, flow, moments, world, False))
+            lambda: estimate(shape, tier, dtype, device_memory, host_memory, flow, moments, world, False,
+                             disk_weights, disk_room))
     sharded = world > 1 and tier is not Tier.GPU and bool(shard_weights)
     itemsize = dtype.itemsize
     specs: List[BlockSpec] = [spec_of(block[0], block[1] * itemsize, [(block[1], dtype)], tier, largest * itemsize,
@@ -86,7 +92,7 @@ def estimate(shape: ModelShape, tier: Tier, dtype: torch.dtype, device_memory: O
     flow = flow or GradFlow(itemsize=itemsize)
     # clipping speculates (wrap's speculative_clipping=True) where the budgets leave room for the shadows
     plan = make_plan(specs, tier, device_memory, host_memory, ring, flow, world if sharded else 1,
-                     speculate=flow.clipping)
+                     speculate=flow.clipping, disk_room=disk_room, disk_weights=disk_weights)
     if world > 1 and not sharded and plan.disk_weight_blocks:
         raise OffloadConfigError("shard_weights=False keeps every block's weights in each rank's host memory, but "
                                  f"host_memory leaves {len(plan.disk_weight_blocks)} blocks' weights on disk")
@@ -104,6 +110,8 @@ def _summary(plan: Plan) -> str:
         line += f"\n           staging ring: {plan.ring_placement()}"
     if plan.speculation:
         line += f"\n           speculative clipping: {plan.speculation}"
+    if plan.disk_weights:
+        line += f"\n           disk-resident weights: {plan.disk_weights}"
     if plan.shard_world > 1:
         line += (f"\n           weights sharded: each rank keeps 1/{plan.shard_world} of every block's, gathered whole "
                  "on the device for each use")
@@ -153,35 +161,40 @@ def disk_bytes(plan: Plan) -> int:
 
 def _per_param_lines(shape: ModelShape, dtype: torch.dtype, device_memory: Optional[int], host_memory: Optional[int],
                      flow: GradFlow, world: int, shard: Optional[bool], disk: Optional[int]) -> List[str]:
-    """nvme tier: what one parameter costs on disk and in memory with each moments format under these budgets, and,
-    given the free `disk`, the largest model of this many blocks that it and the budgets hold, against the classic
-    16 bytes a parameter of mixed-precision training (2 weights + 2 gradients + 12 optimizer)."""
-    lines = ["bytes per parameter (nvme tier, these budgets):"]
+    """nvme tier: what one parameter costs on disk and in memory with each moments format and each way of keeping
+    the weights the budgets leave on disk (a copy, or read from the fp32 master) under these budgets, and, given
+    the free `disk`, the largest model of this many blocks that it and the budgets hold, against the classic 16
+    bytes a parameter of mixed-precision training (2 weights + 2 gradients + 12 optimizer)."""
+    lines = ["bytes per parameter (nvme tier, these budgets; disk-resident weights kept as a copy, or read from the "
+             "fp32 master):"]
     for moments in MomentFormat:
-        try:
-            plan = estimate(shape, Tier.NVME, dtype, device_memory, host_memory, flow, moments, world, shard)
-        except OffloadConfigError as exc:
-            lines.append(f"  moments={moments.value:<4} does not fit: {exc}")
-            continue
-        memory = plan.bytes_on(Location.DEVICE) + plan.bytes_on(Location.HOST)
-        line = (f"  moments={moments.value:<4} disk {disk_bytes(plan) / shape.params:5.2f} B, "
-                f"memory {memory / shape.params:5.2f} B")
-        if disk is not None:
-            found = largest_params(shape, dtype, device_memory, host_memory, flow, moments, world, shard, disk)
-            if found is None:
-                line += f"; no model of {len(shape.blocks)} blocks fits {_human(disk)} of disk"
-            else:
-                largest, used = found
-                there = used.bytes_on(Location.DEVICE) + used.bytes_on(Location.HOST)
-                line += (f"; the largest model on {_human(disk)} of disk: {_count(largest)} parameters, "
-                         f"{largest * 16 / (disk + there):.2f}x (disk + its {_human(there)} of memory) / 16 B")
-        lines.append(line)
+        for weights in (DiskWeights.COPY, DiskWeights.MASTER):
+            label = f"  moments={moments.value:<4} weights={weights.value:<6}"
+            try:
+                plan = estimate(shape, Tier.NVME, dtype, device_memory, host_memory, flow, moments, world, shard,
+                                weights)
+            except OffloadConfigError as exc:
+                lines.append(f"{label} does not fit: {exc}")
+                continue
+            memory = plan.bytes_on(Location.DEVICE) + plan.bytes_on(Location.HOST)
+            line = f"{label} disk {disk_bytes(plan) / shape.params:5.2f} B, memory {memory / shape.params:5.2f} B"
+            if disk is not None:
+                found = largest_params(shape, dtype, device_memory, host_memory, flow, moments, world, shard, disk,
+                                       weights)
+                if found is None:
+                    line += f"; no model of {len(shape.blocks)} blocks fits {_human(disk)} of disk"
+                else:
+                    largest, used = found
+                    there = used.bytes_on(Location.DEVICE) + used.bytes_on(Location.HOST)
+                    line += (f"; the largest model on {_human(disk)} of disk: {_count(largest)} parameters, "
+                             f"{largest * 16 / (disk + there):.2f}x (disk + its {_human(there)} of memory) / 16 B")
+            lines.append(line)
     return lines
 
 
 def largest_params(shape: ModelShape, dtype: torch.dtype, device_memory: Optional[int], host_memory: Optional[int],
                    flow: GradFlow, moments: MomentFormat, world: int, shard: Optional[bool],
-                   disk: int) -> Optional[Tuple[int, Plan]]:
+                   disk: int, disk_weights: DiskWeights = DiskWeights.COPY) -> Optional[Tuple[int, Plan]]:
     """The most parameters (to 1 in 10,000), in as many equal blocks as `shape` has, whose plan fits the budgets
     and `disk`, with that plan; None: none does. The disk a plan needs grows with the parameters: a bisection."""
     blocks = len(shape.blocks)
@@ -189,7 +202,7 @@ def largest_params(shape: ModelShape, dtype: torch.dtype, device_memory: Optiona
     def plan_within(params: int) -> Optional[Plan]:
         try:
             plan = estimate(ModelShape.uniform(params, blocks), Tier.NVME, dtype, device_memory, host_memory, flow,
-                            moments, world, shard)
+                            moments, world, shard, disk_weights)
         except OffloadConfigError:
             return None
         return plan if disk_bytes(plan) <= disk else None
@@ -271,6 +284,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk", type=byte_size, default=None,
                         help="free disk for the swap file, e.g. 50GB: the nvme tier's largest model it and the "
                              "budgets hold, for each moments format")
+    parser.add_argument("--disk-weights", choices=[d.value for d in DiskWeights], default=DiskWeights.AUTO.value,
+                        help="nvme tier, weights the budgets leave on disk: a copy of their own, read from the fp32 "
+                             "master (no disk, 4 B/param read per fetch), or auto (master when the copies would not "
+                             "fit --disk), as offload.wrap(disk_weights=...)")
     parser.add_argument("--blocks", action="store_true", help="print the per-block plan table too")
 
 
@@ -315,11 +332,14 @@ def run(args: argparse.Namespace) -> int:
     moments = MomentFormat.parse(getattr(args, "moments", MomentFormat.FP32.value))
     world = getattr(args, "world_size", 1)
     shard = {"auto": None, "on": True, "off": False}[getattr(args, "shard_weights", "auto")]
+    disk_weights = DiskWeights.parse(getattr(args, "disk_weights", None))
+    disk = _budget(getattr(args, "disk", None), "--disk")
     if world > 1:
         print(f"per rank of {world} data-parallel ranks (each keeps 1/{world} of the optimizer state)")
     for tier in tiers:
         try:
-            plan = estimate(shape, tier, dtype, device_memory, host_memory, flow, moments, world, shard)
+            plan = estimate(shape, tier, dtype, device_memory, host_memory, flow, moments, world, shard,
+                            disk_weights if tier is Tier.NVME else DiskWeights.AUTO, disk)
         except OffloadConfigError as exc:
             print(f"tier={tier.value:<5} does not fit: {exc}")
             continue
@@ -327,8 +347,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tier={tier.value:<5} {_summary(plan)}")
         if tier is Tier.NVME:
             print("           " + _moments_line(moments, shape.params))
-            per_param = _per_param_lines(shape, dtype, device_memory, host_memory, flow, world, shard,
-                                         _budget(getattr(args, "disk", None), "--disk"))
+            per_param = _per_param_lines(shape, dtype, device_memory, host_memory, flow, world, shard, disk)
             print("\n".join("           " + line for line in per_param))
         if world > 1:
             print("           " + _collectives_line(args, plan, shape.params, dtype, world))

@@ -278,14 +278,16 @@ class Engine:
         return manifest
 
     # ----- end ---------------------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, restore_weights: bool = True) -> None:
         """Finish pending updates, remove every hook, bring streamed weights back and free the optimizer
         state: the module stays usable as a plain PyTorch model with its trained weights. Idempotent.
         An update that failed and was not reported yet, or an I/O error met while closing, is raised once,
         after the cleanup: the hooks, the swap file and the model's mark are gone even then. An engine
-        dropped without close() is released the same way when it is collected (errors then warn)."""
+        dropped without close() is released the same way when it is collected (errors then warn).
+        `restore_weights=False` leaves the streamed blocks' parameters as the placeholders they are while
+        training: for a model larger than RAM, which cannot come back whole (save a checkpoint first)."""
         self._dropped.detach()
-        self._release.close()
+        self._release.close(restore_weights)
 
     def __enter__(self) -> "Engine":
         return self

@@ -34,13 +34,13 @@ class EngineRelease:
     mark: "weakref.ref[Any]"  # the mark this engine set; the module's mark is removed only while it is this one
     owner_pid: int = field(default_factory=os.getpid)  # the process whose engine this is (not a forked child)
 
-    def close(self) -> None:
-        """`Engine.close()`: finish pending updates, remove every hook, bring streamed weights back, free the
-        state and delete the swap file. An update's error never reported, or an I/O error met on the way, is
+    def close(self, restore: bool = True) -> None:
+        """`Engine.close()`: finish pending updates, remove every hook, bring streamed weights back (`restore`), free
+        the state and delete the swap file. An update's error never reported, or an I/O error met on the way, is
         raised after the cleanup; a failure reported earlier is a RuntimeWarning. Idempotent."""
         if self.pipeline.closed:
             return
-        failure = self._release()
+        failure = self._release(restore)
         if failure is not None:
             raise failure
         self._warn_if_inconsistent("closed")

@@ -16,13 +16,13 @@ from offload.optim.moment_format import MomentFormat, moment_nbytes
 from offload.planner.plan import BlockPlacement, BlockSpec, GradFlow, Location, Plan
 from offload.planner.plan import human_bytes as _human
 from offload.planner.ring import MAX_DEPTH, RingSize, read_ahead_bytes
-from offload.policy import Tier
+from offload.policy import DiskWeights, Tier
 
 
 def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[int],
               host_budget: Optional[int], ring: Optional[RingSize] = None, grads: Optional[GradFlow] = None,
               shard_world: int = 1, speculate: bool = False, disk_room: Optional[int] = None,
-              resident_weight_shadows: bool = False) -> Plan:
+              resident_weight_shadows: bool = False, disk_weights: DiskWeights = DiskWeights.AUTO) -> Plan:
     """Place each block; raises OffloadConfigError naming the block or budget that cannot work.
 
     nvme tier (`ring` given): host memory holds the gradients (all of them; or a window of GRAD_WINDOW_BLOCKS
@@ -41,7 +41,10 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
     `resident_weight_shadows`: a resident block's speculative weights need a shadow, in device memory (else host
     memory: the same RAM), because the CPU computes with each data-parallel rank holding a part of the master;
     otherwise none: one process writes them in place and puts them back from the master when dropped, a GPU's
-    update writes a host upload source."""
+    update writes a host upload source.
+
+    Weights on disk (nvme tier): a record of their own, or read from the fp32 master and cast (`disk_weights`;
+    AUTO: when the copies would not fit `disk_room`), see `_disk_weights`."""
     grads = grads if grads is not None else GradFlow()
     if not blocks:
         raise OffloadConfigError("the model has no parameters to offload")
@@ -114,6 +117,9 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
         placements.append(BlockPlacement(block.name, weights, state_home, kept, block.state_bytes,
                                          block.grad_bytes))
     disk_traffic = _grad_disk_bytes(sum(b.grad_bytes for b in blocks), grads, on_device) if on_disk else 0
+    placements, weights_said = _disk_weights(blocks, placements, disk_weights, disk_room,
+                                             Plan(tier, tuple(placements), device_budget, host_budget,
+                                                  grads_on_disk=on_disk).bytes_on(Location.DISK))
     said = ""
     if speculate:
         disk_left = None
@@ -129,7 +135,41 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
                                        ring.preferred // MAX_DEPTH)
         slots = ring.slots(ring_bytes) if ring_bytes else None
     return Plan(tier, tuple(placements), device_budget, host_budget, ring_bytes, slots, window, workspace, on_disk,
-                disk_traffic, on_device, shard_world, speculation=said)
+                disk_traffic, on_device, shard_world, speculation=said, disk_weights=weights_said)
+
+
+def _disk_weights(blocks: Sequence[BlockSpec], placements: List[BlockPlacement], choice: DiskWeights,
+                  disk_room: Optional[int], disk_need: int) -> Tuple[List[BlockPlacement], str]:
+    """Whether the blocks whose weights are on disk keep a copy of them in the swap file or read them from their fp32
+    master in the state record and cast them (`from_master`): asked for (MASTER), or (AUTO) when the swap file with
+    the copies (`disk_need` bytes, shadows apart) would not fit `disk_room` (free disk, None: not measured). A block
+    with frozen parameters (no master for them) or sharded weights keeps its copy. (placements, the plan's line.)
+    The cost: a fetch reads 4 B/param of master instead of the copy's bytes, in the forward and in the backward."""
+    on_disk = [i for i, p in enumerate(placements) if p.weights is Location.DISK]
+    if not on_disk:
+        return placements, ""
+    eligible = [i for i in on_disk if blocks[i].part_weight_bytes is None and blocks[i].master_bytes
+                and blocks[i].shadow_weight_bytes == blocks[i].weight_bytes]
+    copies = sum(placements[i].weight_bytes for i in on_disk)
+    short = disk_room is not None and disk_need > disk_room - DISK_SLACK
+    if choice is DiskWeights.COPY or not eligible or (choice is DiskWeights.AUTO and not short):
+        why = "disk_weights='copy'" if choice is DiskWeights.COPY else \
+            "no block's weights all have a master" if not eligible else \
+            "free disk not measured" if disk_room is None else "they fit the free disk"
+        return placements, (f"{len(on_disk)} blocks' weights kept as a copy in the swap file ({_human(copies)}; {why}"
+                            "; disk_weights='master' reads them from the fp32 master instead)")
+    out = list(placements)
+    for i in eligible:
+        out[i] = dataclasses.replace(placements[i], from_master=True)
+    saved = sum(placements[i].weight_bytes for i in eligible)
+    extra = sum(blocks[i].master_bytes - placements[i].weight_bytes for i in eligible)
+    why = "disk_weights='master'" if choice is DiskWeights.MASTER else \
+        f"the swap file with the copies, {_human(disk_need)}, would not fit the {_human(disk_room or 0)} free"
+    kept = len(on_disk) - len(eligible)
+    return out, (f"{len(eligible)} of {len(on_disk)} blocks' weights read from the fp32 master in the state record and "
+                 f"cast, no copy on disk ({why}): {_human(saved)} less disk; each fetch reads the master's 4 B/param, "
+                 f"{_human(2 * extra)} more read per step (a forward and a backward)"
+                 + (f"; {kept} blocks with frozen parameters keep a copy" if kept else ""))
 
 
 DISK_SLACK = 64 << 20  # free disk the shadows leave: the layout's padding, the layout file, the checkpoints' temporaries
@@ -153,7 +193,8 @@ def _shadows(blocks: Sequence[BlockSpec], placements: List[BlockPlacement], host
         if weights_at is Location.DEVICE and not resident_weight_shadows:
             weights_at = None  # written in place (put back from the master when dropped), or a GPU's upload source
         # on disk the weight record's shadow is the whole record (its frozen part too), the rank's part if sharded
-        weight_need = {Location.DISK: spec.weight_bytes if spec.part_weight_bytes is None else spec.part_weight_bytes}
+        weight_need = {Location.DISK: 0 if placed.from_master else
+                       spec.weight_bytes if spec.part_weight_bytes is None else spec.part_weight_bytes}
         left = {Location.HOST: host_left, Location.DISK: disk_left, Location.DEVICE: device_left}
         # the CPU computing: its "device" memory is host memory, so a resident block's weight shadow may take
         # either budget (device first)
@@ -279,9 +320,10 @@ def spec_of(name: str, weight_bytes: int, groups: Sequence[Tuple[int, torch.dtyp
     ranks, each keeping the state of its 1/world part (the largest part: the same plan on every rank) and the
     whole gradient (reduce-scattered at the update); `per_rank`: instead, each group's (state, gradient)
     elements of the largest rank; `part_weight_bytes`: sharded weights, a rank's part."""
-    state = grads = shadow_weights = 0
+    state = grads = shadow_weights = master = 0
     for index, (numel, dtype) in enumerate(groups):
         state_numel, grad_numel = per_rank[index] if per_rank is not None else (-(-numel // world), numel)
+        master += 4 * state_numel if world == 1 and per_rank is None else 0  # one process holds the whole master
         s, _ = group_bytes(state_numel, dtype, tier, moments)
         _, g = group_bytes(grad_numel, dtype, tier, moments)
         state, grads = state + s, grads + g
@@ -289,7 +331,8 @@ def spec_of(name: str, weight_bytes: int, groups: Sequence[Tuple[int, torch.dtyp
         shadow_weights += (state_numel if per_rank is not None else numel) * dtype.itemsize
     shadows = dict(shadow_state_bytes=state, shadow_weight_bytes=shadow_weights) if tier is not Tier.GPU else {}
     if tier is Tier.NVME:
-        return BlockSpec(name, weight_bytes, state, grads, largest_grad_bytes, part_weight_bytes, **shadows)
+        return BlockSpec(name, weight_bytes, state, grads, largest_grad_bytes, part_weight_bytes, **shadows,
+                         master_bytes=master)
     return BlockSpec(name, weight_bytes, state + grads, 0, largest_grad_bytes, part_weight_bytes, **shadows)
 
 

@@ -34,6 +34,7 @@ class BlockSpec:
     part_weight_bytes: Optional[int] = None  # sharded weights: this rank's part, kept in host memory or on disk
     shadow_state_bytes: int = 0  # a speculation's shadow of the state (master, moments): where the state lives
     shadow_weight_bytes: int = 0  # and of the weights an update writes (host memory, or disk with the weights)
+    master_bytes: int = 0  # nvme tier: its fp32 master weights' bytes in the state record (weights read from them)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class BlockPlacement:
     shadow_disk_bytes: int = 0  # clipping]): in host memory, in the swap file, on the device (the host's CPU
     shadow_device_bytes: int = 0  # computing: a resident block's weights are written there)
     shadowed: bool = False
+    from_master: bool = False  # weights on disk read from the state record's fp32 master and cast: no copy of theirs
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class Plan:
     activations: Optional[ActivationUse] = None  # measured in a training forward (engine.plan adds it)
     precision: str = ""  # the compute and master dtypes, in words (the engine's plan sets it; estimate leaves it)
     speculation: str = ""  # max_grad_norm: where speculative clipping runs, or why not, in words ("": no clipping)
+    disk_weights: str = ""  # weights on disk: kept as a copy, or read from the fp32 master, and why, in words
 
     @property
     def host_grad_bytes(self) -> int:
@@ -121,7 +124,7 @@ class Plan:
         total += self.device_grad_bytes if location is Location.DEVICE else 0
         total += self.all_grad_bytes if location is Location.DISK and self.grads_on_disk else 0
         for block in self.blocks:
-            total += block.weight_bytes if block.weights is location else 0
+            total += block.weight_bytes if block.weights is location and not block.from_master else 0
             total += block.state_bytes if block.state is location else 0
             total += block.shadow_host_bytes if location is Location.HOST else 0
             total += block.shadow_disk_bytes if location is Location.DISK else 0
@@ -137,6 +140,11 @@ class Plan:
     def disk_weight_blocks(self) -> Tuple[str, ...]:
         """Blocks whose compute weights live on disk (streamed disk -> host staging -> device)."""
         return tuple(b.name for b in self.blocks if b.weights is Location.DISK)
+
+    @property
+    def master_weight_blocks(self) -> Tuple[str, ...]:
+        """Blocks whose weights on disk are read from their fp32 master and cast (no copy of their own on disk)."""
+        return tuple(b.name for b in self.blocks if b.from_master)
 
     @property
     def streamed_blocks(self) -> Tuple[str, ...]:
@@ -174,6 +182,8 @@ class Plan:
                 lines.append(f"  staging ring: {self.ring_placement()}")
         if self.speculation:
             lines.append(f"  speculative clipping: {self.speculation}")
+        if self.disk_weights:
+            lines.append(f"  disk-resident weights: {self.disk_weights}")
         if self.device_grad_bytes:
             lines.append(f"  device keeps {human_bytes(self.device_grad_bytes)} for the largest gradient autograd makes "
                          "before the engine takes it")

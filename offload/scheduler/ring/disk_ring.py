@@ -26,6 +26,7 @@ from torch import Tensor
 from offload.io.future import wait_all
 from offload.optim.moment_format import BlockLayout, MomentFormat
 from offload.planner.ring import MIN_DEPTH
+from offload.scheduler.ring.master_reads import MasterReads
 from offload.scheduler.ring.record_moves import RecordMoves
 from offload.scheduler.ring.ring_slots import (
     KEEP_FOR_LOAD,
@@ -64,6 +65,7 @@ class DiskRing:
         self._store = store
         self._weights = RecordMoves(self._slots, self._order, store, RecordKind.WEIGHTS)
         self._grads = RecordMoves(self._slots, self._order, store, RecordKind.GRADS)
+        self.masters = MasterReads(self._slots, self._order, store, self.chunks)  # weights read from the master
         self._reads: Dict[ChunkKey, InFlight] = {}  # reads issued ahead, not yet loaded
         self._checked_out: Dict[ChunkKey, Optional[Slot]] = {}  # chunks being updated: from `load` to `store`
         self._announced: Dict[ChunkKey, Tuple["FlatGroup", int, int]] = {}  # to read ahead, in this order

@@ -12,7 +12,7 @@ import dataclasses
 import os
 import shutil
 import warnings
-from typing import Any, Callable, Dict, List, Optional, cast
+from typing import AbstractSet, Any, Callable, Dict, List, Optional, cast
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ from offload.errors import OffloadConfigError
 from offload.planner.place import make_plan, shards_weights
 from offload.planner.plan import GradFlow, Location, Plan, human_bytes
 from offload.planner.ring import RingSize, ring_size_for
-from offload.policy import OffloadPolicy, ShardWeights, Tier
+from offload.policy import DiskWeights, OffloadPolicy, ShardWeights, Tier
 from offload.scheduler.blocks.block import Block, FlatGroup
 from offload.scheduler.records.block_record import BlockRecord, BlockServices
 from offload.scheduler.records.grad_home import DiskParking, GradHome
@@ -39,7 +39,7 @@ from offload.scheduler.torch_internals import own_buffers
 from offload.scheduler.weights.partitioned_home import DiskPart, HostPart, PartitionedHome, PartKeeper, WeightPart
 from offload.scheduler.weights.streamer import WeightStreamer
 from offload.scheduler.weights.tiers import Tiers
-from offload.scheduler.weights.weight_home import DeviceHome, DiskHome, HostMirror, WeightHome
+from offload.scheduler.weights.weight_home import DeviceHome, DiskHome, HostMirror, MasterHome, WeightHome
 from offload.tiers.copies import CopyContext
 from offload.tiers.device import DeviceTier
 from offload.tiers.disk import SwapStore
@@ -144,8 +144,8 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
                 "is no state to keep; use tier='cpu' (weights still stream under device_memory), or unfreeze the "
                 "parameters to train before offload.wrap()")
         part_of = None if not sharded else (lambda group: dp.weight_part(group.numel).numel)  # type: ignore[union-attr]
-        on_disk = set(plan.disk_weight_blocks)
-        weights, swap_size = plan_weight_layout([s for s in shapes if s.block in on_disk], swap_size, part_of)
+        copied = set(plan.disk_weight_blocks) - set(plan.master_weight_blocks)  # the others read their master
+        weights, swap_size = plan_weight_layout([s for s in shapes if s.block in copied], swap_size, part_of)
         grads: Dict[str, WeightRecord] = {}
         if plan.grads_on_disk:
             padded = None if dp is None else _grad_record_numel(dp, sharded, policy.max_grad_norm is not None)
@@ -187,11 +187,11 @@ def _device_weight_budget(plan: Plan, blocks: List[Block]) -> Optional[int]:
 
 
 def _disk_room(policy: OffloadPolicy, dp: Optional[DataParallel]) -> Optional[int]:
-    """Free disk the speculation's shadows may plan on: the swap directory's free space, shared among the ranks of
-    a node (they write to the same disk, as a rule), the least of any rank (every rank must make the same plan).
-    None: no shadows on disk to plan."""
-    speculate = policy.speculates
-    if not (speculate and policy.tier is Tier.NVME and policy.nvme_path):
+    """Free disk the speculation's shadows and the choice of `disk_weights` (auto) may plan on: the swap directory's
+    free space, shared among the ranks of a node (they write to the same disk, as a rule), the least of any rank
+    (every rank must make the same plan). None: nothing on disk to plan."""
+    plans_disk = policy.speculates or policy.disk_weights is DiskWeights.AUTO
+    if not (plans_disk and policy.tier is Tier.NVME and policy.nvme_path):
         return None
     free = shutil.disk_usage(policy.nvme_path).free
     if dp is None:
@@ -207,7 +207,8 @@ def _make_plan(blocks: List[Block], policy: OffloadPolicy, ring: Optional[RingSi
     speculate = policy.speculates
     return make_plan([b.spec(policy.tier, policy.moments, world, sharded) for b in blocks], policy.tier,
                      policy.device_memory, policy.host_memory, ring, flow, world if sharded else 1, speculate,
-                     disk_room, resident_weight_shadows=policy.device.type == "cpu" and dp is not None)
+                     disk_room, resident_weight_shadows=policy.device.type == "cpu" and dp is not None,
+                     disk_weights=policy.disk_weights)
 
 
 def _shards_weights(blocks: List[Block], policy: OffloadPolicy, dp: Optional[DataParallel],
@@ -252,6 +253,7 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
     trainable parameter's optimizer group. `dp`: every rank starts from rank 0's weights, and keeps the
     optimizer state of its own part of each group."""
     streamed, on_disk = set(plan.streamed_blocks), set(plan.disk_weight_blocks)
+    from_master = set(plan.master_weight_blocks)  # weights on disk read from the fp32 master in the state record
     shadowed = set(plan.shadowed_blocks)  # speculative clipping: their state and weights get shadows
     sharded = plan.shard_world > 1
     records: List[BlockRecord] = []
@@ -285,7 +287,7 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
                 state = GroupState(group, store, grads, [optimizer_group_of[s.param] for s in group.trainable_slots],
                                    shard)
             home = _partitioned_home(block, group, tiers, on_disk, dp, shard) if sharded else \
-                _weight_home(block, group, policy, tiers, streamed, on_disk, state is not None, shard is None)
+                _weight_home(block, group, policy, tiers, streamed, on_disk, state is not None, shard is None, from_master)
             if state is not None and block.name in shadowed:
                 state.store.add_shadow()
                 home.add_shadow()
@@ -331,10 +333,14 @@ def _grad_home(group: FlatGroup, on_host: bool, policy: OffloadPolicy, tiers: Ti
 
 
 def _weight_home(block: Block, group: FlatGroup, policy: OffloadPolicy, tiers: Tiers, streamed: set, on_disk: set,
-                 trains: bool, whole_state: bool) -> WeightHome:
-    """Disk for blocks the plan puts there, a whole host copy for other streamed blocks, an upload source
-    for resident trainable weights whose state is on the host of a GPU, else the device alone (`whole_state`: this
-    process holds the group's whole master, so a speculation may write the device weights in place)."""
+                 trains: bool, whole_state: bool, from_master: AbstractSet[str] = frozenset()) -> WeightHome:
+    """Disk for blocks the plan puts there (their own record, or read from the master: `from_master`), a whole host
+    copy for other streamed blocks, an upload source for resident trainable weights whose state is on the host of a
+    GPU, else the device alone (`whole_state`: this process holds the group's whole master, so a speculation may
+    write the device weights in place)."""
+    if block.name in from_master:
+        assert tiers.ring is not None and whole_state and group.trainable_numel == group.numel
+        return MasterHome(group, tiers.ring.masters, tiers.copies)
     if block.name in on_disk:
         assert tiers.ring is not None
         return DiskHome(group, tiers.ring.weights, tiers.copies)

@@ -7,6 +7,8 @@
   the trainable range of a resident block whose state is on the host of a CUDA machine (an upload source).
 - `DiskHome`: the nvme tier's blocks the plan puts on disk: the weights live in the swap file, the update
   writes them there through the ring (the store's chunk weights), and every fetch reads them back.
+- `MasterHome`: the same blocks with no copy of their weights on disk (`disk_weights="master"`): every fetch reads
+  the fp32 master from the state record and casts it.
 
 Callers need only these operations: where the update writes (`update_target`), bring the updated weights
 to the device (`push`) or all of them into a regrown buffer (`fetch`), read the current ones on the host
@@ -23,7 +25,7 @@ back from the live master (`forget_shadow`), and the block's parameters are guar
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -33,7 +35,8 @@ from offload.scheduler.state.state_store import StateStore, weights_from_master
 from offload.tiers.copies import CopyContext
 
 if TYPE_CHECKING:
-    from offload.scheduler.ring.record_moves import RecordMoves
+    from offload.scheduler.ring.master_reads import MasterReads
+    from offload.scheduler.ring.record_moves import PieceRead, RecordMoves
 
 
 class WeightHome(Protocol):
@@ -85,6 +88,18 @@ class WeightHome(Protocol):
 
     def share_update(self, sharing: "UpdateSharing", state: Any, out: Optional[Tensor]) -> None:
         """After an update wrote `out` (this rank's part of `state`): the other data-parallel ranks get it."""
+
+
+class DiskReads(Protocol):
+    """Where a disk home's fetches read: the weight record (ring/record_moves.py) or the master (ring/master_reads.py)."""
+
+    def read_into(self, group: FlatGroup, dst: Tensor, copy: Callable[[Tensor, Tensor], None]) -> None: ...
+
+    def start_read(self, group: FlatGroup, itemsize: int) -> Optional[List["PieceRead"]]: ...
+
+    def finish_read(self, handle: List["PieceRead"], dst: Tensor, copy: Callable[[Tensor, Tensor], None]) -> None: ...
+
+    def cancel_read(self, handle: List["PieceRead"]) -> None: ...
 
 
 class UpdateOwner(Protocol):
@@ -294,10 +309,11 @@ class DiskHome(WholeWeights):
     def __init__(self, group: FlatGroup, weights: "RecordMoves", copies: CopyContext) -> None:
         assert group.device_buffer is not None
         self._group = group
-        self._disk = weights  # the ring's weight moves (ring/record_moves.py)
+        self._disk: DiskReads = weights  # the ring's weight moves (ring/record_moves.py)
         self._copies = copies
         self._read_ahead: Optional[list] = None  # the ring's handle of reads a prefetch started
         weights.write_from(group, group.device_buffer.to("cpu"))
+        self._weights = weights
 
     def update_target(self) -> Optional[Tensor]:
         return None  # the update writes the new weights into the store's chunks, and the ring to disk
@@ -339,7 +355,7 @@ class DiskHome(WholeWeights):
 
     def replace(self, flat: Tensor, resident: bool) -> None:
         self.cancel_prefetch()  # reads a prefetch started would return the old weights
-        self._disk.write_from(self._group, flat.to(self._group.dtype).contiguous())
+        self._weights.write_from(self._group, flat.to(self._group.dtype).contiguous())
         if resident:
             assert self._group.device_buffer is not None
             self._group.device_buffer.copy_(flat)
@@ -355,6 +371,30 @@ class DiskHome(WholeWeights):
         handle, self._read_ahead = self._read_ahead, None
         if handle:
             self._disk.cancel_read(handle)
+
+
+class MasterHome(DiskHome):
+    """Weights on disk with no copy of their own ([Note: weights from the master]): every fetch, prefetch and read
+    of them reads the group's fp32 master from its state record and casts it, which is the cast an update makes, so
+    the weights are the same bits as a copy's. Whatever sets the weights sets the master: an update (a speculative
+    one its shadow copy, live once committed: reads ahead are dropped then), a checkpoint load (the master from the
+    checkpoint), a write through the parameters (`overwrite_master`). Only a group whose every parameter trains
+    has a master for each element; the plan keeps a copy for the others."""
+
+    def __init__(self, group: FlatGroup, masters: "MasterReads", copies: CopyContext) -> None:
+        assert group.device_buffer is not None and group.trainable_numel == group.numel
+        self._group = group
+        self._disk = masters  # the state store wrote the master when it was made: nothing to write here
+        self._copies = copies
+        self._read_ahead = None
+
+    def replace(self, flat: Tensor, resident: bool) -> None:
+        """The caller writes the master as well (a checkpoint load's masters, `overwrite_master`): fetches read it
+        there; the device buffer takes the weights now when the block is resident."""
+        self.cancel_prefetch()  # reads a prefetch started would return the old master
+        if resident:
+            assert self._group.device_buffer is not None
+            self._group.device_buffer.copy_(flat)
 
 
 def _host_copy(dst: Tensor, src: Tensor) -> None:
