@@ -306,10 +306,10 @@ def test_a_dropped_speculation_leaves_a_resident_blocks_upload_source_as_it_was(
     from offload.scheduler.weights.weight_home import HostMirror
     own = placement._weight_home
 
-    def as_on_a_gpu(block, group, policy, tiers, streamed, on_disk, trains, whole_state):
+    def as_on_a_gpu(block, group, policy, tiers, streamed, on_disk, trains, whole_state, *more):
         if block.name not in on_disk and block.name not in streamed and trains:
             return HostMirror(group, tiers.copies, whole=False)
-        return own(block, group, policy, tiers, streamed, on_disk, trains, whole_state)
+        return own(block, group, policy, tiers, streamed, on_disk, trains, whole_state, *more)
 
     monkeypatch.setattr(placement, "_weight_home", as_on_a_gpu)
     batches = make_batches(3, 1, seed=8)
