@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from offload.scheduler.ring.record_moves import KEEP_FOR_CHUNKS, PieceRead
+from offload.scheduler.ring.record_moves import PieceRead, cancel_piece_reads, finish_piece_reads, start_piece_reads
 from offload.tiers.disk import RecordKind
 
 if TYPE_CHECKING:
+    from offload.io.future import IOFuture
     from offload.scheduler.blocks.block import FlatGroup
     from offload.scheduler.ring.ring_slots import Slot, SlotPool, WriteOrder
     from offload.tiers.disk import SwapStore
@@ -59,44 +60,19 @@ class MasterReads:
         would take the ring's last free slots or a write of the group is in flight. `itemsize` (the compute
         dtype's) is unused: the master is fp32. Complete with `finish_read`, or `cancel_read`."""
         _check_whole(group)
-        if not self._order.reap_or_defer():  # a prefetch is optional: a write's error goes to the worker
-            return None
-        pieces = self._chunks(group)
-        with self._slots.lock:
-            slots = self._order.take_ahead_locked(len(pieces), group, 0, group.numel, keep=KEEP_FOR_CHUNKS)
-            if slots is None:
-                return None
-            taken: List[PieceRead] = []
-            try:
-                for slot, (start, stop) in zip(slots, pieces):
-                    staged = _staged(slot, start, stop)
-                    future = self._store.read(RecordKind.STATE, group.key, start, (staged, None, None))
-                    taken.append(PieceRead(slot, start, stop, staged, future))
-            except BaseException:
-                for slot in slots[len(taken):]:  # no read targets these
-                    self._slots.give_back_locked(slot)
-                raise
-        return taken
+
+        def read(slot: "Slot", start: int, stop: int) -> Tuple[Tensor, "IOFuture"]:
+            staged = _staged(slot, start, stop)
+            return staged, self._store.read(RecordKind.STATE, group.key, start, (staged, None, None))
+        return start_piece_reads(self._order, self._slots, group, self._chunks(group), read)
 
     def finish_read(self, handle: List[PieceRead], dst: Tensor, copy: Callable[[Tensor, Tensor], None]) -> None:
         """Wait for a prefetch's reads and `copy(dst_piece, staged)` each; its slots go back."""
-        try:
-            for piece in handle:
-                self._order.wait([piece.future])
-                copy(dst[piece.start:piece.stop], piece.staged)
-        finally:
-            self.cancel_read(handle)
+        finish_piece_reads(self._order, self._slots, handle, dst, copy)
 
     def cancel_read(self, handle: List[PieceRead]) -> None:
         """Return a prefetch's slots (after its reads are done: the kernel writes into them)."""
-        for piece in handle:
-            try:
-                piece.future.result()
-            except Exception:  # noqa: BLE001, S110 - a failed prefetch is dropped; a synchronous read reports it
-                pass
-            finally:
-                self._slots.give_back(piece.slot)
-        handle.clear()
+        cancel_piece_reads(self._slots, handle)
 
 
 def _check_whole(group: "FlatGroup") -> None:

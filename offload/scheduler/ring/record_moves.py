@@ -114,44 +114,21 @@ class RecordMoves:
         """Issue reads of the group's disk-resident weights into free slots without blocking (a prefetch);
         None when that would take the ring's last free slots (`KEEP_FOR_CHUNKS` stay) or a write of the group
         is still in flight. Complete it with `finish_weights_read`, or `cancel_weights_read`."""
-        if not self._order.reap_or_defer():  # a prefetch is optional: a write's error goes to the worker
-            return None
         pieces = _pieces(self._numel(group), self._per_slot(itemsize))
-        with self._slots.lock:
-            slots = self._order.take_ahead_locked(len(pieces), group, 0, group.numel, keep=KEEP_FOR_CHUNKS)
-            if slots is None:
-                return None
-            taken: List[PieceRead] = []
-            try:
-                for slot, (start, stop) in zip(slots, pieces):
-                    staged = slot.raw[:(stop - start) * itemsize].view(group.dtype)
-                    taken.append(PieceRead(slot, start, stop, staged, self._store.read(self._kind, group.key, start, staged)))
-            except BaseException:
-                for slot in slots[len(taken):]:  # no read targets these
-                    self._slots.give_back_locked(slot)
-                raise
-        return taken
+
+        def read(slot: "Slot", start: int, stop: int) -> Tuple[Tensor, "IOFuture"]:
+            staged = slot.raw[:(stop - start) * itemsize].view(group.dtype)
+            return staged, self._store.read(self._kind, group.key, start, staged)
+        return start_piece_reads(self._order, self._slots, group, pieces, read)
 
     def finish_read(self, handle: List[PieceRead], dst: Tensor,
                             copy: Callable[[Tensor, Tensor], None]) -> None:
         """Wait for a prefetch's reads and `copy(dst_piece, staged)` each; its slots go back."""
-        try:
-            for piece in handle:
-                self._order.wait([piece.future])
-                copy(dst[piece.start:piece.stop], piece.staged)
-        finally:
-            self.cancel_read(handle)
+        finish_piece_reads(self._order, self._slots, handle, dst, copy)
 
     def cancel_read(self, handle: List[PieceRead]) -> None:
         """Return a prefetch's slots (after its reads are done: the kernel writes into them)."""
-        for piece in handle:
-            try:
-                piece.future.result()
-            except Exception:  # noqa: BLE001, S110 - a failed prefetch is dropped; a synchronous read reports it
-                pass
-            finally:
-                self._slots.give_back(piece.slot)
-        handle.clear()
+        cancel_piece_reads(self._slots, handle)
 
     def _per_slot(self, itemsize: int) -> int:
         """Elements of `itemsize` bytes one read takes through a slot: as many whole chunks as its bytes hold
@@ -159,6 +136,53 @@ class RecordMoves:
         chunks = self._slots.slot_bytes // (self._slots.chunk_numel * itemsize)
         assert chunks >= 1, "a slot's weight room holds a chunk of any compute dtype (<= 4 bytes an element)"
         return chunks * self._slots.chunk_numel
+
+
+def start_piece_reads(order: "WriteOrder", slots: "SlotPool", group: "FlatGroup", pieces: List[Tuple[int, int]],
+                      read: Callable[["Slot", int, int], Tuple[Tensor, "IOFuture"]]) -> Optional[List[PieceRead]]:
+    """A prefetch: `read(slot, start, stop)` (the staged view, the read's future) for each piece of `group`, into free
+    slots without blocking; None when that would take the ring's last free slots (`KEEP_FOR_CHUNKS` stay) or a write
+    of the group is still in flight (any prefetch of pieces: a record's, or a master's, master_reads.py)."""
+    if not order.reap_or_defer():  # a prefetch is optional: a write's error goes to the worker
+        return None
+    with slots.lock:
+        taken_slots = order.take_ahead_locked(len(pieces), group, 0, group.numel, keep=KEEP_FOR_CHUNKS)
+        if taken_slots is None:
+            return None
+        taken: List[PieceRead] = []
+        try:
+            for slot, (start, stop) in zip(taken_slots, pieces):
+                staged, future = read(slot, start, stop)
+                taken.append(PieceRead(slot, start, stop, staged, future))
+        except BaseException:
+            for slot in taken_slots[len(taken):]:  # no read targets these
+                slots.give_back_locked(slot)
+            raise
+    return taken
+
+
+def finish_piece_reads(order: "WriteOrder", slots: "SlotPool", handle: List[PieceRead], dst: Tensor,
+                       copy: Callable[[Tensor, Tensor], None]) -> None:
+    """Wait for a prefetch's reads and `copy(dst_piece, staged)` each; its slots go back (any prefetch of pieces:
+    a record's, or a master's, master_reads.py)."""
+    try:
+        for piece in handle:
+            order.wait([piece.future])
+            copy(dst[piece.start:piece.stop], piece.staged)
+    finally:
+        cancel_piece_reads(slots, handle)
+
+
+def cancel_piece_reads(slots: "SlotPool", handle: List[PieceRead]) -> None:
+    """Return a prefetch's slots (after its reads are done: the kernel writes into them)."""
+    for piece in handle:
+        try:
+            piece.future.result()
+        except Exception:  # noqa: BLE001, S110 - a failed prefetch is dropped; a synchronous read reports it
+            pass
+        finally:
+            slots.give_back(piece.slot)
+    handle.clear()
 
 
 def _pieces(numel: int, per_piece: int) -> List[Tuple[int, int]]:
