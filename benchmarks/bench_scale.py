@@ -296,13 +296,14 @@ def deepspeed_line() -> str:
 
 
 def estimate_plan(blocks: List[tuple], device_memory: int, host_memory: int, clipping: bool,
-                  moments: MomentFormat = MomentFormat.FP32, disk_weights: DiskWeights = DiskWeights.AUTO):
+                  moments: MomentFormat = MomentFormat.FP32, disk_weights: DiskWeights = DiskWeights.AUTO,
+                  activation_room: int = 0):
     """What `python -m offload estimate` predicts for these blocks and budgets and this run's gradient flow
     (grad_accumulation_steps declared, clipping as asked), weights on disk kept as the run kept them."""
     shape = ModelShape(tuple(blocks))
     try:
         plan = estimate(shape, Tier.NVME, torch.bfloat16, device_memory, host_memory, GradFlow(1, clipping, 2),
-                        moments, disk_weights=disk_weights)
+                        moments, disk_weights=disk_weights, activation_room=activation_room)
         return plan, True, None
     except Exception as exc:  # noqa: BLE001 - OffloadConfigError: the estimate refuses; reported
         return None, True, f"{type(exc).__name__}: {exc}"
@@ -329,32 +330,79 @@ def model_blocks(args: argparse.Namespace, layers: int) -> List[tuple]:
             + [("norm", dim, dim), ("lm_head", vocab * dim, vocab * dim)])
 
 
+def saved_activation_bytes(args: argparse.Namespace, layers: int) -> int:
+    """What a training forward of this Llama with `layers` layers saves for its backward, counted as the engine's
+    meter counts it (each tensor once, the parameters apart; engine.plan's activations), on a real model of that
+    many layers whose weights are left uninitialized (the bytes do not depend on them), computing in bf16 with
+    fp32 norms as wrap(dtype=torch.bfloat16) casts them, under the run's autocast, on one batch of the run's shape."""
+    from offload.scheduler.blocks.block import is_norm_layer
+
+    model, _, _ = build(argparse.Namespace(**{**vars(args), "layers": layers}))
+    model = model.to_empty(device="cpu")
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                param.zero_()
+                if not is_norm_layer(module):
+                    setattr(module, name, nn.Parameter(param.to(torch.bfloat16)))
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = set()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.untyped_storage().data_ptr() not in weights:
+            seen.add((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+        return tensor
+
+    ids = torch.zeros((1, args.context), dtype=torch.long)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids) if hasattr(model, "config") else model(ids, ids)
+    return sum(nbytes for _, nbytes in seen)
+
+
+def activations_per_layers(args: argparse.Namespace) -> Tuple[int, int]:
+    """(bytes saved outside the layers, bytes per layer): from the models of one and two layers, built and run in a
+    child process, so that their memory is not in this one's RSS baseline (nor reused under it)."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        one, two = pool.submit(saved_activation_bytes, args, 1).result(), pool.submit(saved_activation_bytes, args,
+                                                                                     2).result()
+    return one - (two - one), two - one
+
+
 def auto_size(args: argparse.Namespace, ram: int, free: int, min_free: int, moments: MomentFormat,
-              device_memory: int) -> Optional[Tuple[int, int, List[str]]]:
+              device_memory: int) -> Optional[Tuple[int, int, int, int, List[str]]]:
     """`--params-target auto`: the most layers of this width whose plan (the planner's own, `estimate`) fits this
     machine: its swap file within the free disk less `min_free` (weights on disk read from the master when copies
     would not fit: wrap's disk_weights auto), every bf16 gradient in host memory (2 B/param: with clipping, none
     then waits on disk), and the budgets within min(80% of RAM, MemAvailable - 2 GiB), the rest left for the
-    process's baseline, the 512 MiB over the budgets a run may take, and the other processes. (layers, host_memory,
-    the arithmetic's lines); None: not even one layer fits."""
+    process's baseline, the 512 MiB over the budgets a run may take, and the other processes. The device budget is
+    `device_memory` for the weights streaming through it and the activations a forward of the run's batch saves
+    (measured: `activations_per_layers`), kept free of weights by wrap's activation_memory. (layers, host_memory,
+    device budget, activation_memory, the arithmetic's lines); None: not even one layer fits."""
     available = mem_available()
     cap = min(int(0.8 * ram), available - (2 << 30))
     room = free - min_free
     clipping = args.max_grad_norm is not None
+    act_base, act_layer = activations_per_layers(args)
 
     def plan_for(layers: int):
         params = model_params(args.vocab, args.dim, args.hidden, layers)
-        host = 2 * params + (1 << 30)  # every gradient (bf16), 1 GiB for the ring and streamed weights
-        if host + device_memory > cap:
+        host = 2 * params + (1 << 30)  # every gradient (bf16), 1 GiB for the ring, streamed weights, the norm's copy
+        activations = act_base + layers * act_layer
+        device = device_memory + activations
+        if host + device > cap:
             return None
         try:
-            plan = estimate(ModelShape(tuple(model_blocks(args, layers))), Tier.NVME, torch.bfloat16, device_memory,
-                            host, GradFlow(1, clipping, 2), moments, disk_weights=DiskWeights.AUTO, disk_room=room)
+            plan = estimate(ModelShape(tuple(model_blocks(args, layers))), Tier.NVME, torch.bfloat16, device,
+                            host, GradFlow(1, clipping, 2), moments, disk_weights=DiskWeights.AUTO, disk_room=room,
+                            activation_room=activations)
         except Exception:  # noqa: BLE001 - OffloadConfigError: the budgets cannot hold it
             return None
         if plan.grads_on_disk or disk_bytes(plan) > room:
             return None
-        return plan, host
+        return plan, host, device, activations
 
     low, high = 0, 1
     while plan_for(high) is not None:
@@ -366,7 +414,7 @@ def auto_size(args: argparse.Namespace, ram: int, free: int, min_free: int, mome
         return None
     found = plan_for(low)
     assert found is not None
-    plan, host = found
+    plan, host, device, activations = found
     params = model_params(args.vocab, args.dim, args.hidden, low)
     memory = plan.bytes_on(Location.DEVICE) + plan.bytes_on(Location.HOST)
     weights = ("read from the fp32 master (disk_weights auto: the copies would not fit)" if plan.master_weight_blocks
@@ -380,11 +428,14 @@ def auto_size(args: argparse.Namespace, ram: int, free: int, min_free: int, mome
         f"memory, the ring, streamed weights)",
         f"  largest: {low} layers x {args.dim} = {params:,} parameters ({params / 1e9:.3f}B): swap file "
         f"{disk_bytes(plan) / GB:.1f} of {room / GB:.1f} GB; budgets host {host / GB:.1f} + device "
-        f"{device_memory / GB:.1f} = {(host + device_memory) / GB:.1f} of {cap / GB:.1f} GB; {low + 1} layers do not fit",
+        f"{device / GB:.2f} = {(host + device) / GB:.1f} of {cap / GB:.1f} GB; {low + 1} layers do not fit",
+        f"  device: {device_memory / GB:.1f} GB for the weights and {activations / GB:.2f} GB kept for the activations "
+        f"(activation_memory): a forward of 1 x {args.context} tokens saves {act_layer / 1e6:.2f} MB a layer and "
+        f"{act_base / 1e6:.1f} MB outside them (measured on models of one and two layers)",
         f"  params / ((RAM + free disk) / 16 B) = {params / 1e9:.3f}B / (({ram / GB:.1f} + {free / GB:.1f}) GB / 16 B"
         f" = {(ram + free) / 16 / 1e9:.2f}B) = {params * 16 / (ram + free):.2f}",
     ]
-    return low, host, lines
+    return low, host, device, activations, lines
 
 
 # ----- the run ---------------------------------------------------------------------------------------------------
@@ -447,12 +498,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     base_dir = args.nvme_path or tempfile.gettempdir()
     free_before = shutil.disk_usage(base_dir).free
     sizing: List[str] = []
+    activation_memory: Optional[int] = None  # auto: the activations' room in device_memory
     if auto:
         sized = auto_size(args, ram, free_before, min_free, moments, device_memory)
         if sized is None:
             print("not run: no model of this width fits the free disk and the RAM", file=sys.stderr)
             return 2
-        args.layers, host_memory, sizing = sized
+        args.layers, host_memory, device_memory, activation_memory, sizing = sized
         args.host_memory = str(host_memory)
         # the shadows would fill the disk --min-free-disk keeps free (the plan gives them whatever is left)
         args.no_speculation = True
@@ -515,7 +567,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                               weight_decay=0.0,
                               host_memory=host_memory, device_memory=device_memory, grad_accumulation_steps=1,
                               max_grad_norm=args.max_grad_norm, init=init_fn, moments=moments,
-                              speculative_clipping=not args.no_speculation)
+                              speculative_clipping=not args.no_speculation, activation_memory=activation_memory)
         wrap_seconds = time.perf_counter() - t0
         if init_bar is not None:
             init_bar.close()
@@ -577,9 +629,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                    max((s.numel for g in b.groups for s in g.trainable_slots), default=0)) for b in engine.blocks]
         clipping = args.max_grad_norm is not None
         kept = DiskWeights.MASTER if plan.master_weight_blocks else DiskWeights.COPY
-        est, windowed, refused = estimate_plan(blocks, device_memory, host_memory, clipping, moments, kept)
+        room = activation_memory or 0
+        est, windowed, refused = estimate_plan(blocks, device_memory, host_memory, clipping, moments, kept, room)
         uniform_est, _, uniform_refused = estimate_plan(list(ModelShape.uniform(n_params, len(blocks)).blocks),
-                                                        device_memory, host_memory, clipping, moments, kept)
+                                                        device_memory, host_memory, clipping, moments, kept, room)
+        activations_used = engine.plan.activations  # measured in the last training forward
         engine.close(restore_weights=not auto)  # auto: a model larger than RAM cannot come back whole
         leftovers = [n for n in os.listdir(swap_dir) if not n.startswith("offload-probe-")]
         probe.close()
@@ -641,6 +695,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                  against=f"{(mem_bound + (512 << 20)) / GB:.2f} GB: whole process "
                          f"{'within' if peak <= mem_bound + (512 << 20) else 'OVER'}, growth "
                          f"{'within' if peak - rss_base <= mem_bound + (512 << 20) else 'OVER'}"),
+            dict(quantity="activations saved by a forward (engine.plan)",
+                 value=human(None if activations_used is None else activations_used.saved_bytes),
+                 against=(f"activation_memory {human(activation_memory)} (measured before wrap(), on models of one "
+                          "and two layers)" if activation_memory else "no activation_memory: what the weights leave")
+                         + f"; device room the plan leaves {human(plan.device_room)}"),
             dict(quantity="over-budget events (device, host grads)",
                  value=f"{final_stats.get('device_over_budget_events', 0)}, "
                        f"{final_stats.get('host_grad_over_budget_events', 0)}",

@@ -50,6 +50,7 @@ def wrap(
     overlap_step: Optional[bool] = None,
     moments: Union[str, MomentFormat] = "fp32",
     activations: Optional[str] = None,
+    activation_memory: Bytes = None,
     shard_weights: Optional[bool] = None,
     speculative_clipping: Optional[bool] = None,
     zero_quantized_weights: bool = False,
@@ -97,6 +98,12 @@ def wrap(
             "offload" (tier="nvme") writes each saved tensor of 1 MiB or more to a file in the swap directory
             as the forward goes and reads it back, bit for bit, when the backward needs it: long sequences
             then need host/device memory for the weights' working set, not for every layer's activations.
+        activation_memory: device bytes (like device_memory) that no weight takes, for the tensors the forward
+            saves for the backward: the plan puts fewer weights on the device (more stream) so that they fit
+            within device_memory. None (default): the weights take what they can, and the activations get what is
+            left. `engine.plan` shows the activations measured in the last training forward, and wrap() warns
+            after the first one when they exceed the room left (on a GPU: out of memory; on a CPU device: memory
+            over the budgets), naming the value to give here.
         shard_weights: under torchrun (several processes): True makes each rank keep 1/N of every block's
             weights (in host memory or its own swap file), gathered whole for each use and freed after it
             (ZeRO-3), so a machine holds one copy of the model, not one per rank; False keeps all of them on
@@ -161,6 +168,7 @@ def wrap(
         overlap_step=overlap_step,
         moments=MomentFormat.parse(moments),
         activations=Activations.parse(activations),
+        activation_memory=parse_bytes(activation_memory, "activation_memory"),
         shard_weights=ShardWeights.parse(shard_weights),
         speculative_clipping=speculative_clipping,
         zero_quantized_weights=zero_quantized_weights,

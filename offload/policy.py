@@ -182,6 +182,8 @@ class OffloadPolicy:
             with a scale per block; the master weights stay fp32. See docs/design.md [Note: compressed moments].
         activations: whether the tensors autograd saves in the forward stay where they were made (KEEP) or go
             to the swap directory and come back for the backward, bit for bit (OFFLOAD).
+        activation_memory: device bytes the plan keeps free of weights for the forward's saved activations (within
+            device_memory, which it needs); None: the weights take what they can.
         shard_weights: data-parallel mode only: whether each rank keeps a 1/N part of the compute weights
             (`ShardWeights`).
         speculative_clipping: with `max_grad_norm`, whether blocks update during the last backward anyway, into
@@ -219,6 +221,7 @@ class OffloadPolicy:
     overlap_step: Optional[bool] = None
     moments: MomentFormat = MomentFormat.FP32
     activations: Activations = Activations.KEEP
+    activation_memory: Optional[int] = None
     shard_weights: ShardWeights = ShardWeights.AUTO
     speculative_clipping: Optional[bool] = None
     zero_quantized_weights: bool = False
@@ -280,6 +283,13 @@ class OffloadPolicy:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise OffloadConfigError(f"{name} must be a positive byte count, got {value!r}")
+        if self.activation_memory is not None:
+            if not isinstance(self.activation_memory, int) or self.activation_memory < 0:
+                raise OffloadConfigError(f"activation_memory must be a byte count >= 0, got {self.activation_memory!r}")
+            if self.device_memory is None:
+                raise OffloadConfigError(
+                    "activation_memory keeps room for the activations within device_memory, which is not set: give "
+                    "device_memory too (with no device budget the weights are not limited, so nothing can be kept)")
         steps = self.grad_accumulation_steps
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise OffloadConfigError(f"grad_accumulation_steps must be an int >= 1 or None, got {steps!r}")

@@ -227,3 +227,53 @@ def test_hf_gradient_checkpointing_with_activations_offloaded_is_exact_and_the_p
     checkpoints = 3 * 2 * 512 * 128 * 4  # each layer's input hidden state, fp32
     assert use.moved_bytes >= checkpoints and "to the swap file" in str(plan) and "checkpoints" in str(plan)
     assert plain_plan.activations is None  # nothing streams there: no hooks, nothing metered
+
+
+def test_activations_beyond_the_device_room_warn_once_naming_activation_memory_which_keeps_them_room(tmp_path):
+    """The plan fills device_memory with weights and leaves the activations what is left; a training forward that
+    saves more warns once, naming the value for activation_memory, and with it the plan keeps that room free of
+    weights: no warning, the same losses."""
+    import re
+    import warnings
+
+    torch.manual_seed(0)
+    state = TinyGPT(dim=128, context=256, heads=2).state_dict()
+    batches = _batches(2, batch=2)
+
+    def run(**kw):
+        model = TinyGPT(dim=128, context=256, heads=2)
+        model.load_state_dict(state)
+        directory = tmp_path / f"swap{len(kw)}"
+        directory.mkdir()
+        engine = offload.wrap(model, "nvme", nvme_path=str(directory), dtype=torch.float32, device="cpu",
+                              grad_accumulation_steps=1, **kw)
+        losses = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for idx, tgt in batches:
+                loss = engine(idx, tgt)
+                loss.backward()
+                engine.step()
+                engine.zero_grad()
+                losses.append(loss.item())
+        plan = engine.plan
+        engine.close()
+        return losses, [str(w.message) for w in caught if "activation_memory" in str(w.message)], plan
+
+    losses, said, plan = run(device_memory=2_500_000)
+    assert len(said) == 1, said  # once, though both forwards saved as much
+    need = plan.activations.saved_bytes
+    assert plan.device_room < need
+    assert f"activation_memory={need})" in said[0] and re.search(r"goes [\d.]+ [KMG]i?B over its budget", said[0])
+    kept_losses, kept_said, kept_plan = run(device_memory=2_500_000 + need, activation_memory=need)
+    assert kept_said == [] and kept_plan.device_room >= need and kept_plan.activation_room == need
+    assert kept_losses == losses
+
+
+def test_activation_memory_needs_a_device_budget_and_a_byte_count(tmp_path):
+    from offload.errors import OffloadConfigError
+
+    with pytest.raises(OffloadConfigError, match="give device_memory too"):
+        offload.wrap(TinyGPT(dim=128, context=256, heads=2), "cpu", device="cpu", activation_memory="1MB")
+    with pytest.raises(OffloadConfigError, match="activation_memory must be a byte count"):
+        offload.wrap(TinyGPT(dim=128, context=256, heads=2), "cpu", device="cpu", activation_memory="lots")

@@ -101,3 +101,75 @@ def test_int8_moments_and_speculative_clipping_stay_within_the_same_bound(tmp_pa
     assert result["growth"] <= bound, result
     assert result["speculating"] > 0 and result["kept"] > 0, result
     assert all(loss == loss for loss in result["losses"]) and result["losses"][-1] < result["losses"][0]
+
+
+_CHILD_ACTIVATIONS = textwrap.dedent('''
+    import json, sys, warnings, torch
+    torch.set_num_threads(1)
+    import offload
+    from tests.models import TinyGPT, make_batches
+    from tests.proc_status import reset_peak, status
+
+    nvme_path, room = sys.argv[1], int(sys.argv[2])
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=20000, dim=512, layers=8, context=128, heads=8)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    host_memory = 12 * trainable // 3
+    embedding = 2 * model.wte.weight.numel()
+    device_memory = 2 * embedding + 3 * 2 * sum(p.numel() for p in model.h[0].parameters()) + (2 << 20) + room
+    batches = make_batches(3, 1, batch=4, context=128, vocab=20000)
+    with torch.no_grad():
+        model(*batches[0][0])
+    warm = torch.nn.Linear(4, 4)
+    torch.optim.SGD(warm.parameters(), lr=0.1)
+    warm(torch.zeros(1, 4)).sum().backward()
+    baseline = status("VmRSS")
+    reset_peak()
+    engine = offload.wrap(model, tier="nvme", nvme_path=nvme_path, dtype=torch.bfloat16, device="cpu",
+                          host_memory=host_memory, device_memory=device_memory, grad_accumulation_steps=1,
+                          max_grad_norm=1.0, activation_memory=room or None)
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for (micro,) in batches:
+            loss = engine(*micro)
+            loss.backward()
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.item())
+        engine.synchronize()
+    peak = status("VmHWM")
+    plan = engine.plan
+    engine.close()
+    print(json.dumps(dict(growth=peak - baseline, host_memory=host_memory, device_memory=device_memory,
+                          saved=plan.activations.saved_bytes, scratch=plan.norm_scratch_bytes,
+                          streamed=len(plan.streamed_blocks), losses=losses,
+                          warned=[str(w.message) for w in caught if "activation_memory=" in str(w.message)])))
+''')
+
+
+def test_activations_and_the_norms_fp32_copy_stay_within_the_budgets_that_count_them(tmp_path):
+    """bf16 compute with clipping on a CPU device: the forward's saved activations (kept free of weights by
+    activation_memory, the bytes the engine measured and named in its warning) and the fp32 copy in which
+    clipping takes a half-precision gradient's norm (counted in host_memory by the plan) are each beyond the
+    constant, and the heap is trimmed as blocks' forwards begin and as the backward frees what they saved, so
+    peak RSS growth stays within host_memory + device_memory + RSS_SLACK ([Note: the nvme memory bound])."""
+    if not CAN_RESET_PEAK:
+        pytest.skip(SKIP_REASON)
+    root = Path(__file__).resolve().parent.parent
+
+    def run(room: int) -> dict:
+        directory = tmp_path / f"swap-{room}"
+        directory.mkdir()
+        done = subprocess.run([sys.executable, "-c", _CHILD_ACTIVATIONS, str(directory), str(room)], cwd=root,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first = run(0)
+    assert len(first["warned"]) == 1 and f"activation_memory={first['saved']})" in first["warned"][0], first
+    result = run(first["saved"])
+    assert result["warned"] == [] and result["streamed"] > 0, result
+    assert result["saved"] > 2 * RSS_SLACK and result["scratch"] > RSS_SLACK, result  # each beyond the constant
+    assert result["growth"] <= result["host_memory"] + result["device_memory"] + RSS_SLACK, result
+    assert result["losses"] == first["losses"]  # the room moves weights off the device, not the maths

@@ -226,3 +226,20 @@ def test_the_largest_model_a_disk_holds_per_moments_format(capsys):
         assert float(line.group(1)) * 1e9 == pytest.approx(disk_bytes(estimate(
             ModelShape.uniform(int(1e9), 16), Tier.NVME, torch.bfloat16, 4 * 10**9, 4 * 10**9, flow, moments)), rel=1e-3)
     assert found[MomentFormat.FP32] < found[MomentFormat.BF16] < found[MomentFormat.INT8]
+
+
+def test_activation_memory_in_the_estimate_is_wraps_and_needs_a_device_budget(capsys):
+    """--activation-memory keeps device room free of weights as wrap(activation_memory=) does: fewer weights stay
+    on the device, the plan says what it keeps; without --device-memory it is a usage error."""
+    shape = ModelShape.uniform(int(2e9), 16)
+    flow = GradFlow(1, True, 2)
+    plain = estimate(shape, Tier.NVME, torch.bfloat16, 3 << 30, 8 << 30, flow)
+    kept = estimate(shape, Tier.NVME, torch.bfloat16, 3 << 30, 8 << 30, flow, activation_room=1 << 30)
+    assert kept.bytes_on(Location.DEVICE) < plain.bytes_on(Location.DEVICE) and kept.device_room >= 1 << 30
+    assert kept.norm_scratch_bytes == plain.norm_scratch_bytes > 0  # clipping bf16 gradients: their fp32 copy
+    argv = ["estimate", "--params", "2e9", "--layers", "16", "--tier", "nvme", "--host-memory", "8GB",
+            "--device-memory", "3GB", "--dtype", "bf16", "--max-grad-norm", "--blocks"]
+    assert main(argv + ["--activation-memory", "1GiB"]) == 0
+    assert "free of weights for the activations (activation_memory)" in capsys.readouterr().out
+    assert main(["estimate", "--params", "2e9", "--activation-memory", "1GiB"]) == 2
+    assert "--activation-memory keeps room within --device-memory" in capsys.readouterr().err

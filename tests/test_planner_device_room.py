@@ -41,3 +41,56 @@ def test_a_budget_below_a_block_and_the_room_names_both_and_the_least_that_works
         make_plan(BLOCKS, Tier.CPU, least - 1, None)
     plan = make_plan(BLOCKS, Tier.CPU, least, None)
     assert plan.device_weight_budget == 96 * KiB and not any(b.weights is Location.DEVICE for b in plan.blocks)
+
+
+# ----- activation_memory: device room no weight takes -------------------------------------------------------------
+def _resident(plan):
+    return [b.name for b in plan.blocks if b.weights is Location.DEVICE]
+
+
+@pytest.mark.parametrize("tier", [Tier.CPU, Tier.NVME])
+def test_activation_memory_keeps_device_room_free_of_weights(tier):
+    budget = 600 * KiB
+    ring = ring_size_for(4096) if tier is Tier.NVME else None
+    without = make_plan(BLOCKS, tier, budget, None, ring)
+    kept = make_plan(BLOCKS, tier, budget, None, ring, activation_room=200 * KiB)
+    assert len(_resident(kept)) < len(_resident(without))
+    assert kept.device_room >= 200 * KiB > without.device_room
+    assert kept.device_weight_budget == budget - kept.device_grad_bytes - 200 * KiB  # the streamer's limit too
+    assert "free of weights for the activations (activation_memory)" in str(kept)
+
+
+def test_activation_memory_makes_a_model_that_fits_the_device_stream():
+    """The whole model fits the budget, but not with the activations' room: it streams, keeping that room."""
+    total = sum(b.weight_bytes for b in BLOCKS)
+    budget = total + 100 * KiB
+    assert make_plan(BLOCKS, Tier.CPU, budget, None).streamed_blocks == ()
+    plan = make_plan(BLOCKS, Tier.CPU, budget, None, activation_room=200 * KiB)
+    assert plan.streamed_blocks and plan.device_room >= 200 * KiB
+
+
+def test_activation_memory_beyond_the_device_budget_names_it_and_the_least_that_works():
+    least = 96 * KiB + 64 * KiB + 50 * KiB
+    with pytest.raises(OffloadConfigError, match=rf"activation_memory .*at least {least} bytes"):
+        make_plan(BLOCKS, Tier.CPU, least - 1, None, activation_room=50 * KiB)
+    with pytest.raises(OffloadConfigError, match="activation_memory"):
+        make_plan(BLOCKS, Tier.GPU, sum(b.weight_bytes + b.state_bytes for b in BLOCKS), None,
+                  activation_room=1)
+
+
+# ----- clipping's fp32 norm scratch, counted in the host budget ---------------------------------------------------
+@pytest.mark.parametrize("tier", [Tier.CPU, Tier.NVME])
+def test_clipping_half_precision_gradients_counts_the_fp32_norm_copy_in_host_memory(tier):
+    from offload.planner.plan import GradFlow
+
+    ring = ring_size_for(4096) if tier is Tier.NVME else None
+    bf16 = GradFlow(1, True, 2)
+    plan = make_plan(BLOCKS, tier, None, 10 * 1024 * KiB, ring, bf16)
+    assert plan.norm_scratch_bytes == 64 * KiB // 2 * 4  # the embedding's gradient in fp32
+    assert "fp32 copy of the largest half-precision gradient" in str(plan)
+    assert plan.bytes_on(Location.HOST) <= 10 * 1024 * KiB
+    unclipped = make_plan(BLOCKS, tier, None, 10 * 1024 * KiB, ring, GradFlow(1, False, 2))
+    fp32 = make_plan(BLOCKS, tier, None, 10 * 1024 * KiB, ring, GradFlow(1, True, 4))
+    assert unclipped.norm_scratch_bytes == 0 and fp32.norm_scratch_bytes == 0  # no copy is made
+    with pytest.raises(OffloadConfigError, match="fp32 copy of the largest half-precision gradient"):
+        make_plan(BLOCKS, tier, None, 64 * KiB, ring, bf16)

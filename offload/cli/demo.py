@@ -151,6 +151,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-memory", type=byte_size, default=None, help="host budget, e.g. 512MB")
     parser.add_argument("--device-memory", type=byte_size, default=None,
                         help="device budget, e.g. 64MB (weights stream beyond it)")
+    parser.add_argument("--activation-memory", type=byte_size, default=None,
+                        help="of --device-memory, bytes kept free of weights for the activations (offload.wrap's "
+                             "activation_memory)")
     parser.add_argument("--out", type=output_directory, default="offload-demo",
                         help="directory for the token file and loss.png (made if missing)")
     parser.add_argument("--moments", choices=[m.value for m in MomentFormat], default="fp32",
@@ -208,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = offload.wrap(model, tier="nvme", nvme_path=swap_dir, lr=args.lr, weight_decay=0.0, dtype=dtype,
                               device="cpu", grad_accumulation_steps=1, host_memory=args.host_memory,
-                              device_memory=args.device_memory, moments=getattr(args, "moments", "fp32"))
+                              device_memory=args.device_memory, moments=getattr(args, "moments", "fp32"),
+                              activation_memory=getattr(args, "activation_memory", None))
         with engine:
             print(f"DemoGPT: {trainable / 1e6:.1f}M parameters, {args.layers} layers, dim {args.dim}, vocab "
                   f"{args.vocab}, {args.batch}x{args.context} tokens per step, {args.dtype}; swap in {swap_dir}")

@@ -71,17 +71,18 @@ class ModelShape:
 def estimate(shape: ModelShape, tier: Tier, dtype: torch.dtype, device_memory: Optional[int],
              host_memory: Optional[int], flow: Optional[GradFlow] = None,
              moments: MomentFormat = MomentFormat.FP32, world: int = 1, shard_weights: Optional[bool] = None,
-             disk_weights: DiskWeights = DiskWeights.AUTO, disk_room: Optional[int] = None) -> Plan:
+             disk_weights: DiskWeights = DiskWeights.AUTO, disk_room: Optional[int] = None,
+             activation_room: int = 0) -> Plan:
     """The plan `offload.wrap` would make for a model of this shape (all parameters trainable); `flow`: when the
     gradients are consumed (declared accumulation, clipping), which decides where the nvme tier keeps them;
     `moments`: how the Adam moments are kept (wrap's `moments=`); `world`: data-parallel ranks, the plan one rank's,
     with `shard_weights` as wrap takes it (None: sharded when the whole weights do not fit host memory);
     `disk_weights`: weights on disk as a copy or read from the master (wrap's), AUTO deciding on `disk_room`, the
-    free disk (None: not given, copies)."""
+    free disk (None: not given, copies); `activation_room`: wrap's `activation_memory`."""
     if world > 1 and tier is not Tier.GPU and shard_weights is None:
         shard_weights = shards_weights(
             lambda: estimate(shape, tier, dtype, device_memory, host_memory, flow, moments, world, False,
-                             disk_weights, disk_room))
+                             disk_weights, disk_room, activation_room))
     sharded = world > 1 and tier is not Tier.GPU and bool(shard_weights)
     itemsize = dtype.itemsize
     specs: List[BlockSpec] = [spec_of(block[0], block[1] * itemsize, [(block[1], dtype)], tier, largest * itemsize,
@@ -92,7 +93,8 @@ def estimate(shape: ModelShape, tier: Tier, dtype: torch.dtype, device_memory: O
     flow = flow or GradFlow(itemsize=itemsize)
     # clipping speculates (wrap's speculative_clipping=True) where the budgets leave room for the shadows
     plan = make_plan(specs, tier, device_memory, host_memory, ring, flow, world if sharded else 1,
-                     speculate=flow.clipping, disk_room=disk_room, disk_weights=disk_weights)
+                     speculate=flow.clipping, disk_room=disk_room, disk_weights=disk_weights,
+                     activation_room=activation_room)
     if world > 1 and not sharded and plan.disk_weight_blocks:
         raise OffloadConfigError("shard_weights=False keeps every block's weights in each rank's host memory, but "
                                  f"host_memory leaves {len(plan.disk_weight_blocks)} blocks' weights on disk")
@@ -253,6 +255,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tier", choices=[t.value for t in Tier] + ["all"], default="all")
     parser.add_argument("--device-memory", type=byte_size, default=None, help="device budget, e.g. 24GB")
     parser.add_argument("--host-memory", type=byte_size, default=None, help="host budget, e.g. 64GB")
+    parser.add_argument("--activation-memory", type=byte_size, default=None,
+                        help="device bytes kept free of weights for the activations, as offload.wrap("
+                             "activation_memory=...): within --device-memory")
     parser.add_argument("--grad-accumulation-steps", type=positive_int, default=None,
                         help="declared as in offload.wrap: without --max-grad-norm the nvme tier's updates consume "
                              "the gradients during the last backward, so none goes to disk")
@@ -316,8 +321,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         device_memory = _budget(args.device_memory, "--device-memory")
         host_memory = _budget(args.host_memory, "--host-memory")
+        activation_room = _budget(getattr(args, "activation_memory", None), "--activation-memory") or 0
     except (OffloadConfigError, OverflowError) as exc:
         return _usage_error(str(exc))
+    if activation_room and device_memory is None:
+        return _usage_error("--activation-memory keeps room within --device-memory: give --device-memory too")
     seq_len = getattr(args, "seq_len", None)
     if seq_len is not None and args.dim is None:
         return _usage_error("--seq-len estimates a GPT config's activations: give --layers and --dim (and --heads)")
@@ -339,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
     for tier in tiers:
         try:
             plan = estimate(shape, tier, dtype, device_memory, host_memory, flow, moments, world, shard,
-                            disk_weights if tier is Tier.NVME else DiskWeights.AUTO, disk)
+                            disk_weights if tier is Tier.NVME else DiskWeights.AUTO, disk, activation_room)
         except OffloadConfigError as exc:
             print(f"tier={tier.value:<5} does not fit: {exc}")
             continue

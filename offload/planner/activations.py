@@ -35,6 +35,27 @@ class ActivationUse:
         block's small tensors are in both terms)."""
         return min(self.saved_bytes, self.saved_bytes - self.movable_bytes + self.largest_block_bytes)
 
+    @property
+    def on_device_bytes(self) -> int:
+        """About what stays on the device at once: everything saved, or with activations="offload" what does not
+        move and one block's set."""
+        return self.on_device_offloaded if self.offloaded else self.saved_bytes
+
+    def beyond_room(self, room: int, human: Callable[[Optional[int]], str]) -> Optional[str]:
+        """The warning when these activations need more than the `room` the plan leaves them in the device budget
+        (None: they fit): the budget is then exceeded by what torch allocates, which the engine cannot refuse."""
+        need = self.on_device_bytes
+        if need <= room:
+            return None
+        spill = ("" if self.offloaded else
+                 "; or activations='offload' (tier='nvme'), which moves saved tensors of 1 MiB or more to the swap "
+                 f"file ({human(self.movable_bytes)} of them here)")
+        return (f"offload: the training forward saved {human(need)} of activations on the device, more than the "
+                f"{human(room)} that device_memory leaves them beside the weights the plan keeps there: the device "
+                f"goes {human(need - room)} over its budget (on a GPU, it may run out of memory). wrap(..., "
+                f"activation_memory={need}) keeps that much free of weights (more of them stream){spill}. "
+                "engine.plan shows the measurement.")
+
     def tokens_that_fit(self, room: int, offloaded: bool) -> Optional[int]:
         """About how many tokens per micro-batch `room` bytes of device memory hold the activations of, at the bytes
         per token measured (None without a token count)."""

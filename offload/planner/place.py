@@ -22,7 +22,8 @@ from offload.policy import DiskWeights, Tier
 def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[int],
               host_budget: Optional[int], ring: Optional[RingSize] = None, grads: Optional[GradFlow] = None,
               shard_world: int = 1, speculate: bool = False, disk_room: Optional[int] = None,
-              resident_weight_shadows: bool = False, disk_weights: DiskWeights = DiskWeights.AUTO) -> Plan:
+              resident_weight_shadows: bool = False, disk_weights: DiskWeights = DiskWeights.AUTO,
+              activation_room: int = 0) -> Plan:
     """Place each block; raises OffloadConfigError naming the block or budget that cannot work.
 
     nvme tier (`ring` given): host memory holds the gradients (all of them; or a window of GRAD_WINDOW_BLOCKS
@@ -44,7 +45,11 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
     update writes a host upload source.
 
     Weights on disk (nvme tier): a record of their own, or read from the fp32 master and cast (`disk_weights`;
-    AUTO: when the copies would not fit `disk_room`), see `_disk_weights`."""
+    AUTO: when the copies would not fit `disk_room`), see `_disk_weights`.
+
+    `activation_room` (wrap's `activation_memory`): device bytes no weight takes, for the forward's saved
+    activations; clipping half-precision gradients in host memory keeps one fp32 copy of the largest for its norm
+    (`norm_scratch_bytes`), counted in the host budget before anything else is placed there."""
     grads = grads if grads is not None else GradFlow()
     if not blocks:
         raise OffloadConfigError("the model has no parameters to offload")
@@ -52,36 +57,45 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
         placements = [BlockPlacement(b.name, Location.DEVICE, Location.DEVICE, b.weight_bytes, b.state_bytes)
                       for b in blocks]
         need = sum(b.weight_bytes + b.state_bytes for b in blocks)
-        if device_budget is not None and need > device_budget:
+        if device_budget is not None and need + activation_room > device_budget:
+            room_said = f" and activation_memory {_human(activation_room)}" if activation_room else ""
             raise OffloadConfigError(
-                f"tier='gpu' keeps everything on the device: {_human(need)} needed, device_memory is "
+                f"tier='gpu' keeps everything on the device: {_human(need)} needed{room_said}, device_memory is "
                 f"{_human(device_budget)}; use tier='cpu' or tier='nvme'")
         said = "off: the gpu tier updates on the device, right after the backward" if speculate else ""
-        return Plan(tier, tuple(placements), device_budget, host_budget, speculation=said)
+        return Plan(tier, tuple(placements), device_budget, host_budget, speculation=said,
+                    activation_room=activation_room)
 
     largest = max(blocks, key=lambda b: b.weight_bytes)
     total_weights = sum(b.weight_bytes for b in blocks)
     # Weights that stream: each parameter's gradient is made by autograd on the device before the engine moves
     # it to its accumulator, so the device budget keeps room for the largest ([Note: the nvme memory bound]).
     sharded = shard_world > 1
-    streams = device_budget is not None and (sharded or total_weights > device_budget)
+    streams = device_budget is not None and (sharded or total_weights + activation_room > device_budget)
     workspace = 0
     if streams:
         workspace = max(b.largest_grad_bytes for b in blocks)
-    if device_budget is not None and largest.weight_bytes + workspace > device_budget:
+    if device_budget is not None and largest.weight_bytes + workspace + activation_room > device_budget:
         also = f" and {_human(workspace)} for the largest gradient autograd makes" if workspace else ""
+        also += f" and activation_memory {_human(activation_room)}" if activation_room else ""
         raise OffloadConfigError(
             f"device_memory ({_human(device_budget)}) is smaller than block {largest.name!r} "
             f"({_human(largest.weight_bytes)} of weights){also}, which must fit on the device to compute; "
-            f"raise device_memory to at least {largest.weight_bytes + workspace} bytes")
+            f"raise device_memory to at least {largest.weight_bytes + workspace + activation_room} bytes")
     state_home = Location.HOST if tier is Tier.CPU else Location.DISK
-    host_left = None if host_budget is None else host_budget
+    scratch = _norm_scratch_bytes(blocks, grads)
+    host_left = None if host_budget is None else host_budget - scratch
+    if host_left is not None and host_left < 0:
+        raise OffloadConfigError(
+            f"host_memory ({_human(host_budget)}) is smaller than the {_human(scratch)} clipping needs for the fp32 "
+            "copy of the largest half-precision gradient, whose norm it takes; raise host_memory")
     if state_home is Location.HOST:
         state_total = sum(b.state_bytes for b in blocks)
         if host_left is not None and state_total > host_left:
+            also = f" and {_human(scratch)} for clipping's fp32 gradient norm" if scratch else ""
             raise OffloadConfigError(
-                f"tier='cpu' keeps the optimizer state in host memory: {_human(state_total)} needed, host_memory "
-                f"is {_human(host_budget)}; use tier='nvme' or raise host_memory")
+                f"tier='cpu' keeps the optimizer state in host memory: {_human(state_total)} needed{also}, "
+                f"host_memory is {_human(host_budget)}; use tier='nvme' or raise host_memory")
         host_left = None if host_left is None else host_left - state_total
     ring_bytes = 0
     window: Optional[int] = None
@@ -93,7 +107,7 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
         host_left, ring_bytes = _reserve_nvme_host(blocks, host_left, ring, window, grads)
     device_left: Optional[int] = None
     if device_budget is not None:
-        device_left = device_budget - workspace
+        device_left = device_budget - workspace - activation_room
         if streams:
             # Streaming: keep room for the blocks in flight, two of the largest when the budget allows.
             # See docs/design.md [Note: weight streaming].
@@ -135,7 +149,16 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
                                        ring.preferred // MAX_DEPTH)
         slots = ring.slots(ring_bytes) if ring_bytes else None
     return Plan(tier, tuple(placements), device_budget, host_budget, ring_bytes, slots, window, workspace, on_disk,
-                disk_traffic, on_device, shard_world, speculation=said, disk_weights=weights_said)
+                disk_traffic, on_device, shard_world, speculation=said, disk_weights=weights_said,
+                activation_room=activation_room, norm_scratch_bytes=scratch)
+
+
+def _norm_scratch_bytes(blocks: Sequence[BlockSpec], flow: GradFlow) -> int:
+    """Host bytes of the fp32 copy in which clipping takes the norm of a half-precision gradient held in host
+    memory (offload/optim/functional.py `Fp32Scratch`, kept between steps): the largest gradient's, in fp32."""
+    if not flow.clipping or flow.itemsize >= 4:
+        return 0
+    return max(b.largest_grad_bytes for b in blocks) // flow.itemsize * 4
 
 
 def _disk_weights(blocks: Sequence[BlockSpec], placements: List[BlockPlacement], choice: DiskWeights,

@@ -91,6 +91,8 @@ class Plan:
     precision: str = ""  # the compute and master dtypes, in words (the engine's plan sets it; estimate leaves it)
     speculation: str = ""  # max_grad_norm: where speculative clipping runs, or why not, in words ("": no clipping)
     disk_weights: str = ""  # weights on disk: kept as a copy, or read from the fp32 master, and why, in words
+    activation_room: int = 0  # device bytes no weight takes: the forward's saved activations (activation_memory)
+    norm_scratch_bytes: int = 0  # host: the fp32 copy of the largest half-precision gradient clipping takes a norm of
 
     @property
     def host_grad_bytes(self) -> int:
@@ -101,8 +103,11 @@ class Plan:
 
     @property
     def device_weight_budget(self) -> Optional[int]:
-        """What the device budget leaves for weights: `device_grad_bytes` is kept for autograd's gradient."""
-        return None if self.device_budget is None else self.device_budget - self.device_grad_bytes
+        """What the device budget leaves for weights: `device_grad_bytes` is kept for autograd's gradient and
+        `activation_room` for the activations."""
+        if self.device_budget is None:
+            return None
+        return self.device_budget - self.device_grad_bytes - self.activation_room
 
     @property
     def device_room(self) -> Optional[int]:
@@ -120,7 +125,7 @@ class Plan:
         return sum(b.grad_bytes for b in self.blocks)
 
     def bytes_on(self, location: Location) -> int:
-        total = self.ring_bytes + self.host_grad_bytes if location is Location.HOST else 0
+        total = self.ring_bytes + self.host_grad_bytes + self.norm_scratch_bytes if location is Location.HOST else 0
         total += self.device_grad_bytes if location is Location.DEVICE else 0
         total += self.all_grad_bytes if location is Location.DISK and self.grads_on_disk else 0
         for block in self.blocks:
@@ -187,6 +192,12 @@ class Plan:
         if self.device_grad_bytes:
             lines.append(f"  device keeps {human_bytes(self.device_grad_bytes)} for the largest gradient autograd makes "
                          "before the engine takes it")
+        if self.activation_room:
+            lines.append(f"  device keeps {human_bytes(self.activation_room)} free of weights for the activations "
+                         "(activation_memory)")
+        if self.norm_scratch_bytes:
+            lines.append(f"  host keeps {human_bytes(self.norm_scratch_bytes)} for the fp32 copy of the largest "
+                         "half-precision gradient, whose norm clipping takes in fp32 as torch does")
         if self.activations is not None:
             lines += self.activations.lines(self.device_room, human_bytes)
         return "\n".join(lines)

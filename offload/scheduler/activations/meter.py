@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
+import warnings
 import weakref
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Set, Tuple
 
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor
 
 from offload.planner.activations import ActivationUse
+from offload.planner.plan import human_bytes
 from offload.scheduler.activations.spill import SpilledTensor, movable
 from offload.scheduler.torch_internals import (
     FUNC_TRANSFORMS_REFUSE_HOOKS,
@@ -40,9 +42,11 @@ class SavedTensorMeter:
     linears and norms), so what a layer saves between them (attention, activations, residual adds) is its own,
     and the loss after the last layer counts for the block of the head that made the logits."""
 
-    def __init__(self, inner_pack: Callable[[Tensor], object], is_weight: Callable[[Tensor], bool]) -> None:
+    def __init__(self, inner_pack: Callable[[Tensor], object], is_weight: Callable[[Tensor], bool],
+                 room: Optional[int] = None) -> None:
         self._inner_pack = inner_pack
         self._is_weight = is_weight
+        self._room = room  # what the device budget leaves the activations (the plan's device_room), None: no budget
         self.last: Optional[ActivationUse] = None
         self._active = False
         self._tokens: Optional[int] = None
@@ -65,6 +69,10 @@ class SavedTensorMeter:
         self._kept.clear()
         largest = max(self._per_block.values(), default=0)
         self.last = ActivationUse(self._saved, self._movable, self._moved, largest, self._tokens)
+        beyond = None if self._room is None else self.last.beyond_room(self._room, human_bytes)
+        if beyond is not None:
+            self._room = None  # said once
+            warnings.warn(beyond, RuntimeWarning, stacklevel=2)
 
     def enter_block(self, index: int) -> None:
         self._current = index
@@ -116,11 +124,11 @@ class RootSavedTensors:
     def __init__(self, pack: Callable[[Tensor], object], unpack: Callable[[Any], Tensor], needed: Callable[[], bool],
                  is_weight: Callable[[Tensor], bool], *, activations_offloaded: bool = False,
                  streamed_blocks: Callable[[], List[str]] = list,
-                 block_name: Callable[[int], str] = str) -> None:
+                 block_name: Callable[[int], str] = str, device_room: Optional[int] = None) -> None:
         self._pack, self._unpack, self._needed, self._is_weight = pack, unpack, needed, is_weight
         self._activations_offloaded = activations_offloaded
         self._streamed_blocks, self._block_name = streamed_blocks, block_name
-        self.meter = SavedTensorMeter(pack, is_weight)
+        self.meter = SavedTensorMeter(pack, is_weight, device_room)
 
     def context(self, training: bool, tokens: Optional[int]) -> ContextManager[object]:
         """For one root forward (`training`: it records a graph)."""

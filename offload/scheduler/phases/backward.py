@@ -55,6 +55,7 @@ class BackwardPhase:
         backward = tracker.this_backward
         if self._clipping.watches(block, backward) and tracker.completes(block.trainable_ids):
             self._clipping.block_complete(block, self._hypers, backward)
+        self._forward.heap.after_grad()  # the activations this gradient's backward consumed
 
     def collect_grads(self) -> None:
         """Before the step reads the gradients: take those still in `.grad` (fewer backward calls than

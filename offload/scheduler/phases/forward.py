@@ -13,6 +13,7 @@ from typing import ContextManager, List, Optional
 import torch
 from torch import nn
 
+from offload._system import KeptHeap
 from offload.distributed.guard import refuse_outer_data_parallel
 from offload.scheduler.activations.meter import RootSavedTensors
 from offload.scheduler.blocks.block import Block
@@ -27,8 +28,11 @@ from offload.scheduler.weights.streamer import WeightStreamer
 
 class ForwardPhase:
     def __init__(self, records: List[BlockRecord], module: nn.Module, tracker: BackwardTracker, clock: PhaseClock,
-                 order: ForwardOrder, streamer: WeightStreamer, modes: Modes, saved_tensors: RootSavedTensors) -> None:
+                 order: ForwardOrder, streamer: WeightStreamer, modes: Modes, saved_tensors: RootSavedTensors,
+                 heap: Optional[KeptHeap] = None) -> None:
         self._records = records  # by block index
+        # trimmed as each block's forward begins and as gradients come (_system.FreedHeapTrim), or left to glibc
+        self.heap = heap if heap is not None else KeptHeap()
         self._module = module
         self._tracker = tracker
         self._clock = clock
@@ -66,6 +70,7 @@ class ForwardPhase:
             self.saved_tensors.meter.saw_recompute()
         elif blocks:
             self.saved_tensors.meter.enter_block(blocks[-1].index)
+            self.heap.enter_block(blocks[-1].index)
         for block in blocks:
             record = self._records[block.index]
             following = self._next_in_forward_order(block) if self._order.known and not in_backward else None

@@ -13,7 +13,7 @@ import warnings
 from typing import List
 
 from offload._interrupts import deferred_keyboard_interrupt
-from offload._system import return_freed_memory
+from offload._system import HEAP_SLACK_BYTES, return_freed_memory
 from offload.errors import OffloadError
 from offload.policy import OffloadPolicy
 from offload.scheduler.modes.clipping import clip_in_place
@@ -25,8 +25,6 @@ from offload.scheduler.records.block_record import BlockRecord, BlockServices, z
 from offload.scheduler.records.module_weights import ModuleWeights
 from offload.scheduler.records.slot_table import SlotTable
 from offload.scheduler.state.hypers import StepHypers
-
-HEAP_SLACK_BYTES = 16 << 20  # freed heap bytes a step keeps before trimming (half the RSS constant)
 
 
 class StepPhase:

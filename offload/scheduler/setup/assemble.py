@@ -12,6 +12,7 @@ from typing import Callable, List, Optional
 import torch
 from torch import nn
 
+from offload._system import FreedHeapTrim, KeptHeap
 from offload.distributed.data_parallel import DataParallel
 from offload.planner.plan import Plan
 from offload.policy import Activations, OffloadPolicy
@@ -80,8 +81,11 @@ def _phases(blocks: List[Block], records: List[BlockRecord], module: nn.Module, 
     optimizer.watch_groups_with(hypers)
     sync = Synchronizer(records, slots, services.worker, modes.disk, tiers.copies, tiers.streamer, services.guard)
     weights = ModuleWeights(records, sync)
+    # the CPU computing under a host budget: its forward's tensors come from the heap, whose holes stay resident
+    trims = policy.bounds_host_memory and policy.device.type == "cpu"
     forward = ForwardPhase(records, module, tracker, clock, services.order, tiers.streamer, modes,
-                           _root_saved_tensors(blocks, tiers))
+                           _root_saved_tensors(blocks, tiers, plan.device_room),
+                           FreedHeapTrim() if trims else KeptHeap())
     backward = BackwardPhase(slots, tracker, clock, forward, modes.clipping, hypers)
     step = StepPhase(records, slots, services, tracker, hypers, modes, backward, weights, sync, policy)
     optimizer.drive_with(step)
@@ -90,8 +94,9 @@ def _phases(blocks: List[Block], records: List[BlockRecord], module: nn.Module, 
                         optimizer)
 
 
-def _root_saved_tensors(blocks: List[Block], tiers: Tiers) -> RootSavedTensors:
-    """The root forward's saved-tensor hooks: the spill's (activations="offload") or the weight streamer's."""
+def _root_saved_tensors(blocks: List[Block], tiers: Tiers, device_room: Optional[int]) -> RootSavedTensors:
+    """The root forward's saved-tensor hooks: the spill's (activations="offload") or the weight streamer's; their
+    meter warns once when the activations need more than the `device_room` the plan leaves them."""
     spill, streamer = tiers.activations, tiers.streamer
     names = {b.index: b.name for b in blocks}  # for its error messages: the blocks streaming, a block's name
 
@@ -103,9 +108,11 @@ def _root_saved_tensors(blocks: List[Block], tiers: Tiers) -> RootSavedTensors:
 
     if spill is not None:
         return RootSavedTensors(spill.pack, spill.unpack, lambda: True, storage_keeper(_kept_buffers(blocks, tiers)),
-                                activations_offloaded=True, streamed_blocks=streamed, block_name=name)
+                                activations_offloaded=True, streamed_blocks=streamed, block_name=name,
+                                device_room=device_room)
     return RootSavedTensors(streamer.pack, streamer.unpack, lambda: streamer.active,
-                            storage_keeper(_kept_buffers(blocks, tiers)), streamed_blocks=streamed, block_name=name)
+                            storage_keeper(_kept_buffers(blocks, tiers)), streamed_blocks=streamed, block_name=name,
+                            device_room=device_room)
 
 
 def _kept_buffers(blocks: List[Block], tiers: Tiers) -> Callable[[], List[torch.Tensor]]:

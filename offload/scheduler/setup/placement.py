@@ -208,7 +208,7 @@ def _make_plan(blocks: List[Block], policy: OffloadPolicy, ring: Optional[RingSi
     return make_plan([b.spec(policy.tier, policy.moments, world, sharded) for b in blocks], policy.tier,
                      policy.device_memory, policy.host_memory, ring, flow, world if sharded else 1, speculate,
                      disk_room, resident_weight_shadows=policy.device.type == "cpu" and dp is not None,
-                     disk_weights=policy.disk_weights)
+                     disk_weights=policy.disk_weights, activation_room=policy.activation_memory or 0)
 
 
 def _shards_weights(blocks: List[Block], policy: OffloadPolicy, dp: Optional[DataParallel],
