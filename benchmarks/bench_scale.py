@@ -375,9 +375,11 @@ def auto_size(args: argparse.Namespace, ram: int, free: int, min_free: int, mome
               device_memory: int) -> Optional[Tuple[int, int, int, int, List[str]]]:
     """`--params-target auto`: the most layers of this width whose plan (the planner's own, `estimate`) fits this
     machine: its swap file within the free disk less `min_free` (weights on disk read from the master when copies
-    would not fit: wrap's disk_weights auto), every bf16 gradient in host memory (2 B/param: with clipping, none
-    then waits on disk), and the budgets within min(80% of RAM, MemAvailable - 2 GiB), the rest left for the
-    process's baseline, the 512 MiB over the budgets a run may take, and the other processes. The device budget is
+    would not fit: wrap's disk_weights auto), the budgets within min(80% of RAM, MemAvailable - 2 GiB), the rest
+    left for the process's baseline, the 512 MiB over the budgets a run may take, and the other processes. Host
+    memory is every bf16 gradient's 2 B/param (+ 1 GiB: with clipping none then waits on disk), or all the cap
+    leaves when they do not fit: the planner then keeps what it can of them whole beside the window and the rest
+    wait on disk, so the model grows with the disk too. The device budget is
     `device_memory` for the weights streaming through it and the activations a forward of the run's batch saves
     (measured: `activations_per_layers`), kept free of weights by wrap's activation_memory. (layers, host_memory,
     device budget, activation_memory, the arithmetic's lines); None: not even one layer fits."""
@@ -389,10 +391,11 @@ def auto_size(args: argparse.Namespace, ram: int, free: int, min_free: int, mome
 
     def plan_for(layers: int):
         params = model_params(args.vocab, args.dim, args.hidden, layers)
-        host = 2 * params + (1 << 30)  # every gradient (bf16), 1 GiB for the ring, streamed weights, the norm's copy
         activations = act_base + layers * act_layer
         device = device_memory + activations
-        if host + device > cap:
+        # every gradient (bf16), 1 GiB for the ring, streamed weights, the norm's copy; else what the cap leaves
+        host = min(2 * params + (1 << 30), cap - device)
+        if host <= 0:
             return None
         try:
             plan = estimate(ModelShape(tuple(model_blocks(args, layers))), Tier.NVME, torch.bfloat16, device,
@@ -400,7 +403,7 @@ def auto_size(args: argparse.Namespace, ram: int, free: int, min_free: int, mome
                             activation_room=activations)
         except Exception:  # noqa: BLE001 - OffloadConfigError: the budgets cannot hold it
             return None
-        if plan.grads_on_disk or disk_bytes(plan) > room:
+        if disk_bytes(plan) > room:
             return None
         return plan, host, device, activations
 
@@ -424,8 +427,8 @@ def auto_size(args: argparse.Namespace, ram: int, free: int, min_free: int, mome
         f"--min-free-disk {min_free / GB:.1f} GB kept: {room / GB:.1f} GB for the swap file; budgets within "
         f"min(0.8 x RAM, MemAvailable - 2 GiB) = {cap / GB:.1f} GB",
         f"  the planner, per parameter ({moments.value} moments, {'clipping, ' if clipping else ''}weights on disk "
-        f"{weights}): disk {disk_bytes(plan) / params:.2f} B, memory {memory / params:.2f} B (gradients 2 B in host "
-        f"memory, the ring, streamed weights)",
+        f"{weights}): disk {disk_bytes(plan) / params:.2f} B, memory {memory / params:.2f} B (gradients: "
+        f"{plan.grads_placement().split(': about')[0]}; the ring, streamed weights)",
         f"  largest: {low} layers x {args.dim} = {params:,} parameters ({params / 1e9:.3f}B): swap file "
         f"{disk_bytes(plan) / GB:.1f} of {room / GB:.1f} GB; budgets host {host / GB:.1f} + device "
         f"{device / GB:.2f} = {(host + device) / GB:.1f} of {cap / GB:.1f} GB; {low + 1} layers do not fit",
@@ -474,6 +477,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--result-json", default=None, help=argparse.SUPPRESS)  # a child of --clipping-rounds
     parser.add_argument("--moments", choices=[m.value for m in MomentFormat], default="fp32",
                         help="how the Adam moments are kept (offload.wrap's moments=): fp32 (exact), bf16, int8")
+    parser.add_argument("--size-only", action="store_true",
+                        help="with --params-target auto: print the sizing arithmetic and stop (no swap file, no steps)")
     parser.add_argument("--quick", action="store_true",
                         help="~100M parameters (hidden 768), budgets 250MB + 200MB: a smoke run (< 1 min)")
     args = parser.parse_args(argv)
@@ -511,6 +516,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         sizing.append("  speculative clipping off (speculative_clipping=False): its shadows would take the disk "
                       "--min-free-disk keeps free; every update waits for the global norm (exact, serial)")
         print("\n".join(sizing), flush=True)
+        if args.size_only:
+            return 0
     else:
         args.params_target = float(args.params_target)
         args.layers = layers_for(args.params_target, args.vocab, args.dim, args.hidden)

@@ -14,6 +14,7 @@ import torch
 
 import offload
 from offload.errors import OffloadConfigError
+from offload.planner.plan import Location
 from tests.devices import DEVICE, on_device
 from tests.models import TinyGPT, make_batches, one_intraop_thread
 
@@ -143,6 +144,44 @@ def test_the_plan_says_where_gradients_live_and_what_they_cost_on_disk(tmp_path)
         assert not engine.plan.grads_on_disk  # consumed during the backward: the window alone
         assert engine.plan.grad_disk_bytes_per_step == 0
         assert "fast path" in str(engine.plan)
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_gradients_the_budget_holds_beside_the_window_stay_in_memory_and_only_the_others_go_to_disk(tmp_path, micro):
+    """A host budget for about half the gradients: the first blocks' stay whole in host memory (no record in the
+    swap file, no disk traffic), the others wait on disk; the disk holds only theirs, and training is torch's."""
+    torch.manual_seed(0)
+    model, reference = _gpt(), _gpt()
+    reference.load_state_dict(model.state_dict())
+    batches = make_batches(3, micro, vocab=128)
+    want_losses, _ = _torch_run(reference, batches, 0.5)
+    all_grads = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    with offload.wrap(model, tier="nvme", nvme_path=tmp_path, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                      dtype=torch.float32, device="cpu", host_memory=all_grads * 3 // 4, max_grad_norm=0.5) as engine:
+        plan = engine.plan
+        parked = [b for b in plan.blocks if b.grad_parks]
+        kept = [b for b in plan.blocks if not b.grad_parks]
+        assert plan.grads_on_disk and parked and kept, plan
+        assert plan.parked_grad_bytes == sum(b.grad_bytes for b in parked) < plan.all_grad_bytes
+        assert plan.host_grad_bytes == plan.grad_window_bytes + sum(b.grad_bytes for b in kept)
+        assert plan.bytes_on(Location.HOST) <= plan.host_budget
+        assert "stay whole in host memory" in plan.grads_placement()
+        losses = []
+        for micro_batches in batches:
+            for idx, tgt in micro_batches:
+                loss = engine(idx, tgt)
+                loss.backward()
+                losses.append(loss.item())
+            engine.step()
+            engine.zero_grad()
+        stats = engine.stats()
+        trained = engine.state_dict()
+    assert losses == pytest.approx(want_losses, abs=TOL)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(trained[key], value, atol=TOL, rtol=TOL, msg=key)
+    # each parked gradient went out once per micro-batch (and came back); no kept one did
+    assert stats["bytes_grads_to_disk"] == micro * len(batches) * plan.parked_grad_bytes
+    assert stats["host_grad_over_budget_events"] == 0
 
 
 def test_a_budget_too_small_even_for_the_window_names_the_least_that_works(tmp_path):

@@ -7,7 +7,7 @@ measures: the engine builds `BlockSpec`s from its blocks (`spec_of`) and applies
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import AbstractSet, Callable, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -100,11 +100,15 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
     ring_bytes = 0
     window: Optional[int] = None
     on_disk = False
+    parked: FrozenSet[str] = frozenset()  # blocks whose gradients wait on disk
     on_device = device_budget is None  # declared accumulation's earlier micro-batches sum on the device
     if tier is Tier.NVME:
         ring = ring or RingSize(0, 0)
         window, on_disk = _grad_home(blocks, host_left, ring, grads, on_device)
-        host_left, ring_bytes = _reserve_nvme_host(blocks, host_left, ring, window, grads)
+        if on_disk:
+            assert host_left is not None and window is not None, "gradients go to disk only under a host budget"
+            window, parked = _parked_grads(blocks, host_left, ring, window)
+        host_left, ring_bytes = _reserve_nvme_host(blocks, host_left, ring, window, grads, parked)
     device_left: Optional[int] = None
     if device_budget is not None:
         device_left = device_budget - workspace - activation_room
@@ -129,8 +133,9 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
                 f"block {block.name!r} ({_human(block.weight_bytes)} of weights) fits neither the device nor "
                 "the host budget left after the optimizer state; use tier='nvme' or raise a budget")
         placements.append(BlockPlacement(block.name, weights, state_home, kept, block.state_bytes,
-                                         block.grad_bytes))
-    disk_traffic = _grad_disk_bytes(sum(b.grad_bytes for b in blocks), grads, on_device) if on_disk else 0
+                                         block.grad_bytes, grad_parks=block.name in parked))
+    parked_bytes = sum(b.grad_bytes for b in blocks if b.name in parked)
+    disk_traffic = _grad_disk_bytes(parked_bytes, grads, on_device) if on_disk else 0
     placements, weights_said = _disk_weights(blocks, placements, disk_weights, disk_room,
                                              Plan(tier, tuple(placements), device_budget, host_budget,
                                                   grads_on_disk=on_disk).bytes_on(Location.DISK))
@@ -280,6 +285,28 @@ def _grad_home(blocks: Sequence[BlockSpec], host_left: Optional[int], ring: Ring
     return window, True
 
 
+def _parked_grads(blocks: Sequence[BlockSpec], host_left: int, ring: RingSize,
+                  window: int) -> Tuple[int, FrozenSet[str]]:
+    """Gradients must wait and do not all fit: (the window, the blocks whose gradients wait on disk). What host
+    memory holds beyond the window and the ring keeps whole gradients, in forward order, which then never go to
+    disk: each saves its record in the swap file and twice its bytes of disk traffic a step, as a streamed
+    weight kept in host memory would save its reads, and it is the disk, not the RAM, that bounds the model
+    ([Note: gradients on disk]). The window is then sized on the parked blocks alone."""
+    preferred = ring.minimum + 2 * max(ring.preferred - ring.minimum, 0)  # _reserve_nvme_host gives half the spare
+    ring_room = preferred if host_left - window >= preferred else ring.minimum
+    room = host_left - window - ring_room
+    kept: set = set()
+    for block in blocks:
+        if block.grad_bytes <= room:
+            kept.add(block.name)
+            room -= block.grad_bytes
+    parked = [b for b in blocks if b.name not in kept]
+    assert parked, "gradients go to disk only when they do not all fit beside the ring"
+    count = GRAD_WINDOW_BLOCKS if window == grad_window_bytes(blocks) else MIN_GRAD_WINDOW_BLOCKS
+    window = grad_window_bytes(parked, count)
+    return window, frozenset(b.name for b in parked)
+
+
 def _grad_disk_bytes(all_grads: int, flow: GradFlow, micro_batches_on_device: bool) -> int:
     """Gradient bytes written and read back per step: every micro-batch's sum goes to disk and comes back (the
     next micro-batch adds to it, the update reads it), except the last one's when the last backward's updates
@@ -292,11 +319,13 @@ def _grad_disk_bytes(all_grads: int, flow: GradFlow, micro_batches_on_device: bo
 
 
 def _reserve_nvme_host(blocks: Sequence[BlockSpec], host_left: Optional[int], ring: RingSize,
-                       window: Optional[int], flow: GradFlow) -> Tuple[Optional[int], int]:
-    """Host bytes left for streamed weights after the gradients and the staging ring, and the ring size."""
+                       window: Optional[int], flow: GradFlow, parked: AbstractSet[str]) -> Tuple[Optional[int], int]:
+    """Host bytes left for streamed weights after the gradients (all, or the window and those kept beside it
+    while the `parked` ones wait on disk) and the staging ring, and the ring size."""
     if host_left is None:
         return None, ring.preferred
-    grads = sum(b.grad_bytes for b in blocks) if window is None else window
+    kept = sum(b.grad_bytes for b in blocks if b.name not in parked) if parked else 0
+    grads = sum(b.grad_bytes for b in blocks) if window is None else window + kept
     need = grads + ring.minimum
     if need > host_left:  # only a window can fail to fit: all the gradients are held only when they fit
         least = grad_window_bytes(blocks, MIN_GRAD_WINDOW_BLOCKS)

@@ -50,6 +50,7 @@ class BlockPlacement:
     shadow_device_bytes: int = 0  # computing: a resident block's weights are written there)
     shadowed: bool = False
     from_master: bool = False  # weights on disk read from the state record's fp32 master and cast: no copy of theirs
+    grad_parks: bool = False  # its gradient waits on disk, in a record of the swap file (Plan.grads_on_disk)
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ class Plan:
     ring_slots: Optional[RingSlots] = None  # nvme tier: the ring's slots within ring_bytes, and the elements each holds
     grad_window_bytes: Optional[int] = None  # nvme tier, gradients windowed: host bytes for gradients at once
     device_grad_bytes: int = 0  # streamed weights under a device budget: room for autograd's largest gradient
-    grads_on_disk: bool = False  # gradients that must wait go to their records in the swap file (a window stays)
+    grads_on_disk: bool = False  # gradients that must wait go to disk: the blocks' whose placement parks them
     grad_disk_bytes_per_step: int = 0  # bytes of gradients written and read back per step (an estimate)
     micro_batches_on_device: bool = True  # declared accumulation's earlier micro-batches sum on the device
     shard_world: int = 1  # > 1: weights sharded across that many ranks (blocks' weight bytes are a rank's part)
@@ -96,10 +97,11 @@ class Plan:
 
     @property
     def host_grad_bytes(self) -> int:
-        """Host bytes the gradient accumulators take: all of them, or the window."""
+        """Host bytes the gradient accumulators take: all of them, or the window (and, when gradients wait on
+        disk, those of the blocks whose gradients do not: the budget holds them whole)."""
         if self.grad_window_bytes is not None:
-            return self.grad_window_bytes
-        return sum(b.grad_bytes for b in self.blocks)
+            return self.grad_window_bytes + (self.all_grad_bytes - self.parked_grad_bytes if self.grads_on_disk else 0)
+        return self.all_grad_bytes
 
     @property
     def device_weight_budget(self) -> Optional[int]:
@@ -124,10 +126,15 @@ class Plan:
     def all_grad_bytes(self) -> int:
         return sum(b.grad_bytes for b in self.blocks)
 
+    @property
+    def parked_grad_bytes(self) -> int:
+        """Bytes of the gradients that wait on disk (their records in the swap file)."""
+        return sum(b.grad_bytes for b in self.blocks if b.grad_parks)
+
     def bytes_on(self, location: Location) -> int:
         total = self.ring_bytes + self.host_grad_bytes + self.norm_scratch_bytes if location is Location.HOST else 0
         total += self.device_grad_bytes if location is Location.DEVICE else 0
-        total += self.all_grad_bytes if location is Location.DISK and self.grads_on_disk else 0
+        total += self.parked_grad_bytes if location is Location.DISK else 0
         for block in self.blocks:
             total += block.weight_bytes if block.weights is location and not block.from_master else 0
             total += block.state_bytes if block.state is location else 0
@@ -206,8 +213,13 @@ class Plan:
         """Where the gradients live, in words (the plan's table and `python -m offload estimate` print it)."""
         everything = human_bytes(self.all_grad_bytes)
         if self.grads_on_disk:
-            return (f"a window of {human_bytes(self.grad_window_bytes)} in host memory, all {everything} on disk (a "
-                    f"record per group in the swap file): about {human_bytes(self.grad_disk_bytes_per_step)} written and "
+            parked = human_bytes(self.parked_grad_bytes)
+            kept = self.all_grad_bytes - self.parked_grad_bytes
+            kept_said = "" if not kept else (f"; the other {human_bytes(kept)} stay whole in host memory beside "
+                                             "the window")
+            return (f"a window of {human_bytes(self.grad_window_bytes)} in host memory, {parked} of {everything} on "
+                    f"disk (records in the swap file for {sum(b.grad_parks for b in self.blocks)} of "
+                    f"{len(self.blocks)} blocks{kept_said}): about {human_bytes(self.grad_disk_bytes_per_step)} written and "
                     "read back per step, per micro-batch without declared accumulation (declaring "
                     "grad_accumulation_steps without max_grad_norm is the fast path: no gradient goes to disk)")
         if self.grad_window_bytes is not None:

@@ -149,7 +149,8 @@ def plan_and_open(blocks: List[Block], policy: OffloadPolicy, tracer: Tracer,
         grads: Dict[str, WeightRecord] = {}
         if plan.grads_on_disk:
             padded = None if dp is None else _grad_record_numel(dp, sharded, policy.max_grad_norm is not None)
-            grads, swap_size = plan_grad_layout(shapes, swap_size, padded)
+            parked = {b.name for b in plan.blocks if b.grad_parks}
+            grads, swap_size = plan_grad_layout([s for s in shapes if s.block in parked], swap_size, padded)
         shadowed = set(plan.shadowed_blocks)
         shadows, swap_size = plan_shadow_layout([s.key for s in shapes if s.block in shadowed and s.key in records],
                                                 records, weights, swap_size)
@@ -255,6 +256,7 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
     streamed, on_disk = set(plan.streamed_blocks), set(plan.disk_weight_blocks)
     from_master = set(plan.master_weight_blocks)  # weights on disk read from the fp32 master in the state record
     shadowed = set(plan.shadowed_blocks)  # speculative clipping: their state and weights get shadows
+    parked_grads = {b.name for b in plan.blocks if b.grad_parks}  # their gradients wait on disk
     sharded = plan.shard_world > 1
     records: List[BlockRecord] = []
     for block in blocks:
@@ -283,7 +285,7 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
                 shard = None if dp is None else dp.state_shard(group.trainable_numel, group.numel, sharded)
                 store = _state_store(group, policy, tiers) if shard is None else \
                     ShardedStore(_state_store(ShardGroup(group, shard), policy, tiers), shard)
-                grads = _grad_home(group, store.on_host, policy, tiers, plan, shard)
+                grads = _grad_home(group, store.on_host, policy, tiers, plan, shard, block.name in parked_grads)
                 state = GroupState(group, store, grads, [optimizer_group_of[s.param] for s in group.trainable_slots],
                                    shard)
             home = _partitioned_home(block, group, tiers, on_disk, dp, shard) if sharded else \
@@ -318,17 +320,20 @@ def _state_store(group: Any, policy: OffloadPolicy, tiers: Tiers) -> StateStore:
 
 
 def _grad_home(group: FlatGroup, on_host: bool, policy: OffloadPolicy, tiers: Tiers, plan: Plan,
-               shard: Optional[Shard]) -> GradHome:
+               shard: Optional[Shard], parks: bool) -> GradHome:
     """Host memory for the host tiers (the nvme tier's gradient window when the plan has one, with the swap
-    file for the gradients that must wait when the plan puts them on disk), else the device. Data-parallel
+    file for the gradients that must wait when the plan puts this block's on disk: `parks`; a block whose
+    gradients the budget holds beside the window keeps a buffer of its own), else the device. Data-parallel
     (`shard`): the whole gradient padded to whole shards; with clipping, only this rank's part parks on disk."""
     device = torch.device("cpu") if on_host else policy.device
     padded_numel = None if shard is None else shard.padded
-    if plan.grads_on_disk:
+    if parks:
         assert tiers.grad_pool is not None and tiers.ring is not None
         parked = None if shard is None or policy.max_grad_norm is None else (shard.lo, shard.hi)
         return GradHome(group, device, tiers.copies, on_host, padded_numel, tiers.grad_pool,
                         DiskParking(tiers.ring.grads, parked), tiers.norm_scratch)
+    if plan.grads_on_disk:  # the budget holds this block's whole, beside the window of those that park
+        return GradHome(group, device, tiers.copies, on_host, padded_numel, scratch=tiers.norm_scratch)
     return GradHome(group, device, tiers.copies, on_host, padded_numel, tiers.grad_pool, scratch=tiers.norm_scratch)
 
 
