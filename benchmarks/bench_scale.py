@@ -585,7 +585,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"wrap(): {wrap_seconds:.1f} s ({n_params / wrap_seconds / 1e6:.0f}M params/s initialized and written); "
               f"swap file {swap_allocated / GB:.2f} GB allocated in {swap_dir}")
         print(f"plan: device {human(plan.bytes_on(Location.DEVICE))}, host {human(plan.bytes_on(Location.HOST))} "
-              f"(gradient {'window ' if plan.grad_window_bytes is not None else ''}{human(plan.host_grad_bytes)}, ring "
+              f"(gradients {human(plan.host_grad_bytes)}, ring "
               f"{human(plan.ring_bytes)}), disk {human(plan.bytes_on(Location.DISK))}; weights: "
               f"{sum(b.weights is Location.DEVICE for b in plan.blocks)} blocks on device, "
               f"{sum(b.weights is Location.HOST for b in plan.blocks)} on host, {len(plan.disk_weight_blocks)} on disk "

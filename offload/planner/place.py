@@ -28,7 +28,8 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
 
     nvme tier (`ring` given): host memory holds the gradients (all of them; or a window of GRAD_WINDOW_BLOCKS
     of the largest when `grads` are consumed during the last backward, or when they must wait and do not all
-    fit: the others then wait on disk), then the staging ring (at least its minimum, up to its preferred size
+    fit: then whole gradients where the budget holds them beside the window, and the others wait on disk), then
+    the staging ring (at least its minimum, up to its preferred size
     or a quarter of what is left), then streamed weights in forward order; weights that do not fit go to disk.
     See docs/design.md [Note: the nvme step pipeline], [Note: the gradient window], [Note: gradients on
     disk].
