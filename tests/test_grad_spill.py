@@ -14,7 +14,10 @@ import torch
 
 import offload
 from offload.errors import OffloadConfigError
-from offload.planner.plan import Location
+from offload.planner.place import make_plan
+from offload.planner.plan import BlockSpec, GradFlow, Location
+from offload.planner.ring import ring_size_for
+from offload.policy import Tier
 from tests.devices import DEVICE, on_device
 from tests.models import TinyGPT, make_batches, one_intraop_thread
 
@@ -144,6 +147,31 @@ def test_the_plan_says_where_gradients_live_and_what_they_cost_on_disk(tmp_path)
         assert not engine.plan.grads_on_disk  # consumed during the backward: the window alone
         assert engine.plan.grad_disk_bytes_per_step == 0
         assert "fast path" in str(engine.plan)
+
+
+def test_the_planner_keeps_whole_gradients_where_host_memory_holds_them_and_parks_only_the_others():
+    """Beyond the window and the preferred ring, host memory keeps whole gradients in forward order; only the
+    others get records in the swap file, and the window is sized on them."""
+    unit = 8 << 20  # a block's gradient; the ring's preferred size is 8 MiB too
+    blocks = [BlockSpec(f"layer.{i}", unit, 3 * unit, unit) for i in range(10)]
+    ring = ring_size_for(1 << 16)
+    reserve = ring.minimum + 2 * (ring.preferred - ring.minimum)  # the ring gets half of the spare (the planner)
+    clipping = GradFlow(None, True, 4)
+    state = sum(b.state_bytes for b in blocks)
+    for kept in range(0, 6):
+        plan = make_plan(blocks, Tier.NVME, None, 3 * unit + reserve + kept * unit, ring, clipping)
+        parks = [b.grad_parks for b in plan.blocks]
+        assert parks == [False] * kept + [True] * (10 - kept), (kept, parks)
+        assert plan.grads_on_disk and plan.grad_window_bytes == 3 * unit
+        assert plan.parked_grad_bytes == (10 - kept) * unit
+        assert plan.bytes_on(Location.DISK) == state + (10 - kept) * unit  # no weight on disk: all on the device
+        assert plan.grad_disk_bytes_per_step == 2 * (10 - kept) * unit
+        assert plan.host_grad_bytes == (3 + kept) * unit
+        assert plan.ring_bytes >= ring.preferred
+        assert plan.bytes_on(Location.HOST) <= plan.host_budget
+    # a budget that holds every gradient and the ring's minimum parks none, as before
+    everything = make_plan(blocks, Tier.NVME, None, 10 * unit + ring.minimum, ring, clipping)
+    assert not everything.grads_on_disk and not any(b.grad_parks for b in everything.blocks)
 
 
 @pytest.mark.parametrize("micro", [1, 2])
