@@ -29,11 +29,13 @@ HOST = 300 << 10  # fp32: the streamed layers' weights go to disk (as tests/test
 
 def _wrap(directory, mode, dtype=torch.float32, moments="fp32", **kw):
     """TinyGPT on the nvme tier with its streamed layers' weights on disk (bf16: half the device budget, the least
-    ring and the gradients)."""
+    ring and the gradients, and clipping's norm copy)."""
     torch.manual_seed(0)
     directory.mkdir(parents=True, exist_ok=True)
     budgets = dict(device_memory=BUDGET, host_memory=HOST) if dtype == torch.float32 else \
-        dict(device_memory=BUDGET // 2, host_memory=min_ring_bytes(moments=MomentFormat.parse(moments)) + (64 << 10))
+        dict(device_memory=BUDGET // 2,  # + clipping's fp32 copy of the largest bf16 gradient (16 KiB), when it clips
+             host_memory=min_ring_bytes(moments=MomentFormat.parse(moments)) + (64 << 10) +
+             ((16 << 10) if kw.get("max_grad_norm") is not None else 0))
     return offload.wrap(TinyGPT(), tier="nvme", nvme_path=directory, dtype=dtype, device="cpu", lr=1e-3,
                         moments=moments, disk_weights=mode, **budgets, **kw)
 
