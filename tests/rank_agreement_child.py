@@ -101,7 +101,8 @@ def run(case: dict, out: str, report: dict) -> None:
         engine.step()
         engine.zero_grad()
     report["losses"] = losses
-    report["plan"] = dict(grads_on_disk=engine.plan.grads_on_disk, shard_world=engine.plan.shard_world)
+    report["plan"] = dict(grads_on_disk=engine.plan.grads_on_disk, shard_world=engine.plan.shard_world,
+                          parked_grads=[b.grad_parks for b in engine.plan.blocks])
     report["stats"] = {k: v for k, v in engine.stats().items() if "grads" in k or "speculat" in k}
     state = engine.state_dict()
     engine.close()
