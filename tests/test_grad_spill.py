@@ -61,6 +61,26 @@ def _torch_run(model, batches, max_norm):
     return losses, norms
 
 
+def _train(engine, batches):
+    """The engine's losses over `batches` (steps of micro-batches), stepping and zeroing as torch's loop does."""
+    losses = []
+    for micro_batches in batches:
+        for idx, tgt in micro_batches:
+            loss = engine(idx, tgt)
+            loss.backward()
+            losses.append(loss.item())
+        engine.step()
+        engine.zero_grad()
+    return losses
+
+
+def _assert_same(losses, trained, want_losses, reference):
+    """Losses and every weight as torch's run, within TOL."""
+    assert losses == pytest.approx(want_losses, abs=TOL)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(trained[key], value.cpu(), atol=TOL, rtol=TOL, msg=key)
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_every_configuration_trains_exactly_with_gradients_on_disk(tmp_path, config):
     max_norm, micro, declared = CONFIGS[config]
@@ -79,19 +99,10 @@ def test_every_configuration_trains_exactly_with_gradients_on_disk(tmp_path, con
         assert all_grads > host  # the gradients alone would not fit the budget
         consumed_in_backward = declared is not None and max_norm is None
         assert plan.grads_on_disk is not consumed_in_backward  # declared: earlier micro-batches stay on the device
-        losses = []
-        for micro_batches in batches:
-            for idx, tgt in micro_batches:
-                loss = engine(idx, tgt)
-                loss.backward()
-                losses.append(loss.item())
-            engine.step()
-            engine.zero_grad()
+        losses = _train(engine, batches)
         stats = engine.stats()
         trained = engine.state_dict()
-    assert losses == pytest.approx(want_losses, abs=TOL)
-    for key, value in reference.state_dict().items():
-        torch.testing.assert_close(trained[key], value.cpu(), atol=TOL, rtol=TOL, msg=key)
+    _assert_same(losses, trained, want_losses, reference)
     assert stats["host_grad_bytes_peak"] <= plan.grad_window_bytes
     assert stats["host_grad_over_budget_events"] == 0
     if plan.grads_on_disk:
@@ -194,19 +205,10 @@ def test_gradients_the_budget_holds_beside_the_window_stay_in_memory_and_only_th
         assert plan.host_grad_bytes == plan.grad_window_bytes + sum(b.grad_bytes for b in kept)
         assert plan.bytes_on(Location.HOST) <= plan.host_budget
         assert "stay whole in host memory" in plan.grads_placement()
-        losses = []
-        for micro_batches in batches:
-            for idx, tgt in micro_batches:
-                loss = engine(idx, tgt)
-                loss.backward()
-                losses.append(loss.item())
-            engine.step()
-            engine.zero_grad()
+        losses = _train(engine, batches)
         stats = engine.stats()
         trained = engine.state_dict()
-    assert losses == pytest.approx(want_losses, abs=TOL)
-    for key, value in reference.state_dict().items():
-        torch.testing.assert_close(trained[key], value, atol=TOL, rtol=TOL, msg=key)
+    _assert_same(losses, trained, want_losses, reference)
     # each parked gradient went out once per micro-batch (and came back); no kept one did
     assert stats["bytes_grads_to_disk"] == micro * len(batches) * plan.parked_grad_bytes
     assert stats["host_grad_over_budget_events"] == 0
