@@ -9,7 +9,7 @@ import torch
 
 import offload
 from tests.devices import DEVICE, on_device
-from tests.models import TinyGPT
+from tests.models import TinyGPT, train_steps
 
 
 def _batches(steps: int, batch: int = 8, context: int = 256, vocab: int = 64):
@@ -247,15 +247,9 @@ def test_activations_beyond_the_device_room_warn_once_naming_activation_memory_w
         directory.mkdir()
         engine = offload.wrap(model, "nvme", nvme_path=str(directory), dtype=torch.float32, device="cpu",
                               grad_accumulation_steps=1, **kw)
-        losses = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for idx, tgt in batches:
-                loss = engine(idx, tgt)
-                loss.backward()
-                engine.step()
-                engine.zero_grad()
-                losses.append(loss.item())
+            losses = train_steps(engine, batches)
         plan = engine.plan
         engine.close()
         return losses, [str(w.message) for w in caught if "activation_memory" in str(w.message)], plan

@@ -26,7 +26,7 @@ _CHILD = textwrap.dedent('''
     import json, sys, torch
     torch.set_num_threads(1)
     import offload
-    from tests.models import TinyGPT, make_batches
+    from tests.models import TinyGPT, make_batches, train_steps
     from tests.proc_status import reset_peak, status
 
     nvme_path, streamed, moments = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
@@ -51,14 +51,7 @@ _CHILD = textwrap.dedent('''
     engine = offload.wrap(model, tier="nvme", nvme_path=nvme_path, dtype=torch.bfloat16, device="cpu",
                           host_memory=host_memory, device_memory=device_memory, grad_accumulation_steps=1,
                           moments=moments, max_grad_norm=max_grad_norm)
-    losses = []
-    for (micro,) in batches:
-        loss = engine(*micro)
-        loss.backward()
-        engine.step()
-        engine.zero_grad()
-        losses.append(loss.item())
-    engine.synchronize()
+    losses = train_steps(engine, [micro for (micro,) in batches])
     peak = status("VmHWM")
     stats = engine.stats()
     plan_device = engine.plan.bytes_on(offload.planner.plan.Location.DEVICE)
@@ -107,7 +100,7 @@ _CHILD_ACTIVATIONS = textwrap.dedent('''
     import json, sys, warnings, torch
     torch.set_num_threads(1)
     import offload
-    from tests.models import TinyGPT, make_batches
+    from tests.models import TinyGPT, make_batches, train_steps
     from tests.proc_status import reset_peak, status
 
     nvme_path, room = sys.argv[1], int(sys.argv[2])
@@ -128,16 +121,9 @@ _CHILD_ACTIVATIONS = textwrap.dedent('''
     engine = offload.wrap(model, tier="nvme", nvme_path=nvme_path, dtype=torch.bfloat16, device="cpu",
                           host_memory=host_memory, device_memory=device_memory, grad_accumulation_steps=1,
                           max_grad_norm=1.0, activation_memory=room or None)
-    losses = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for (micro,) in batches:
-            loss = engine(*micro)
-            loss.backward()
-            engine.step()
-            engine.zero_grad()
-            losses.append(loss.item())
-        engine.synchronize()
+        losses = train_steps(engine, [micro for (micro,) in batches])
     peak = status("VmHWM")
     plan = engine.plan
     engine.close()
