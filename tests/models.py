@@ -84,6 +84,21 @@ def make_batches(steps: int, micro: int, batch: int = 4, context: int = 16, voca
               torch.randint(0, vocab, (batch, context), generator=gen)) for _ in range(micro)] for _ in range(steps)]
 
 
+def train_micro_batches(engine, steps) -> List[float]:
+    """One optimizer step per list of (idx, targets) micro-batches, their gradients summed, zeroed after the step;
+    the losses. Synchronized at the end."""
+    losses = []
+    for micro_batches in steps:
+        for idx, tgt in micro_batches:
+            loss = engine(idx, tgt)
+            loss.backward()
+            losses.append(loss.item())
+        engine.step()
+        engine.zero_grad()
+    engine.synchronize()
+    return losses
+
+
 def train_steps(engine, batches) -> List[float]:
     """One optimizer step per (idx, targets) batch, gradients zeroed after each; the losses. Synchronized at the end."""
     losses = []

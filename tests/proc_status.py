@@ -22,3 +22,19 @@ def reset_peak() -> None:
     """VmHWM becomes the current RSS, so a later VmHWM is the peak since now."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def warmed_baseline(model, batch) -> int:
+    """VmRSS once the process-wide one-time costs any PyTorch training pays are paid (the model's kernels, loaded by
+    a forward; torch._dynamo, ~70 MB of modules the first torch.optim.Optimizer imports; autograd, started by a first
+    backward), the peak reset from there: what a memory bound is measured from."""
+    import torch
+
+    with torch.no_grad():
+        model(*batch)
+    warm = torch.nn.Linear(4, 4)
+    torch.optim.SGD(warm.parameters(), lr=0.1)
+    warm(torch.zeros(1, 4)).sum().backward()
+    baseline = status("VmRSS")
+    reset_peak()
+    return baseline

@@ -27,7 +27,7 @@ _CHILD = textwrap.dedent('''
     torch.set_num_threads(1)
     import offload
     from tests.models import TinyGPT, make_batches, train_steps
-    from tests.proc_status import reset_peak, status
+    from tests.proc_status import status, warmed_baseline
 
     nvme_path, streamed, moments = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
     max_grad_norm = float(sys.argv[4]) if sys.argv[4] != "none" else None
@@ -39,15 +39,7 @@ _CHILD = textwrap.dedent('''
     layer_bytes = 2 * sum(p.numel() for p in model.h[0].parameters())
     device_memory = 3 * layer_bytes + (2 << 20) if streamed else None
     batches = make_batches(3, 1, batch=2, context=64, vocab=1024)
-    with torch.no_grad():
-        model(*batches[0][0])  # load kernels before the baseline
-    # Process-wide one-time costs any PyTorch training pays, kept out of the baseline: the first
-    # torch.optim.Optimizer imports torch._dynamo (~70 MB of modules), the first backward starts autograd.
-    warm = torch.nn.Linear(4, 4)
-    torch.optim.SGD(warm.parameters(), lr=0.1)
-    warm(torch.zeros(1, 4)).sum().backward()
-    baseline = status("VmRSS")
-    reset_peak()
+    baseline = warmed_baseline(model, batches[0][0])
     engine = offload.wrap(model, tier="nvme", nvme_path=nvme_path, dtype=torch.bfloat16, device="cpu",
                           host_memory=host_memory, device_memory=device_memory, grad_accumulation_steps=1,
                           moments=moments, max_grad_norm=max_grad_norm)
@@ -101,7 +93,7 @@ _CHILD_ACTIVATIONS = textwrap.dedent('''
     torch.set_num_threads(1)
     import offload
     from tests.models import TinyGPT, make_batches, train_steps
-    from tests.proc_status import reset_peak, status
+    from tests.proc_status import status, warmed_baseline
 
     nvme_path, room = sys.argv[1], int(sys.argv[2])
     torch.manual_seed(0)
@@ -111,13 +103,7 @@ _CHILD_ACTIVATIONS = textwrap.dedent('''
     embedding = 2 * model.wte.weight.numel()
     device_memory = 2 * embedding + 3 * 2 * sum(p.numel() for p in model.h[0].parameters()) + (2 << 20) + room
     batches = make_batches(3, 1, batch=4, context=128, vocab=20000)
-    with torch.no_grad():
-        model(*batches[0][0])
-    warm = torch.nn.Linear(4, 4)
-    torch.optim.SGD(warm.parameters(), lr=0.1)
-    warm(torch.zeros(1, 4)).sum().backward()
-    baseline = status("VmRSS")
-    reset_peak()
+    baseline = warmed_baseline(model, batches[0][0])
     engine = offload.wrap(model, tier="nvme", nvme_path=nvme_path, dtype=torch.bfloat16, device="cpu",
                           host_memory=host_memory, device_memory=device_memory, grad_accumulation_steps=1,
                           max_grad_norm=1.0, activation_memory=room or None)

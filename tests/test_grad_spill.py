@@ -19,7 +19,7 @@ from offload.planner.plan import BlockSpec, GradFlow, Location
 from offload.planner.ring import ring_size_for
 from offload.policy import Tier
 from tests.devices import DEVICE, on_device
-from tests.models import TinyGPT, make_batches, one_intraop_thread
+from tests.models import TinyGPT, make_batches, one_intraop_thread, train_micro_batches
 
 LR, BETAS, EPS, WD = 3e-3, (0.9, 0.95), 1e-8, 0.1
 TOL = 1e-5
@@ -61,19 +61,6 @@ def _torch_run(model, batches, max_norm):
     return losses, norms
 
 
-def _train(engine, batches):
-    """The engine's losses over `batches` (steps of micro-batches), stepping and zeroing as torch's loop does."""
-    losses = []
-    for micro_batches in batches:
-        for idx, tgt in micro_batches:
-            loss = engine(idx, tgt)
-            loss.backward()
-            losses.append(loss.item())
-        engine.step()
-        engine.zero_grad()
-    return losses
-
-
 def _assert_same(losses, trained, want_losses, reference):
     """Losses and every weight as torch's run, within TOL."""
     assert losses == pytest.approx(want_losses, abs=TOL)
@@ -99,7 +86,7 @@ def test_every_configuration_trains_exactly_with_gradients_on_disk(tmp_path, con
         assert all_grads > host  # the gradients alone would not fit the budget
         consumed_in_backward = declared is not None and max_norm is None
         assert plan.grads_on_disk is not consumed_in_backward  # declared: earlier micro-batches stay on the device
-        losses = _train(engine, batches)
+        losses = train_micro_batches(engine, batches)
         stats = engine.stats()
         trained = engine.state_dict()
     _assert_same(losses, trained, want_losses, reference)
@@ -205,7 +192,7 @@ def test_gradients_the_budget_holds_beside_the_window_stay_in_memory_and_only_th
         assert plan.host_grad_bytes == plan.grad_window_bytes + sum(b.grad_bytes for b in kept)
         assert plan.bytes_on(Location.HOST) <= plan.host_budget
         assert "stay whole in host memory" in plan.grads_placement()
-        losses = _train(engine, batches)
+        losses = train_micro_batches(engine, batches)
         stats = engine.stats()
         trained = engine.state_dict()
     _assert_same(losses, trained, want_losses, reference)
@@ -225,8 +212,8 @@ _CHILD = '''
 import json, sys, torch
 torch.set_num_threads(1)
 import offload
-from tests.models import TinyGPT, make_batches
-from tests.proc_status import reset_peak, status
+from tests.models import TinyGPT, make_batches, train_micro_batches
+from tests.proc_status import status, warmed_baseline
 
 nvme_path, max_norm, micro, declared = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 max_norm = None if max_norm == "none" else float(max_norm)
@@ -239,25 +226,11 @@ host_memory = 5 * layer_bytes  # a window of three layers' gradients, the ring, 
 largest = 4 * max(p.numel() for p in model.parameters())
 device_memory = 2 * layer_bytes + largest
 batches = make_batches(3, micro, batch=2, context=64, vocab=1024)
-with torch.no_grad():
-    model(*batches[0][0])  # load kernels before the baseline
-warm = torch.nn.Linear(4, 4)
-torch.optim.SGD(warm.parameters(), lr=0.1)
-warm(torch.zeros(1, 4)).sum().backward()
-baseline = status("VmRSS")
-reset_peak()
+baseline = warmed_baseline(model, batches[0][0])
 engine = offload.wrap(model, tier="nvme", nvme_path=nvme_path, dtype=torch.float32, device="cpu",
                       host_memory=host_memory, device_memory=device_memory, max_grad_norm=max_norm,
                       grad_accumulation_steps=declared)
-losses = []
-for micro_batches in batches:
-    for idx, tgt in micro_batches:
-        loss = engine(idx, tgt)
-        loss.backward()
-        losses.append(loss.item())
-    engine.step()
-    engine.zero_grad()
-engine.synchronize()
+losses = train_micro_batches(engine, batches)
 peak = status("VmHWM")
 stats = engine.stats()
 grads_on_disk = engine.plan.grads_on_disk
