@@ -449,3 +449,24 @@ def test_zero_grad_after_a_completed_last_backward_is_still_the_misuse_message()
         assert engine.stats()["early_block_updates"] > 0
         with pytest.raises(offload.OffloadError, match=r"zero_grad\(\) between the last backward and step\(\)"):
             engine.zero_grad()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_model_zero_grad_between_an_early_update_and_step_is_refused(tmp_path, tier):
+    """`model.zero_grad()` (the module's, which the engine does not see) between the declared last backward and
+    step(): torch would then not step, but the blocks were updated during the backward. Before, on the nvme tier,
+    whose gradient window gives each gradient back after its update, step() went on silently; now it raises there
+    as on the cpu tier."""
+    options = dict(nvme_path=str(tmp_path), host_memory=1_000_000) if tier == "nvme" else {}
+    with offload.wrap(TinyGPT(), tier=tier, dtype=torch.float32, device="cpu", grad_accumulation_steps=1,
+                      **options) as engine:
+        (first,), (second,) = make_batches(2, 1)
+        engine(*first).backward()
+        engine.step()
+        engine.zero_grad()
+        engine(*second).backward()
+        assert engine.stats()["early_block_updates"] > 0
+        engine.synchronize()  # every update done: on the nvme tier each gave its gradient back to the window
+        engine.module.zero_grad()
+        with pytest.raises(offload.OffloadError, match=r"zero_grad\(\) between the last backward and step\(\)"):
+            engine.step()

@@ -407,6 +407,10 @@ class BlockRecord:
             elif grad is not None and ref.index in grads.lost and not self.updated_early:
                 # held since an update of an earlier step gave its bytes back (nvme gradient window)
                 raise released_gradient(ref.state.group.trainable_slots[ref.index].name)
+            elif grad is None and ref.index in grads.lost and self.updated_early:
+                # cleared outside the engine (model.zero_grad()) after its update, which the nvme gradient window
+                # let give the gradient back: torch would not step the parameter, the update already did
+                raise zeroed_after_early_update(self.block.name)
             elif grad is None and grads.has_grad[ref.index]:
                 if self.updated_early:
                     raise zeroed_after_early_update(self.block.name)
