@@ -439,14 +439,19 @@ def test_a_last_backward_that_fails_partway_is_named_as_such_with_the_ways_on(tm
     assert engine.stats()["steps"] == 2  # the first step, then the checkpoint's count plus one
 
 
+def _backward_with_early_updates(engine) -> None:
+    """A first step (it gives the blocks their gradient profile), then a declared last backward that updates them."""
+    (first,), (second,) = make_batches(2, 1)
+    engine(*first).backward()
+    engine.step()
+    engine.zero_grad()
+    engine(*second).backward()
+    assert engine.stats()["early_block_updates"] > 0
+
+
 def test_zero_grad_after_a_completed_last_backward_is_still_the_misuse_message():
     with offload.wrap(TinyGPT(), tier="cpu", dtype=torch.float32, device="cpu", grad_accumulation_steps=1) as engine:
-        (first,), (second,) = make_batches(2, 1)
-        engine(*first).backward()
-        engine.step()
-        engine.zero_grad()
-        engine(*second).backward()
-        assert engine.stats()["early_block_updates"] > 0
+        _backward_with_early_updates(engine)
         with pytest.raises(offload.OffloadError, match=r"zero_grad\(\) between the last backward and step\(\)"):
             engine.zero_grad()
 
@@ -460,12 +465,7 @@ def test_model_zero_grad_between_an_early_update_and_step_is_refused(tmp_path, t
     options = dict(nvme_path=str(tmp_path), host_memory=1_000_000) if tier == "nvme" else {}
     with offload.wrap(TinyGPT(), tier=tier, dtype=torch.float32, device="cpu", grad_accumulation_steps=1,
                       **options) as engine:
-        (first,), (second,) = make_batches(2, 1)
-        engine(*first).backward()
-        engine.step()
-        engine.zero_grad()
-        engine(*second).backward()
-        assert engine.stats()["early_block_updates"] > 0
+        _backward_with_early_updates(engine)
         engine.synchronize()  # every update done: on the nvme tier each gave its gradient back to the window
         engine.module.zero_grad()
         with pytest.raises(offload.OffloadError, match=r"zero_grad\(\) between the last backward and step\(\)"):
