@@ -407,13 +407,11 @@ class BlockRecord:
             elif grad is not None and ref.index in grads.lost and not self.updated_early:
                 # held since an update of an earlier step gave its bytes back (nvme gradient window)
                 raise released_gradient(ref.state.group.trainable_slots[ref.index].name)
-            elif grad is None and ref.index in grads.lost and self.updated_early:
-                # cleared outside the engine (model.zero_grad()) after its update, which the nvme gradient window
-                # let give the gradient back: torch would not step the parameter, the update already did
+            elif grad is None and self.updated_early and (grads.has_grad[ref.index] or ref.index in grads.lost):
+                # cleared outside the engine (model.zero_grad()) after its update (which the nvme gradient window
+                # may have let give the gradient back: `lost`): torch would not step the parameter, the update did
                 raise zeroed_after_early_update(self.block.name)
             elif grad is None and grads.has_grad[ref.index]:
-                if self.updated_early:
-                    raise zeroed_after_early_update(self.block.name)
                 self.forget_speculation()  # it stepped on the gradient cleared since
                 grads.forget(ref.index)
                 self.norms = None  # they counted it; torch's clip_grad_norm_ leaves a parameter without .grad out
