@@ -2,7 +2,8 @@
 
 Keys: `format`/`version` (1: the optimizer file holds fp32 moments; 2: bf16 moments as bf16 values and int8 ones as
 codes and per-parameter block scales; 3: `masters` names the parameters whose master weights the optimizer files
-leave out, and where they come from: [Note: master weights stored once]); `tier`, `compute_dtype` and `moments` (the Adam moments' format, "fp32" when
+leave out, and where they come from: [Note: master weights stored once]; 4: data-parallel ranks' files hold their
+parts of bf16 and int8 moments as they are kept, int8 blocks starting at each part's first element); `tier`, `compute_dtype` and `moments` (the Adam moments' format, "fp32" when
 absent) of the engine that saved; `checksum` (the algorithm);
 `step`, `skipped_steps`; `param_groups` (hyperparameters without the params); `blocks` (per block, per
 flat group: dtype and each parameter's name, shape, element offset, trainable flag and Adam step count);
@@ -20,7 +21,7 @@ from offload.checkpoint.atomic import MANIFEST
 from offload.errors import OffloadIntegrityError
 
 FORMAT = "offload-checkpoint"
-VERSION = 3  # the newest this offload reads: 2 stores bf16 and int8 moments as they are kept, 3 masters once
+VERSION = 4  # the newest this offload reads (what each adds: the module docstring, version_for)
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 SCHEDULER_FILE = "scheduler.pt"
@@ -30,10 +31,12 @@ DATA_FILE = "data.pt"
 STATEFUL_FILES = {"scheduler": SCHEDULER_FILE, "data": DATA_FILE}
 
 
-def version_for(moments: str, derived_masters: bool) -> int:
+def version_for(moments: str, derived_masters: bool, parts: bool = False) -> int:
     """The format version a checkpoint of these moments needs: an older offload refuses a version-2 file (its
-    uint8 or bf16 moment entries) or a version-3 one (masters it would look for in vain in the optimizer files)
-    with "upgrade offload" instead of misreading it."""
+    uint8 or bf16 moment entries), a version-3 one (masters it would look for in vain in the optimizer files) or a
+    version-4 one (ranks' parts it would read as fp32) with "upgrade offload" instead of misreading it."""
+    if parts and moments != "fp32":
+        return 4
     if derived_masters:
         return 3
     return 1 if moments == "fp32" else 2

@@ -31,17 +31,15 @@ from offload.checkpoint.reflink import BLOCK, clone_range
 from offload.checkpoint.sharded import PartsReader
 from offload.checkpoint.target import pieces
 from offload.checkpoint.tensor_file import TensorFileReader
-from offload.checkpoint.writer import optimizer_key, progress_bar, scales_key
+from offload.checkpoint.writer import STORED_DTYPE, optimizer_key, progress_bar, scales_key
 from offload.checksum import checksum
 from offload.errors import OffloadConfigError, OffloadIntegrityError, OffloadIOError
 from offload.optim.moment_format import (
     EXP_AVG,
     EXP_AVG_SQ,
-    INT8_BLOCK,
     BlockLayout,
     MomentFormat,
     QuantizedMoment,
-    scale_count,
 )
 from offload.optim.moments import decode_moment
 from offload.scheduler.state.state_store import Views, moment_blocks
@@ -250,7 +248,7 @@ def _check_entries(engine: "CheckpointTarget", groups: List[Any], weights: Tenso
                                                     "moment format offload stores (fp32, bf16, int8 codes)", name)
                     optim.require(name, slot.numel, dtype)
                     if dtype == torch.uint8:
-                        optim.require(scales_key(kind, slot.name), scale_count(MomentFormat.INT8, slot.numel),
+                        optim.require(scales_key(kind, slot.name), _stored_blocks(optim, slot).scale_count,
                                       torch.float32)
     stored = {s.name for _b, g, _s in groups for s in g.slots}
     for name, buffer in engine.module.named_buffers():
@@ -284,12 +282,34 @@ def _load_tensors(engine: "CheckpointTarget", groups: List[Any], weights: Tensor
 
 # how a checkpoint stores a moment, by its entries' dtype ([Note: compressed moments]): fp32 values (every checkpoint
 # of fp32 moments, and those saved before compressed moments were stored as they are), bf16 values, int8 codes
-_STORED_FORMATS = {torch.float32: MomentFormat.FP32, torch.bfloat16: MomentFormat.BF16, torch.uint8: MomentFormat.INT8}
+_STORED_FORMATS = {dtype: fmt for fmt, dtype in STORED_DTYPE.items()}
 
 
 def _stored_dtype(optim: "OptimizerReader", name: str) -> torch.dtype:
-    entries = getattr(optim, "entries", None)  # parts saved by data-parallel ranks hold fp32 values
-    return torch.float32 if entries is None or name not in entries else entries[name][0]
+    dtype = optim.dtype_of(name)
+    return torch.float32 if dtype is None else dtype  # missing: `require` says so
+
+
+def _stored_segments(optim: "OptimizerReader", slot: Any) -> List[Tuple[int, int]]:
+    """The ranges of a parameter its optimizer files hold one each: the whole in a single file, each rank's part in
+    the files of data-parallel ranks. Stored int8 blocks start at each range's first element."""
+    return optim.segments(slot.name) if isinstance(optim, PartsReader) else [(0, slot.numel)]
+
+
+def _stored_blocks(optim: "OptimizerReader", slot: Any) -> BlockLayout:
+    """The int8 blocks of a parameter's stored moments (the scales numbered across its ranges in order)."""
+    return BlockLayout.of_segments(slot.numel, _stored_segments(optim, slot))
+
+
+def _same_blocks(optim: "OptimizerReader", group: Any, state: Any) -> bool:
+    """Whether this engine's int8 blocks of each parameter (in its part of the group, on a data-parallel rank) are
+    the stored ones: then codes and scales load as they are."""
+    lo, hi = state.part
+    for slot in group.trainable_slots:
+        a, b = max(lo, slot.offset) - slot.offset, min(hi, slot.offset + slot.numel) - slot.offset
+        if a < b and (a, b) not in _stored_segments(optim, slot):
+            return False
+    return True
 
 
 def _stored_moments(optim: "OptimizerReader", group: Any) -> MomentFormat:
@@ -313,13 +333,13 @@ def _load_record(optim: "OptimizerReader", masters: Masters, group: Any, state: 
     stored = _stored_moments(optim, group)
     store = state.state_store
     if stored is not MomentFormat.FP32:
-        if stored is store.moments and (stored is MomentFormat.BF16 or moment_blocks(stored, store.group)
-                                        == BlockLayout.of_segments(group.trainable_numel, group.trainable_segments)):
+        if stored is store.moments and (stored is MomentFormat.BF16 or _same_blocks(optim, group, state)):
             _load_encoded(optim, masters, group, state)
             return
-        if stored is store.moments:  # the same format, other blocks: a part of a parameter on another world size
-            warnings.warn(f"offload: the int8 moments of block {group.key!r} are stored in blocks of whole parameters "
-                          "and this engine cuts parameters between data-parallel ranks: they are decoded and encoded "
+        if stored is store.moments:  # the same format, other blocks: saved by another number of ranks
+            warnings.warn(f"offload: the int8 moments of block {group.key!r} are stored in other quantization blocks "
+                          "than this engine's (their blocks start at each parameter's part on a data-parallel rank, "
+                          "and this checkpoint was saved by another number of ranks): they are decoded and encoded "
                           "again in this engine's blocks (rounded)", RuntimeWarning, stacklevel=5)
         _load_decoded(optim, masters, group, state, stored)
         return
@@ -354,21 +374,25 @@ def _read_masters(masters: Masters, group: Any, start: int, stop: int, master: T
 
 
 def _load_encoded(optim: "OptimizerReader", masters: Masters, group: Any, state: Any) -> None:
-    """bf16 values or int8 codes and scales into a store that keeps them the same way: copied, nothing rounded."""
-    whole = BlockLayout.of_segments(group.trainable_numel, group.trainable_segments)
+    """bf16 values or int8 codes and scales into a store that keeps them the same way, in the same blocks: copied,
+    nothing rounded."""
+    lo = state.part[0]
+    layout = moment_blocks(state.state_store.moments, state.state_store.group)
 
     def fill(start: int, stop: int, views: Any) -> None:
         master, exp_avg, exp_avg_sq = views
         _read_masters(masters, group, start, stop, master)
-        blocks = whole.sub(start, stop)
+        blocks = layout.sub(start - lo, stop - lo) if layout is not None else None
         for kind, moment in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
             codes = moment.codes if isinstance(moment, QuantizedMoment) else moment
-            for slot, first, lo, piece in pieces(group, start, stop, codes):
-                name = group.trainable_slots[slot].name
-                optim.read_at(optimizer_key(kind, name), piece.element_size() * first, piece)
+            for index, first, at, piece in pieces(group, start, stop, codes):
+                slot = group.trainable_slots[index]
+                optim.read_at(optimizer_key(kind, slot.name), piece.element_size() * first, piece)
                 if isinstance(moment, QuantizedMoment):
-                    a, b = blocks.scales_before(lo - start), blocks.scales_before(lo - start + piece.numel())
-                    optim.read_at(scales_key(kind, name), 4 * (first // INT8_BLOCK), moment.scales[a:b])
+                    assert blocks is not None
+                    a, b = blocks.scales_before(at - start), blocks.scales_before(at - start + piece.numel())
+                    scale = _stored_blocks(optim, slot).scales_before(first)
+                    optim.read_at(scales_key(kind, slot.name), 4 * scale, moment.scales[a:b])
 
     state.state_store.write(fill, encoded=True)
 
@@ -396,14 +420,16 @@ def _read_decoded(optim: "OptimizerReader", kind: str, which: int, slot: Any, fi
         optim.read_at(name, 2 * first, staged)
         out.copy_(staged)
         return
-    begin = first // INT8_BLOCK * INT8_BLOCK
+    layout = _stored_blocks(optim, slot)
     end = first + out.numel()
+    begin, _ = layout.enclosing(first, end)
+    blocks = layout.sub(begin, end)
     codes = torch.empty(end - begin, dtype=torch.uint8)
-    scales = torch.empty(scale_count(stored, end - begin), dtype=torch.float32)
+    scales = torch.empty(blocks.scale_count, dtype=torch.float32)
     optim.read_at(name, begin, codes)
-    optim.read_at(scales_key(kind, slot.name), 4 * (begin // INT8_BLOCK), scales)
+    optim.read_at(scales_key(kind, slot.name), 4 * layout.scales_before(begin), scales)
     values = torch.empty(end - begin, dtype=torch.float32)
-    decode_moment(QuantizedMoment(codes, scales), stored, which, values)
+    decode_moment(QuantizedMoment(codes, scales), stored, which, values, blocks)
     out.copy_(values[first - begin:])
 
 

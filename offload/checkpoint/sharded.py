@@ -3,12 +3,15 @@ checkpoint directory, committed atomically across the ranks, loadable at any wor
 
 Files: `model.safetensors` (rank 0; every rank holds the same weights: still a plain full-weights file),
 `optimizer-<r>-of-<N>.safetensors` (rank r: for each parameter its elements [a, b) of `exp_avg/`, `exp_avg_sq/`
-and `master/`, as 1-D fp32 tensors; with fp32 weights that every rank holds whole, the masters come from
+and `master/`, as 1-D tensors, the moments as the engine keeps them: fp32 or bf16 values, or int8 codes with
+`exp_avg_scales/` and `exp_avg_sq_scales/`, the scales of the rank's blocks, which start at a: [Note: compressed
+moments]; with fp32 weights that every rank holds whole, the masters come from
 `model.safetensors` instead, checked as in a single file: [Note: master weights stored once]), `scheduler.pt` and `data.pt` (rank 0), `rng-<r>-of-<N>.pt` (each rank's own
 generators, when asked), `manifest.json` last. The manifest's `optimizer_parts` records for each file the
 range [a, b) of each parameter it holds, so `PartsReader` can serve any element range of any parameter to
-an engine of any world size (a single-process checkpoint loads into N ranks through the plain reader:
-each rank reads its range of the whole tensors).
+an engine of any world size, and any range of its int8 scales, numbered across the parts in order (a
+single-process checkpoint loads into N ranks through the plain reader: each rank reads its range of the whole
+tensors).
 
 Commit: rank 0 makes the temporary directory and tells the others its name (the directory must be on a file system
 every node sees, at the same path: a rank that does not see it says so); each rank writes and fsyncs
@@ -31,9 +34,24 @@ from offload.checkpoint.atomic import begin, fsync_dir, publish
 from offload.checkpoint.manifest import MODEL_FILE, write_manifest
 from offload.checkpoint.masters import FROM_WEIGHTS, MasterCheck
 from offload.checkpoint.target import pieces
-from offload.checkpoint.tensor_file import Entry, TensorFileReader, TensorFileWriter
+from offload.checkpoint.tensor_file import TensorFileReader, TensorFileWriter
+from offload.checkpoint.writer import (
+    SCALES_SUFFIX,
+    checkpoint_layout,
+    explained_io_error,
+    manifest_fields,
+    progress_bar,
+    put_moments,
+    state_entries,
+    stateful_fields,
+    weights_in_file_order,
+    write_model_file,
+    write_pickle,
+    write_stateful,
+)
 from offload.checksum import preferred_algorithm
 from offload.errors import OffloadIntegrityError, OffloadIOError
+from offload.optim.moment_format import MomentFormat, code_nbytes, scale_count
 from offload.tiers.swap_layout import STATE_TENSORS
 
 if TYPE_CHECKING:
@@ -68,15 +86,6 @@ def parts_of(groups: list) -> Parts:
 def save_parts(engine: "CheckpointTarget", dp: "DataParallel", path: str, stateful: Dict[str, Any], rng: bool,
                progress: Optional[bool]) -> str:
     """engine.save() on every rank of a data-parallel engine (see the module docstring)."""
-    from offload.checkpoint.writer import (
-        checkpoint_layout,
-        explained_io_error,
-        progress_bar,
-        weights_in_file_order,
-        write_model_file,
-        write_pickle,
-        write_stateful,
-    )
 
     path = os.path.abspath(os.fspath(path))
     groups = list(engine.checkpoint_groups())  # waits for this rank's pending updates
@@ -98,7 +107,9 @@ def save_parts(engine: "CheckpointTarget", dp: "DataParallel", path: str, statef
     failed: Set[str] = set()
     try:
         layout = checkpoint_layout(engine, groups, derive=derive)
-        total = sum(12 * (b - a) for a, b in mine.values())
+        total = sum(_bytes_per_element(state.state_store.moments) * (mine[slot.name][1] - mine[slot.name][0])
+                    for _b, group, state in groups if state is not None
+                    for slot in group.trainable_slots if slot.name in mine)
         if dp.rank == 0:
             total += sum(e.nbytes for e in layout.model_entries)
         with progress_bar(total, progress, f"offload: saving {os.path.basename(path)} (rank {dp.rank})") as bar:
@@ -168,18 +179,12 @@ def _described(exc: BaseException, path: str) -> str:
 
 def _write_part_file(engine: "CheckpointTarget", groups: list, layout: Any, mine: Parts, path: str, algorithm: str,
                      bar: tqdm) -> Tuple[Dict[str, Any], Set[str]]:
-    """This rank's parts of each state section, per parameter, streamed chunk by chunk from its stores; the
-    masters `layout` derives are checked against the (local) weights instead. Returns the file's entry and the
-    parameters whose masters failed that check (the file then lacks them: the caller writes it again)."""
-    entries = []
-    for _block, group, state in groups:
-        if state is None:
-            continue
-        for kind in STATE_TENSORS:
-            for slot in group.trainable_slots:
-                if slot.name in mine and not (kind == "master" and slot.name in layout.masters):
-                    a, b = mine[slot.name]
-                    entries.append(Entry(f"{kind}/{slot.name}", torch.float32, (b - a,)))
+    """This rank's parts of each state section, per parameter, streamed chunk by chunk from its stores, the
+    moments as they are kept; the masters `layout` derives are checked against the (local) weights instead.
+    Returns the file's entry and the parameters whose masters failed that check (the file then lacks them: the
+    caller writes it again)."""
+    entries = [entry for _block, group, state in groups if state is not None for kind in STATE_TENSORS
+               for entry in state_entries(kind, group, state.state_store.moments, layout.masters, mine)]
     writer = TensorFileWriter(path, entries, algorithm, {"format": "pt"})
     failed: Set[str] = set()
 
@@ -192,16 +197,14 @@ def _write_part_file(engine: "CheckpointTarget", groups: list, layout: Any, mine
                 continue
             derived = any(slot.name in layout.masters for slot in group.trainable_slots)
             check = MasterCheck(layout.masters, engine.group_weights(group) if derived else None, put, failed)
-            with state.state_store.reading() as chunks:
-                for start, stop, views in chunks:
-                    for index, first, lo, piece in pieces(group, start, stop, views[0]):
+            store = state.state_store
+            with store.reading(encoded=store.moments is not MomentFormat.FP32) as chunks:
+                for start, stop, (master, exp_avg, exp_avg_sq) in chunks:
+                    for index, first, lo, piece in pieces(group, start, stop, master):
                         slot = group.trainable_slots[index]
                         check.piece(slot.name, slot.numel, first, lo, piece, stored_from=mine[slot.name][0])
-                    for kind, view in zip(STATE_TENSORS[1:], views[1:]):
-                        for index, first, _lo, piece in pieces(group, start, stop, view):
-                            name = group.trainable_slots[index].name
-                            put(f"{kind}/{name}", first - mine[name][0], piece)
-                    bar.update(12 * (stop - start))
+                    put_moments(put, group, state, start, stop, exp_avg, exp_avg_sq, stored_from=mine)
+                    bar.update(_bytes_per_element(store.moments) * (stop - start))
         if failed:
             writer.abort()
         else:
@@ -212,13 +215,16 @@ def _write_part_file(engine: "CheckpointTarget", groups: list, layout: Any, mine
     return {"size": os.path.getsize(path), "checksums": writer.checksums}, failed
 
 
+def _bytes_per_element(moments: MomentFormat) -> int:
+    """A rank file's bytes per element of state, for the progress bar: the master and two moments."""
+    return 4 + 2 * code_nbytes(moments, 1)
+
+
 def _write_manifest(engine: "CheckpointTarget", tmp: str, layout: Any, algorithm: str,
                     files: Dict[str, Dict[str, Any]], world: int, parts: Sequence[Parts], stateful: Dict[str, Any],
                     rng: bool) -> None:
-    from offload.checkpoint.writer import manifest_fields, stateful_fields
-
     write_manifest(tmp, dict(
-        manifest_fields(engine, layout, algorithm, files), world_size=world,
+        manifest_fields(engine, layout, algorithm, files, parts=True), world_size=world,
         optimizer_parts=[{"file": optimizer_file(r, world), "parts": parts[r]} for r in range(world)],
         **stateful_fields(stateful),
         rng=[rng_file(r, world) for r in range(world)] if rng else None,
@@ -248,11 +254,35 @@ class PartsReader:
         for parts in self._parts.values():
             parts.sort(key=lambda piece: piece[1])
 
+    def segments(self, param: str) -> List[Tuple[int, int]]:
+        """The element ranges [a, b) of `param` the files hold, in order: where each part's int8 blocks start."""
+        return [(a, b) for _reader, a, b in self._parts.get(param, [])]
+
+    def dtype_of(self, name: str) -> Optional[torch.dtype]:
+        """The dtype `<kind>/<name>` is stored in (None: no file holds it)."""
+        _kind, param = name.split("/", 1)
+        for reader, _a, _b in self._parts.get(param, []):
+            return reader.dtype_of(name)
+        return None
+
+    def _ranges(self, name: str) -> List[Tuple[TensorFileReader, int, int]]:
+        """(file, first, stop) of each part of tensor `name`, in its elements: the parameter's for values and codes;
+        for int8 scales (`<kind>_scales/`), the parts' blocks numbered across the parts in order."""
+        kind, param = name.split("/", 1)
+        parts = self._parts.get(param, [])
+        if not kind.endswith(SCALES_SUFFIX):
+            return parts
+        out, first = [], 0
+        for reader, a, b in parts:
+            count = scale_count(MomentFormat.INT8, b - a)
+            out.append((reader, first, first + count))
+            first += count
+        return out
+
     def require(self, name: str, numel: int, dtype: Optional[torch.dtype] = None) -> None:
         """The rank files together hold all `numel` elements of `name`, each part with its size."""
-        kind, param = name.split("/", 1)
         covered = 0
-        for reader, a, b in self._parts.get(param, []):
+        for reader, a, b in self._ranges(name):
             if a != covered:
                 break
             reader.require(name, b - a, dtype)
@@ -264,13 +294,13 @@ class PartsReader:
                 self._readers[0].path if self._readers else "")
 
     def read_at(self, name: str, start: int, out: Tensor) -> None:
-        """Bytes [start, ...) of tensor `name` (fp32) into `out`, from the files holding those elements."""
-        kind, param = name.split("/", 1)
-        first, stop = start // 4, start // 4 + out.numel()
-        for reader, a, b in self._parts[param]:
+        """Bytes [start, ...) of tensor `name` into `out` (of the stored dtype), from the files holding them."""
+        size = out.element_size()
+        first, stop = start // size, start // size + out.numel()
+        for reader, a, b in self._ranges(name):
             lo, hi = max(first, a), min(stop, b)
             if lo < hi:
-                reader.read_at(name, 4 * (lo - a), out[lo - first:hi - first])
+                reader.read_at(name, size * (lo - a), out[lo - first:hi - first])
 
     def verify_all(self, scratch: memoryview, progress: Any = lambda n: None) -> None:
         for reader in self._readers:

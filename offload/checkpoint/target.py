@@ -9,22 +9,32 @@ any object that keeps the promises.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from offload.optim.moment_format import MomentFormat
 from offload.policy import OffloadPolicy
 from offload.scheduler.blocks.block import Block, FlatGroup
 from offload.scheduler.state.state_store import Cloned, Fill, SwapSections, Views
 
 
 class CheckpointStore(Protocol):
-    """A group's optimizer state store, as a checkpoint streams it (state/state_store.py)."""
+    """A group's optimizer state store, as a checkpoint streams it (state/state_store.py): `encoded`, the moments
+    as the store keeps them ([Note: compressed moments])."""
 
-    def reading(self) -> "contextlib.AbstractContextManager[Iterator[Tuple[int, int, Views]]]": ...
+    moments: MomentFormat
 
-    def write(self, fill: Fill, cloned: Cloned = (0, 0, 0)) -> None: ...
+    @property
+    def group(self) -> Any:
+        """The group as the store sees it: a data-parallel rank's part, whose segments start its int8 blocks."""
+        ...
+
+    def reading(self, encoded: bool = False) -> "contextlib.AbstractContextManager[Iterator[Tuple[int, int, Views]]]":
+        ...
+
+    def write(self, fill: Fill, cloned: Cloned = (0, 0, 0), encoded: bool = False) -> None: ...
 
     def swap_sections(self) -> Optional[SwapSections]: ...
 

@@ -202,6 +202,11 @@ class TensorFileReader:
                 f"checkpoint file {path!r} is {size} bytes, its header says {self._base + end}: truncated or "
                 "extended after it was written", path)
 
+    def dtype_of(self, name: str) -> Optional[torch.dtype]:
+        """The dtype tensor `name` is stored in (None: the file has no such tensor)."""
+        entry = self.entries.get(name)
+        return entry[0] if entry is not None else None
+
     def require(self, name: str, numel: int, dtype: Optional[torch.dtype] = None) -> None:
         """Tensor `name` exists with `numel` elements (of `dtype` when given), else the checkpoint belongs
         to another model: checked before anything is read."""

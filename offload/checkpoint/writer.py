@@ -22,7 +22,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AbstractSet, Any, Collection, Dict, Iterator, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, AbstractSet, Any, Callable, Collection, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from tqdm import tqdm
@@ -60,31 +60,43 @@ def optimizer_key(kind: str, name: str) -> str:
     return f"{kind}/{name}"
 
 
+SCALES_SUFFIX = "_scales"  # an int8 moment's block scales: `<kind>_scales/<name>`
+
+
 def scales_key(kind: str, name: str) -> str:
     """The entry of an int8 moment's block scales (`kind`: exp_avg or exp_avg_sq)."""
-    return f"{kind}_scales/{name}"
+    return f"{kind}{SCALES_SUFFIX}/{name}"
 
 
-def state_entries(kind: str, group: Any, moments: MomentFormat, masters: Dict[str, str]) -> List[Entry]:
+def state_entries(kind: str, group: Any, moments: MomentFormat, masters: Dict[str, str],
+                  parts: Optional[Dict[str, List[int]]] = None) -> List[Entry]:
     """The entries of one section of a group's optimizer state ([Note: compressed moments]): fp32 master weights
     where `masters` has no other source for them, low halves and tie bits where it says FROM_BF16 ([Note: master
-    weights stored once]); each moment as the engine keeps it: fp32 or bf16 values, or int8 codes (uint8, the
-    parameter's shape) and then every parameter's fp32 block scales (its blocks start at its first element:
-    `BlockLayout`)."""
+    weights stored once]); each moment as the engine keeps it: fp32 or bf16 values, or int8 codes (uint8) and then
+    every parameter's fp32 block scales (its blocks start at its first element: `BlockLayout`). `parts`: a
+    data-parallel rank's file, which holds elements [a, b) of each parameter it names, as 1-D tensors, the int8
+    blocks starting at a (sharded.py)."""
+    slots = [s for s in group.trainable_slots if parts is None or s.name in parts]
+
+    def shape(slot: Any) -> Tuple[int, ...]:
+        return tuple(slot.shape) if parts is None else (parts[slot.name][1] - parts[slot.name][0],)
+
+    def numel(slot: Any) -> int:
+        return slot.numel if parts is None else parts[slot.name][1] - parts[slot.name][0]
+
     if kind == "master":
-        slots = group.trainable_slots
-        return ([Entry(optimizer_key(kind, s.name), torch.float32, tuple(s.shape)) for s in slots
-                 if s.name not in masters]
-                + [Entry(low_key(s.name), torch.int16, tuple(s.shape)) for s in slots if masters.get(s.name) == FROM_BF16]
-                + [Entry(tie_key(s.name), torch.uint8, (tie_bytes(s.numel),)) for s in slots
+        return ([Entry(optimizer_key(kind, s.name), torch.float32, shape(s)) for s in slots if s.name not in masters]
+                + [Entry(low_key(s.name), torch.int16, shape(s)) for s in slots if masters.get(s.name) == FROM_BF16]
+                + [Entry(tie_key(s.name), torch.uint8, (tie_bytes(numel(s)),)) for s in slots
                    if masters.get(s.name) == FROM_BF16])
-    if moments is MomentFormat.FP32:
-        return [Entry(optimizer_key(kind, s.name), torch.float32, tuple(s.shape)) for s in group.trainable_slots]
-    if moments is MomentFormat.BF16:
-        return [Entry(optimizer_key(kind, s.name), torch.bfloat16, tuple(s.shape)) for s in group.trainable_slots]
-    return ([Entry(optimizer_key(kind, s.name), torch.uint8, tuple(s.shape)) for s in group.trainable_slots]
-            + [Entry(scales_key(kind, s.name), torch.float32, (scale_count(moments, s.numel),))
-               for s in group.trainable_slots])
+    stored = [Entry(optimizer_key(kind, s.name), STORED_DTYPE[moments], shape(s)) for s in slots]
+    if moments is not MomentFormat.INT8:
+        return stored
+    return stored + [Entry(scales_key(kind, s.name), torch.float32, (scale_count(moments, numel(s)),)) for s in slots]
+
+
+# the dtype a checkpoint stores each moment format's values or codes in
+STORED_DTYPE = {MomentFormat.FP32: torch.float32, MomentFormat.BF16: torch.bfloat16, MomentFormat.INT8: torch.uint8}
 
 
 def progress_bar(total: int, progress: Optional[bool], desc: str) -> tqdm:
@@ -219,16 +231,16 @@ def _save(engine: "CheckpointTarget", path: str, stateful: Dict[str, Any], rng: 
 
 
 def manifest_fields(engine: "CheckpointTarget", layout: CheckpointLayout, algorithm: str,
-                    files: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
-    """What every manifest records (manifest.py), whoever wrote the files."""
+                    files: Dict[str, Dict[str, Any]], parts: bool = False) -> Dict[str, Any]:
+    """What every manifest records (manifest.py), whoever wrote the files (`parts`: data-parallel ranks)."""
     counters = engine.checkpoint_counters()
     names = {id(p): name for name, p in engine.module.named_parameters()}  # tied: the first name
     return {
-        "format": FORMAT, "version": version_for(engine.policy.moments.value, bool(layout.masters)),
+        "format": FORMAT, "version": version_for(engine.policy.moments.value, bool(layout.masters), parts),
         "created": time.time(), "checksum": algorithm,
         "tier": engine.policy.tier.value, "compute_dtype": str(engine.policy.dtype).replace("torch.", ""),
-        # [Note: compressed moments] the engine's moment format; a single-file checkpoint holds the moments as
-        # the engine keeps them (bf16 values, int8 codes and scales), data-parallel parts their fp32 values
+        # [Note: compressed moments] the engine's moment format; the optimizer files hold the moments as the
+        # engine keeps them (bf16 values, int8 codes and scales), a data-parallel rank's file its part of them
         "moments": engine.policy.moments.value,
         "step": counters["steps"], "skipped_steps": counters["skipped_steps"],
         "param_groups": [dict(jsonable_group(g), param_names=[names[id(p)] for p in g["params"]])
@@ -375,26 +387,38 @@ def _write_record(optim: TensorFileWriter, group: Any, state: Any, try_clone: bo
 
 def _write_encoded_record(optim: TensorFileWriter, group: Any, state: Any, check: MasterCheck) -> None:
     """One group's bf16 or int8 optimizer state as the store keeps it, chunk by chunk: the master weights
-    (`check`), the moments' values or codes, and each parameter's int8 scales (its blocks start at its first
-    element, so its scales are a range of the store's: [Note: compressed moments])."""
+    (`check`), then the moments (`put_moments`)."""
     store = state.state_store
-    whole = BlockLayout.of_segments(group.trainable_numel, group.trainable_segments)
     if store.moments is MomentFormat.INT8:
+        whole = BlockLayout.of_segments(group.trainable_numel, group.trainable_segments)
         assert moment_blocks(store.moments, store.group) == whole, "a single file holds whole parameters' blocks"
     with store.reading(encoded=True) as chunks:
         for start, stop, (master, exp_avg, exp_avg_sq) in chunks:
             _masters(check, group, start, stop, master)
-            for kind, moment in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-                codes = moment.codes if isinstance(moment, QuantizedMoment) else moment
-                for slot, first, lo, piece in pieces(group, start, stop, codes):
-                    _put(optim, optimizer_key(kind, group.trainable_slots[slot].name), first, lo, piece, 0)
-                if not isinstance(moment, QuantizedMoment):
-                    continue
-                blocks = whole.sub(start, stop)
-                for slot, first, lo, piece in pieces(group, start, stop, codes):
-                    a, b = blocks.scales_before(lo - start), blocks.scales_before(lo - start + piece.numel())
-                    _put(optim, scales_key(kind, group.trainable_slots[slot].name), -(-first // INT8_BLOCK), 0,
-                         moment.scales[a:b], 0)
+            put_moments(lambda name, first, data: _put(optim, name, first, 0, data, 0), group, state, start, stop,
+                        exp_avg, exp_avg_sq)
+
+
+def put_moments(put: Callable[[str, int, torch.Tensor], None], group: Any, state: Any, start: int, stop: int,
+                exp_avg: Any, exp_avg_sq: Any, stored_from: Optional[Dict[str, List[int]]] = None) -> None:
+    """A chunk [start, stop) of a group's two moments, as its store keeps them (fp32 or bf16 values, int8
+    `QuantizedMoment`s), cut into parameters: `put(entry, first element, data)` for each piece's values or codes
+    and, for int8, its blocks' scales. The store's blocks start over at each parameter's part of its range
+    ([Note: compressed moments]), so a piece's scales are a range of the chunk's; `stored_from`: where the file's
+    part of each parameter starts (a data-parallel rank's file), else at element 0."""
+    lo = state.part[0]
+    layout = moment_blocks(state.state_store.moments, state.state_store.group)
+    blocks = layout.sub(start - lo, stop - lo) if layout is not None else None
+    for kind, moment in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        codes = moment.codes if isinstance(moment, QuantizedMoment) else moment
+        for slot, first, at, piece in pieces(group, start, stop, codes):
+            name = group.trainable_slots[slot].name
+            first -= stored_from[name][0] if stored_from is not None else 0
+            put(optimizer_key(kind, name), first, piece)
+            if isinstance(moment, QuantizedMoment):
+                assert blocks is not None and first % INT8_BLOCK == 0, "chunks are cut where blocks start"
+                a, b = blocks.scales_before(at - start), blocks.scales_before(at - start + piece.numel())
+                put(scales_key(kind, name), first // INT8_BLOCK, moment.scales[a:b])
 
 
 def _put(optim: TensorFileWriter, name: str, first: int, lo: int, piece: torch.Tensor, cloned: int) -> None:
