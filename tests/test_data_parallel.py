@@ -284,8 +284,9 @@ def optimizer_file_bytes(directory: Path) -> int:
 def test_compressed_moments_of_two_ranks_are_stored_as_kept_and_resume_exactly(tmp_path):
     """bf16 and int8 moments data-parallel: each rank's file holds its part of them as the engine keeps them (bf16
     values; int8 codes with the scales of its blocks, which start at the part's first element), so two ranks resume
-    bit for bit (on another tier too), and an int8 run's optimizer files are <= 0.3x an fp32 run's. One process
-    loads them: bf16 values as they are, int8 codes decoded and encoded again in its blocks, with a warning."""
+    bit for bit (on another tier too), and an int8 run's optimizer files are <= 0.3x an fp32 run's (0.29x: TinyGPT's
+    headers and partial blocks). One process loads them: bf16 values as they are, int8 codes decoded and encoded
+    again in its blocks, with a warning; fp32 parts load into int8 ranks converted, with the warning."""
     from offload.checkpoint.manifest import read_manifest
     from offload.checkpoint.tensor_file import TensorFileReader
 
@@ -296,7 +297,16 @@ def test_compressed_moments_of_two_ranks_are_stored_as_kept_and_resume_exactly(t
                        save_at=2),
                   dict(name=f"resumed-{fmt}", tier="nvme", steps=4, micro=1, lr=lr, moments=fmt, load=f"ck-{fmt}",
                        skip=2)]
+    # fp32 parts (as every version wrote them before) into int8 ranks: converted, with the warning
+    cases.append(dict(name="fp32-into-int8", tier="cpu", steps=4, micro=1, lr=lr, moments="int8", load="ck-fp32",
+                      skip=2, load_warnings=True))
     run_ranks(tmp_path, cases)
+    converted = torch.load(tmp_path / "fp32-into-int8.pt", weights_only=False)["losses"]
+    fp32 = torch.load(tmp_path / "through-fp32.pt", weights_only=False)["losses"][2:]
+    assert converted != fp32 and max(abs(a - b) for a, b in zip(converted, fp32)) < 0.01 * fp32[0], (converted, fp32)
+    for rank in (0, 1):
+        message = (tmp_path / f"fp32-into-int8-load-rank{rank}.txt").read_text()
+        assert "saved with moments='fp32'" in message and "converted" in message, message
     for fmt in ("fp32", "bf16", "int8"):
         through = torch.load(tmp_path / f"through-{fmt}.pt", weights_only=False)
         resumed = torch.load(tmp_path / f"resumed-{fmt}.pt", weights_only=False)
