@@ -345,15 +345,17 @@ def _load_record(optim: "OptimizerReader", masters: Masters, group: Any, state: 
         return
     cloned = [0, 0, 0]
     single_file = isinstance(optim, TensorFileReader)  # parts saved by several ranks are read, never cloned
-    target = state.state_store.swap_sections() if clone_state["try"] and single_file else None
+    fp32_record = store.moments is MomentFormat.FP32  # compressed records are written (their seals cover chunks)
+    target = store.swap_sections() if clone_state["try"] and single_file and fp32_record else None
     if target is not None:
         assert isinstance(optim, TensorFileReader)
-        aligned = target.nbytes // BLOCK * BLOCK
         for index, offset in enumerate(target.offsets):
             if index == 0 and not masters.stored([slot.name for slot in group.trainable_slots]):
                 continue  # masters from the weights file: written, not cloned
+            nbytes = target.nbytes[index]
+            aligned = nbytes // BLOCK * BLOCK
             span = optim.span(names[index])
-            if aligned and (span is None or span[1] != target.nbytes
+            if aligned and (span is None or span[1] != nbytes
                             or not clone_range(optim.fileno(), span[0], aligned, target.fd, offset)):
                 clone_state["try"] = False  # a file system that cannot clone one section cannot clone the next
                 break

@@ -188,7 +188,8 @@ def _write_part_file(engine: "CheckpointTarget", groups: list, layout: Any, mine
     writer = TensorFileWriter(path, entries, algorithm, {"format": "pt"})
     failed: Set[str] = set()
 
-    def put(name: str, first: int, data: Tensor) -> None:
+    def put(name: str, first: int, data: Tensor, in_file: int = 0) -> None:
+        assert not in_file, "a rank's part is written, never cloned"
         writer.put(name, data.element_size() * first, data.contiguous().view(torch.uint8).numpy().data)
 
     try:

@@ -22,7 +22,20 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AbstractSet, Any, Callable, Collection, Dict, Iterator, List, Optional, Set, Tuple
+from typing import (
+    TYPE_CHECKING,
+    AbstractSet,
+    Any,
+    Callable,
+    Collection,
+    Dict,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+)
 
 import torch
 from tqdm import tqdm
@@ -322,14 +335,9 @@ def _write_optimizer(engine: "CheckpointTarget", groups: list, layout: Checkpoin
                 bar.update(group.nbytes)
             if state is None:
                 continue
-            check = MasterCheck(layout.masters, flat, lambda name, first, data: _put(writer, name, first, 0, data, 0),
+            check = MasterCheck(layout.masters, flat, lambda name, first, data: _put(writer, name, first, data),
                                 failed)
-            moments = state.state_store.moments
-            nbytes = layout.record_bytes(group, moments)
-            if moments is not MomentFormat.FP32:
-                _write_encoded_record(writer, group, state, check)
-                bar.update(nbytes)
-                continue
+            nbytes = layout.record_bytes(group, state.state_store.moments)
             cloned, complete = _write_record(writer, group, state, try_clone, check, not derived)
             try_clone = try_clone and complete  # a file system that cannot clone one record cannot clone the next
             transfer["cloned_bytes"] += cloned
@@ -354,83 +362,80 @@ def _masters(check: MasterCheck, group: Any, start: int, stop: int, master: torc
 
 def _write_record(optim: TensorFileWriter, group: Any, state: Any, try_clone: bool, check: MasterCheck,
                   masters_stored: bool) -> Tuple[int, bool]:
-    """One group's optimizer state, chunk by chunk through a ring slot (nvme) or from memory. Each
-    section's block-aligned part is first cloned from its swap-record section when possible (the file
-    mirrors the record's padded sections; the masters' only when the file stores them all), and only the rest
-    written; every byte still passes through the per-tensor checksums. Returns (bytes cloned, whether every
-    clone tried worked)."""
-    names = [[optimizer_key(kind, slot.name) for slot in group.trainable_slots] for kind in STATE_TENSORS]
-    cloned = [0, 0, 0]  # per section: leading elements the clone covered
-    source = state.state_store.swap_sections() if try_clone else None
-    complete = True
-    if source is not None:
-        aligned = source.nbytes // BLOCK * BLOCK
-        for index, offset in enumerate(source.offsets):
-            if index == 0 and not masters_stored:
-                continue
-            if aligned and not optim.clone(names[index][0], aligned, source.fd, offset):
-                complete = False
-                break
-            cloned[index] = aligned // 4
-    with state.state_store.reading() as chunks:
-        for start, stop, views in chunks:
-            if cloned[0]:
-                for slot, first, lo, piece in pieces(group, start, stop, views[0]):
-                    _put(optim, names[0][slot], first, lo, piece, cloned[0])
-            else:
-                _masters(check, group, start, stop, views[0])
-            for index, view in enumerate(views[1:], start=1):
-                for slot, first, lo, piece in pieces(group, start, stop, view):
-                    _put(optim, names[index][slot], first, lo, piece, cloned[index])
-    return 4 * sum(cloned), complete
-
-
-def _write_encoded_record(optim: TensorFileWriter, group: Any, state: Any, check: MasterCheck) -> None:
-    """One group's bf16 or int8 optimizer state as the store keeps it, chunk by chunk: the master weights
-    (`check`), then the moments (`put_moments`)."""
+    """One group's optimizer state, chunk by chunk through a ring slot (nvme) or from memory, the moments as the
+    store keeps them (fp32 or bf16 values, int8 codes and scales: `put_moments`). Each section's block-aligned
+    part (the masters, each moment's values or codes) is first cloned from its swap-record section when possible
+    (the file mirrors the record's sections, each starting on a block; the masters' only when the file stores
+    them all), and only the rest written; every byte still passes through the per-tensor checksums. Returns
+    (bytes cloned, whether every clone tried worked)."""
     store = state.state_store
     if store.moments is MomentFormat.INT8:
         whole = BlockLayout.of_segments(group.trainable_numel, group.trainable_segments)
         assert moment_blocks(store.moments, store.group) == whole, "a single file holds whole parameters' blocks"
-    with store.reading(encoded=True) as chunks:
+    names = [[optimizer_key(kind, slot.name) for slot in group.trainable_slots] for kind in STATE_TENSORS]
+    cloned = [0, 0, 0]  # per section: leading elements the clone covered
+    source = store.swap_sections() if try_clone else None
+    complete = True
+    if source is not None:
+        for index, offset in enumerate(source.offsets):
+            if index == 0 and not masters_stored:
+                continue
+            aligned = source.nbytes[index] // BLOCK * BLOCK
+            if aligned and not optim.clone(names[index][0], aligned, source.fd, offset):
+                complete = False
+                break
+            cloned[index] = aligned // source.itemsizes[index]
+    with store.reading(encoded=store.moments is not MomentFormat.FP32) as chunks:
         for start, stop, (master, exp_avg, exp_avg_sq) in chunks:
-            _masters(check, group, start, stop, master)
-            put_moments(lambda name, first, data: _put(optim, name, first, 0, data, 0), group, state, start, stop,
-                        exp_avg, exp_avg_sq)
+            if cloned[0]:
+                for slot, first, at, piece in pieces(group, start, stop, master):
+                    _put(optim, names[0][slot], first, piece, _in_file(cloned[0], at, piece))
+            else:
+                _masters(check, group, start, stop, master)
+            put_moments(lambda name, first, data, skip: _put(optim, name, first, data, skip), group, state, start,
+                        stop, exp_avg, exp_avg_sq, cloned=cloned[1:])
+    itemsizes = source.itemsizes if source is not None else (4, 4, 4)
+    return sum(n * size for n, size in zip(cloned, itemsizes)), complete
 
 
-def put_moments(put: Callable[[str, int, torch.Tensor], None], group: Any, state: Any, start: int, stop: int,
-                exp_avg: Any, exp_avg_sq: Any, stored_from: Optional[Dict[str, List[int]]] = None) -> None:
+def put_moments(put: Callable[[str, int, torch.Tensor, int], None], group: Any, state: Any, start: int, stop: int,
+                exp_avg: Any, exp_avg_sq: Any, stored_from: Optional[Dict[str, List[int]]] = None,
+                cloned: Sequence[int] = (0, 0)) -> None:
     """A chunk [start, stop) of a group's two moments, as its store keeps them (fp32 or bf16 values, int8
-    `QuantizedMoment`s), cut into parameters: `put(entry, first element, data)` for each piece's values or codes
-    and, for int8, its blocks' scales. The store's blocks start over at each parameter's part of its range
-    ([Note: compressed moments]), so a piece's scales are a range of the chunk's; `stored_from`: where the file's
-    part of each parameter starts (a data-parallel rank's file), else at element 0."""
+    `QuantizedMoment`s), cut into parameters: `put(entry, first element, data, in file)` for each piece's values
+    or codes and, for int8, its blocks' scales. The store's blocks start over at each parameter's part of its
+    range ([Note: compressed moments]), so a piece's scales are a range of the chunk's; `stored_from`: where the
+    file's part of each parameter starts (a data-parallel rank's file), else at element 0; `cloned`: the leading
+    elements of each moment's values or codes the file holds already (`in file`: how many of the piece's)."""
     lo = state.part[0]
     layout = moment_blocks(state.state_store.moments, state.state_store.group)
     blocks = layout.sub(start - lo, stop - lo) if layout is not None else None
-    for kind, moment in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+    for kind, moment, below in (("exp_avg", exp_avg, cloned[0]), ("exp_avg_sq", exp_avg_sq, cloned[1])):
         codes = moment.codes if isinstance(moment, QuantizedMoment) else moment
         for slot, first, at, piece in pieces(group, start, stop, codes):
             name = group.trainable_slots[slot].name
             first -= stored_from[name][0] if stored_from is not None else 0
-            put(optimizer_key(kind, name), first, piece)
+            put(optimizer_key(kind, name), first, piece, _in_file(below, at, piece))
             if isinstance(moment, QuantizedMoment):
                 assert blocks is not None and first % INT8_BLOCK == 0, "chunks are cut where blocks start"
                 a, b = blocks.scales_before(at - start), blocks.scales_before(at - start + piece.numel())
-                put(scales_key(kind, name), first // INT8_BLOCK, moment.scales[a:b])
+                put(scales_key(kind, name), first // INT8_BLOCK, moment.scales[a:b], 0)
 
 
-def _put(optim: TensorFileWriter, name: str, first: int, lo: int, piece: torch.Tensor, cloned: int) -> None:
-    """A piece starting at element `first` of tensor `name` (element `lo` of its section): elements below
-    `cloned` are in the file already, the rest is written."""
+def _in_file(cloned: int, at: int, piece: torch.Tensor) -> int:
+    """How many leading elements of a piece starting at element `at` of its section lie below `cloned`."""
+    return min(max(cloned - at, 0), piece.numel())
+
+
+def _put(optim: TensorFileWriter, name: str, first: int, piece: torch.Tensor, in_file: int = 0) -> None:
+    """A piece starting at element `first` of tensor `name`: its first `in_file` elements are in the file already
+    (cloned), the rest is written."""
     data = piece.contiguous().view(torch.uint8).numpy().data
-    size = piece.element_size()
-    split = size * min(max(cloned - lo, 0), piece.numel())
+    split = piece.element_size() * in_file
     if split:
-        optim.put(name, size * first, data[:split], written=False)
+        optim.put(name, piece.element_size() * first, data[:split], written=False)
     if split < len(data):
-        optim.put(name, size * first + split, data[split:])
+        optim.put(name, piece.element_size() * first + split, data[split:])
 
 
 def write_stateful(tmp: str, stateful: Dict[str, Any], algorithm: str) -> Dict[str, Dict[str, Any]]:

@@ -210,12 +210,14 @@ class SwapStore:
                              f"{array.block!r}, which holds {array.numel}")
         return [Piece((seal_key, kind.value), start, data, array.offset + start * array.itemsize)], array.block
 
-    def section_spans(self, key: str) -> Tuple[int, Tuple[int, int, int], int]:
-        """(file descriptor, file offset of each of the three sections of its live copy, data bytes per section =
-        4 x numel), for copy-on-write clones of a record section by section (each section starts 4 KiB-aligned)."""
+    def section_spans(self, key: str) -> Tuple[int, Tuple[int, int, int], Tuple[int, int, int]]:
+        """(file descriptor, file offset of each of the three sections of its live copy, the bytes of the
+        values each starts with: 4 x numel of master weights, then each moment's values or int8 codes (its scales
+        come after padding)), for copy-on-write clones of a record section by section (each section starts 4
+        KiB-aligned)."""
         _seal_key, record = self._state_record(key, shadow=False)
-        offsets = tuple(record.offset + index * record.section_bytes for index in range(3))
-        return self._file.buffered_fd, offsets, 4 * record.numel  # type: ignore[return-value]
+        codes = record.code_itemsize * record.numel
+        return self._file.buffered_fd, record.section_offsets, (4 * record.numel, codes, codes)
 
     def close(self) -> None:
         """Close and delete the swap file and its layout (this run's state only)."""

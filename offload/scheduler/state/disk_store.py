@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, List, Opti
 import torch
 
 from offload.io.future import wait_all
-from offload.optim.moment_format import EXP_AVG, EXP_AVG_SQ, BlockLayout, MomentFormat, QuantizedMoment, slice_moment
+from offload.optim.moment_format import (
+    EXP_AVG,
+    EXP_AVG_SQ,
+    BlockLayout,
+    MomentFormat,
+    QuantizedMoment,
+    code_nbytes,
+    slice_moment,
+)
 from offload.optim.moments import encode_moment
 from offload.scheduler.blocks.block import FlatGroup
 from offload.scheduler.state.state_store import Cloned, Fill, Span, StateChunk, SwapSections, Views, decode_views
@@ -121,13 +129,13 @@ class DiskStore:
 
     # ----- checkpoint side -----
     def swap_sections(self) -> Optional[SwapSections]:
-        """The record's sections in the swap file, for copy-on-write clones (after `drain`); None with
-        compressed moments (their sections are not a checkpoint file's: bf16 or int8 records are written, not cloned)."""
-        if self.moments is not MomentFormat.FP32:
-            return None
+        """The record's sections in the swap file, for copy-on-write clones (after `drain`). A checkpoint
+        clones compressed moments' codes or values too; it writes their int8 scales, and loads them by writing
+        (`write` takes no clone of a compressed record: its seals cover codes and scales by chunk)."""
         self.drain()
         fd, offsets, nbytes = self._ring.swap.section_spans(self.group.key)
-        return SwapSections(fd, offsets, nbytes)
+        code = code_nbytes(self.moments, 1)
+        return SwapSections(fd, offsets, nbytes, (4, code, code))
 
     @contextlib.contextmanager
     def reading(self, encoded: bool = False) -> Iterator[Iterator[Tuple[int, int, Views]]]:
@@ -182,7 +190,7 @@ class DiskStore:
         already holds that many leading elements of section i (cloned copy-on-write); they are sealed, not
         written. A `fill` that fails leaves the record partly written, which the load reports."""
         self.drain()
-        assert self.moments is MomentFormat.FP32 or not any(cloned), "compressed records are never cloned"
+        assert self.moments is MomentFormat.FP32 or not any(cloned), "a compressed record is loaded by writing it"
         with self._ring.borrow(2) as slots:
             in_flight: List[Callable[[], None]] = []
             try:

@@ -68,7 +68,8 @@ class SwapSections(NamedTuple):
 
     fd: int
     offsets: Tuple[int, int, int]  # file offset of each section (4 KiB-aligned)
-    nbytes: int  # data bytes of each section (4 x numel; the padding after it is not state)
+    nbytes: Tuple[int, int, int]  # bytes of the values each section starts with (int8 scales and padding follow)
+    itemsizes: Tuple[int, int, int]  # bytes of one element's value or code in each
 
 
 class StateStore(Protocol):

@@ -37,9 +37,9 @@ def test_swap_sections_are_the_records_three_sections_in_its_swap_file(tmp_path)
     with open_store("disk", str(tmp_path)) as case:
         n = case.group.trainable_numel
         case.store.write(_fill((1.0, 2.0, 3.0)))
-        fd, offsets, nbytes = case.store.swap_sections()
-        assert nbytes == 4 * n
+        fd, offsets, nbytes, itemsizes = case.store.swap_sections()
+        assert nbytes == (4 * n,) * 3 and itemsizes == (4, 4, 4)
         for section, offset in enumerate(offsets):
             assert offset % 4096 == 0
-            raw = torch.frombuffer(bytearray(os.pread(fd, nbytes, offset)), dtype=torch.float32)
+            raw = torch.frombuffer(bytearray(os.pread(fd, nbytes[section], offset)), dtype=torch.float32)
             assert torch.equal(raw, pattern(0, n, section, 1.0 + section))
