@@ -49,6 +49,7 @@ from offload.checkpoint import tensor_file  # noqa: E402
 from offload.checksum import checksum, preferred_algorithm  # noqa: E402
 from offload.cli.demo import DemoGPT  # noqa: E402
 from offload.measure import DiskProbe  # noqa: E402
+from offload.optim.moment_format import code_nbytes, scale_count  # noqa: E402
 
 MB = 1e6
 
@@ -151,12 +152,17 @@ class Result:
         self.read, self.written, self.cloned, self.data = read, written, cloned, data
 
 
+def swap_state_bytes(numel: int, moments: str) -> int:
+    """A parameter's optimizer state in the swap file: its fp32 master and two moments in their format."""
+    return 4 * numel + 2 * (code_nbytes(moments, numel) + 4 * scale_count(moments, numel))
+
+
 class OffloadRival:
     """engine.save of a trained engine; engine.load into a fresh engine of the same tier."""
 
     def __init__(self, make_model: Callable[[], torch.nn.Module], tier: str, swap_dir: Optional[Path],
-                 batch) -> None:
-        self.make_model, self.tier, self.swap_dir = make_model, tier, swap_dir
+                 batch, moments: str = "fp32") -> None:
+        self.make_model, self.tier, self.swap_dir, self.moments = make_model, tier, swap_dir, moments
         self.engine = self._wrap()
         idx, tgt = batch
         self.engine(idx, tgt).backward()
@@ -168,7 +174,7 @@ class OffloadRival:
     def _wrap(self):
         options = dict(nvme_path=str(self.swap_dir)) if self.tier == "nvme" else {}
         return offload.wrap(self.make_model(), tier=self.tier, dtype=torch.float32, device="cpu",
-                            grad_accumulation_steps=1, **options)
+                            grad_accumulation_steps=1, moments=self.moments, **options)
 
     def save(self, path: Path) -> Result:
         before = self.engine.stats()["bytes_disk_read"]
@@ -185,7 +191,7 @@ class OffloadRival:
         before = self.fresh.stats()["bytes_disk_written"]
         self.fresh.load(str(path), progress=False)
         written = self.fresh.stats()["bytes_disk_written"] - before
-        state = 12 * sum(p.numel() for p in self.fresh.module.parameters())
+        state = sum(swap_state_bytes(p.numel(), self.moments) for p in self.fresh.module.parameters())
         size = tree_bytes(path)
         # nvme: every state byte lands in the swap file, written or cloned
         return Result(size, written, state - written if self.tier == "nvme" else 0, size)
@@ -331,6 +337,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--sizes", action="store_true", help="only the checkpoint's bytes for each moments= and "
                         "compute dtype (no timing)")
     parser.add_argument("--no-csv", action="store_true", help="do not append to benchmarks/results/checkpoint.csv")
+    parser.add_argument("--moments", choices=("fp32", "bf16", "int8"), default="fp32",
+                        help="the offload rows' moments= (compressed moments: their values or codes are cloned too)")
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.dim, args.vocab, args.context, args.rounds = 2, 64, 512, 32, 1
@@ -363,8 +371,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     probes: Dict[str, DiskProbe] = {}
     try:
         (base / "swap").mkdir()
-        rivals["offload cpu tier"] = OffloadRival(make_model, "cpu", None, batch)
-        rivals["offload nvme tier"] = OffloadRival(make_model, "nvme", base / "swap", batch)
+        rivals["offload cpu tier"] = OffloadRival(make_model, "cpu", None, batch, args.moments)
+        rivals["offload nvme tier"] = OffloadRival(make_model, "nvme", base / "swap", batch, args.moments)
         probes["ext"] = DiskProbe(str(base), sample_bytes=probe_bytes, samples=args.rounds)
         skipped: Dict[str, str] = {}
         if args.no_xfs:
@@ -374,7 +382,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             xfs = LoopXFS(base, 3 * state_bytes + probe_bytes * args.rounds + (256 << 20))
             if xfs.ok:
                 (xfs.mount / "swap").mkdir()
-                rivals["offload nvme tier, XFS clones"] = OffloadRival(make_model, "nvme", xfs.mount / "swap", batch)
+                rivals["offload nvme tier, XFS clones"] = OffloadRival(make_model, "nvme", xfs.mount / "swap", batch,
+                                                                       args.moments)
                 probes["xfs"] = DiskProbe(str(xfs.mount), sample_bytes=probe_bytes, samples=args.rounds)
             else:
                 skipped["offload nvme tier, XFS clones"] = xfs.reason
@@ -448,7 +457,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                "of_bound", "verify"]
     print(machine_header())
     print(f"DemoGPT layers={args.layers} dim={args.dim} vocab={args.vocab} | {n_params / 1e6:.2f}M params fp32, "
-          f"AdamW after 1 step | {args.rounds} rounds, interleaved, order rotated | "
+          f"AdamW after 1 step, offload moments={args.moments} | {args.rounds} rounds, interleaved, order rotated | "
           f"native core: {offload.native_available()}")
     for key, disk in disks.items():
         where = (f"loop-mounted XFS (reflink=1, loop direct-io {'on' if xfs.direct else 'off'}) on an image "
@@ -462,7 +471,7 @@ def main(argv: Optional[List[str]] = None) -> None:
           f"{time.perf_counter() - start_all:.0f} s")
     if not args.no_csv and not args.quick:
         append_csv("checkpoint", [dict(r, params=n_params, layers=args.layers, dim=args.dim, vocab=args.vocab,
-                                       rounds=args.rounds) for r in rows])
+                                       rounds=args.rounds, moments=args.moments) for r in rows])
 
 
 if __name__ == "__main__":
