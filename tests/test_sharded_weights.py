@@ -86,6 +86,30 @@ def test_sharded_checkpoints_load_in_one_process_and_into_replicated_ranks(tmp_p
     assert sharded.keys() == one.keys()
 
 
+def test_int8_moments_of_sharded_ranks_resume_in_replicated_ranks_bit_for_bit(tmp_path):
+    """int8 moments with sharded weights: each rank's file holds its part's codes and scales and its masters in
+    full (the weights it holds are gathered), and 2 ranks keeping the whole weights continue exactly (the same
+    parts of the state, so the same blocks: the codes load as they are, no warning)."""
+    lr = 1e-3
+    run_ranks(tmp_path, [
+        dict(name="through", tier="nvme", steps=4, micro=1, lr=lr, moments="int8", shard_weights=True,
+             host_memory=HOST, device_memory=DEVICE, save="ck-int8", save_at=2),
+        dict(name="replicated", tier="cpu", steps=4, micro=1, lr=lr, moments="int8", shard_weights=False,
+             load="ck-int8", skip=2, load_warnings=True),
+    ])
+    through = torch.load(tmp_path / "through.pt", weights_only=False)
+    replicated = torch.load(tmp_path / "replicated.pt", weights_only=False)
+    assert replicated["losses"] == through["losses"][2:] and all(replicated["agree"])
+    for name, value in through["weights"].items():
+        assert torch.equal(replicated["weights"][name], value), name
+    for rank in (0, 1):
+        assert (tmp_path / f"replicated-load-rank{rank}.txt").read_text() == "", rank
+    from offload.checkpoint.manifest import read_manifest
+
+    manifest = read_manifest(str(tmp_path / "ck-int8"))
+    assert manifest["version"] == 4 and not manifest["masters"], manifest["version"]  # codes in parts, masters whole
+
+
 def test_a_save_that_fails_on_rank_0_while_it_writes_the_gathered_weights_fails_on_every_rank(tmp_path):
     """Rank 0's disk fills while it writes model.safetensors from gathers the other rank takes part in: rank 0 goes
     on gathering to the walk's end (writing nothing), so no rank hangs; every rank raises naming rank 0, and the
