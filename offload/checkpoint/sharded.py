@@ -86,7 +86,6 @@ def parts_of(groups: list) -> Parts:
 def save_parts(engine: "CheckpointTarget", dp: "DataParallel", path: str, stateful: Dict[str, Any], rng: bool,
                progress: Optional[bool]) -> str:
     """engine.save() on every rank of a data-parallel engine (see the module docstring)."""
-
     path = os.path.abspath(os.fspath(path))
     groups = list(engine.checkpoint_groups())  # waits for this rank's pending updates
     algorithm = preferred_algorithm()
