@@ -270,10 +270,11 @@ def test_nvme_checkpoint_on_the_swap_file_system_is_a_copy_on_write_clone(xfs_di
 
 
 @pytest.mark.parametrize("moments", ["bf16", "int8"])
-def test_compressed_moments_are_cloned_into_a_checkpoint_on_the_swap_file_system(moments, xfs_dir):
-    """bf16 values and int8 codes are cloned copy-on-write from the swap records into the checkpoint, as fp32
-    moments are (the int8 scales and each section's unaligned tail are written), and the checkpoint keeps what was
-    saved while training rewrites the records: an engine loading it continues bit for bit."""
+def test_compressed_moments_are_cloned_into_a_checkpoint_on_the_swap_file_system(moments, xfs_dir, monkeypatch):
+    """bf16 values and int8 codes are cloned copy-on-write from the swap records into the checkpoint and back into
+    a new engine's swap file, as fp32 moments are (the int8 scales and each section's unaligned tail are written),
+    and the checkpoint keeps what was saved while training rewrites the records: the new engine continues bit for
+    bit."""
     engine, scheduler = make_engine("nvme", str(xfs_dir), moments=moments)
     itemsize = {"bf16": 2, "int8": 1}[moments]
     with engine:
@@ -284,17 +285,23 @@ def test_compressed_moments_are_cloned_into_a_checkpoint_on_the_swap_file_system
         losses = train(engine, scheduler, range(K, K + M))  # rewrites every swap record: the clone must not change
     transfer = json.loads((xfs_dir / "ckpt" / "manifest.json").read_text())["optimizer_state_transfer"]
     assert transfer["cloned_bytes"] == clonable and clonable > 2 * transfer["copied_bytes"], (transfer, clonable)
+    import offload.checkpoint.reader as reader
+
+    clones: list = []
+    monkeypatch.setattr(reader, "clone_range", lambda *a: clones.append(a[2]) or reflink.clone_range(*a))
     resumed, resumed_scheduler = make_engine("nvme", str(xfs_dir), moments=moments)
     with resumed:
         resumed.load(xfs_dir / "ckpt", scheduler=resumed_scheduler, rng=True)
+        assert sum(clones) == clonable, (clones, clonable)
         assert train(resumed, resumed_scheduler, range(K, K + M)) == losses
 
 
 @pytest.mark.parametrize("moments", ["fp32", "bf16", "int8"])
 def test_clones_put_the_records_bytes_where_the_checkpoint_expects_them(moments, tmp_path, monkeypatch):
     """The clone path on any file system: `clone_range` replaced by a copy of the same block-aligned bytes, so a
-    save (and, for fp32, a load) takes each section's aligned part from the other file as a reflink would. The
-    checkpoint verifies (every tensor's checksum over the bytes the clone put there) and resumes bit for bit."""
+    save and a load take each section's aligned part from the other file as a reflink would. The checkpoint
+    verifies (every tensor's checksum over the bytes the clone put there), the swap file's seals cover what the load
+    cloned, and the engine resumes bit for bit."""
     def copy_range(src_fd, src_offset, nbytes, dst_fd, dst_offset):
         assert (src_offset | dst_offset | nbytes) % reflink.BLOCK == 0
         copied.append(nbytes)
@@ -317,7 +324,7 @@ def test_clones_put_the_records_bytes_where_the_checkpoint_expects_them(moments,
     resumed, resumed_scheduler = make_engine("nvme", str(tmp_path), moments=moments)
     with resumed:
         resumed.load(tmp_path / "ckpt", scheduler=resumed_scheduler, rng=True)
-        assert bool(copied) == (moments == "fp32")  # compressed records are loaded by writing them
+        assert sum(copied) == transfer["cloned_bytes"], (copied, transfer)  # the same sections, the other way
         assert train(resumed, resumed_scheduler, range(K, K + M)) == losses
 
 

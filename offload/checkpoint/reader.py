@@ -325,16 +325,16 @@ def _stored_moments(optim: "OptimizerReader", group: Any) -> MomentFormat:
 def _load_record(optim: "OptimizerReader", masters: Masters, group: Any, state: Any,
                  clone_state: Dict[str, bool]) -> None:
     """One group's optimizer state, chunk by chunk; moments stored as codes or bf16 values in an engine that keeps
-    them the same way, with the same blocks, are copied as they are (`_load_encoded`), others decoded to fp32. Into the nvme tier each section's block-aligned part
-    is first cloned from the checkpoint (copy-on-write, same file system, sections aligned as the swap
-    record's); every chunk is still read, for its checksums and the swap file's seals, and only the part
-    no clone covered is written."""
+    them the same way, with the same blocks, are copied as they are (`_load_encoded`), others decoded to fp32.
+    Into the nvme tier each section's block-aligned part is first cloned from the checkpoint when it holds the
+    state as the record keeps it (`_clone_sections`); every chunk is still read, for its checksums and the swap
+    file's seals, and only the part no clone covered is written."""
     names = [[optimizer_key(kind, slot.name) for slot in group.trainable_slots] for kind in STATE_TENSORS]
     stored = _stored_moments(optim, group)
     store = state.state_store
     if stored is not MomentFormat.FP32:
         if stored is store.moments and (stored is MomentFormat.BF16 or _same_blocks(optim, group, state)):
-            _load_encoded(optim, masters, group, state)
+            _load_encoded(optim, masters, group, state, _clone_sections(optim, masters, group, store, clone_state))
             return
         if stored is store.moments:  # the same format, other blocks: saved by another number of ranks
             warnings.warn(f"offload: the int8 moments of block {group.key!r} are stored in other quantization blocks "
@@ -343,23 +343,8 @@ def _load_record(optim: "OptimizerReader", masters: Masters, group: Any, state: 
                           "again in this engine's blocks (rounded)", RuntimeWarning, stacklevel=5)
         _load_decoded(optim, masters, group, state, stored)
         return
-    cloned = [0, 0, 0]
-    single_file = isinstance(optim, TensorFileReader)  # parts saved by several ranks are read, never cloned
-    fp32_record = store.moments is MomentFormat.FP32  # compressed records are written (their seals cover chunks)
-    target = store.swap_sections() if clone_state["try"] and single_file and fp32_record else None
-    if target is not None:
-        assert isinstance(optim, TensorFileReader)
-        for index, offset in enumerate(target.offsets):
-            if index == 0 and not masters.stored([slot.name for slot in group.trainable_slots]):
-                continue  # masters from the weights file: written, not cloned
-            nbytes = target.nbytes[index]
-            aligned = nbytes // BLOCK * BLOCK
-            span = optim.span(names[index])
-            if aligned and (span is None or span[1] != nbytes
-                            or not clone_range(optim.fileno(), span[0], aligned, target.fd, offset)):
-                clone_state["try"] = False  # a file system that cannot clone one section cannot clone the next
-                break
-            cloned[index] = aligned // 4
+    encodes = store.moments is not MomentFormat.FP32  # fp32 values into compressed moments: nothing to clone
+    cloned = (0, 0, 0) if encodes else _clone_sections(optim, masters, group, store, clone_state)
 
     def fill(start: int, stop: int, views: Views) -> None:
         _read_masters(masters, group, start, stop, views[0])
@@ -370,14 +355,42 @@ def _load_record(optim: "OptimizerReader", masters: Masters, group: Any, state: 
     state.state_store.write(fill, cloned)
 
 
+def _clone_sections(optim: "OptimizerReader", masters: Masters, group: Any, store: Any,
+                    clone_state: Dict[str, bool]) -> Tuple[int, int, int]:
+    """Into the nvme tier, from a checkpoint stored as the record keeps its state: each section's block-aligned
+    part (masters, each moment's values or codes) cloned copy-on-write from the file (same file system, each
+    section starting on a block in both). Returns the leading elements of each section cloned; the store writes
+    the rest and seals all of it."""
+    if not clone_state["try"] or not isinstance(optim, TensorFileReader):  # ranks' parts are read, never cloned
+        return (0, 0, 0)
+    target = store.swap_sections()
+    if target is None:  # a memory store
+        return (0, 0, 0)
+    cloned = [0, 0, 0]
+    for index, offset in enumerate(target.offsets):
+        if index == 0 and not masters.stored([slot.name for slot in group.trainable_slots]):
+            continue  # masters from the weights file: written, not cloned
+        nbytes = target.nbytes[index]
+        aligned = nbytes // BLOCK * BLOCK
+        span = optim.span([optimizer_key(STATE_TENSORS[index], slot.name) for slot in group.trainable_slots])
+        if aligned and (span is None or span[1] != nbytes
+                        or not clone_range(optim.fileno(), span[0], aligned, target.fd, offset)):
+            clone_state["try"] = False  # a file system that cannot clone one section cannot clone the next
+            break
+        cloned[index] = aligned // target.itemsizes[index]
+    return cloned[0], cloned[1], cloned[2]
+
+
 def _read_masters(masters: Masters, group: Any, start: int, stop: int, master: Tensor) -> None:
     for slot, first, _lo, piece in pieces(group, start, stop, master):
         masters.read(group.trainable_slots[slot].name, first, piece)
 
 
-def _load_encoded(optim: "OptimizerReader", masters: Masters, group: Any, state: Any) -> None:
+def _load_encoded(optim: "OptimizerReader", masters: Masters, group: Any, state: Any,
+                  cloned: Tuple[int, int, int]) -> None:
     """bf16 values or int8 codes and scales into a store that keeps them the same way, in the same blocks: copied,
-    nothing rounded."""
+    nothing rounded (`cloned`: what `_clone_sections` put in the swap file already; every byte is still read, for
+    the checkpoint's checksums and the swap file's seals)."""
     lo = state.part[0]
     layout = moment_blocks(state.state_store.moments, state.state_store.group)
 
@@ -396,7 +409,7 @@ def _load_encoded(optim: "OptimizerReader", masters: Masters, group: Any, state:
                     scale = _stored_blocks(optim, slot).scales_before(first)
                     optim.read_at(scales_key(kind, slot.name), 4 * scale, moment.scales[a:b])
 
-    state.state_store.write(fill, encoded=True)
+    state.state_store.write(fill, cloned, encoded=True)
 
 
 def _load_decoded(optim: "OptimizerReader", masters: Masters, group: Any, state: Any, stored: MomentFormat) -> None:

@@ -149,21 +149,19 @@ class SwapStore:
         return VerifiedRead(future, self.checksums, pieces, self.path, block)
 
     def write(self, kind: RecordKind, key: str, start: int, data: Union[StateSections, Tensor],
-              shadow: bool = False, crcs: Optional[Sequence[int]] = None) -> IOFuture:
+              shadow: bool = False, crcs: Optional[Sequence[int]] = None,
+              in_file: Sequence[int] = (0, 0, 0)) -> IOFuture:
         """Start writing `data` to elements [start, ...) of the group's record of `kind` (its live copy, or its
         shadow: `shadow`), sealed first (no reader ever checks new bytes against an old seal): one request.
         `crcs`: the checksum of each piece `data` is cut into (`step_seals`), computed by whoever wrote it, when
-        `checksums.algorithm` is crc32c; else they are computed here."""
+        `checksums.algorithm` is crc32c; else they are computed here. `in_file`: for each state section, how many
+        of its leading elements (values or codes) the file holds already, a checkpoint having cloned them there
+        copy-on-write: they are sealed with the rest of their piece, and not written."""
         pieces, _block = self._pieces(kind, key, start, data, shadow)
         self.checksums.seal(pieces, crcs)
-        self.bytes_written += sum(p.data.nbytes for p in pieces)
-        return self._io.pwritev([(p.data, p.offset) for p in pieces], self._file)
-
-    def adopt(self, key: str, section: int, start: int, tensor: Tensor) -> None:
-        """The file already holds `tensor` at elements [start, ...) of a state section (a checkpoint cloned it
-        there copy-on-write): seal it as if it had been written, so later reads of the piece are verified."""
-        seal_key, record = self._state_record(key, shadow=False)
-        self.checksums.seal([Piece((seal_key, section), start, tensor, record.section_offset(section))])
+        writes = [w for w in (_not_in_file(p, in_file) for p in pieces) if w is not None]
+        self.bytes_written += sum(tensor.nbytes for tensor, _offset in writes)
+        return self._io.pwritev(writes, self._file)
 
     def has_shadow(self, key: str) -> bool:
         """Whether the group's records have a second copy (speculative updates write it)."""
@@ -226,6 +224,17 @@ class SwapStore:
         finally:
             self._forget.detach()
             _remove_files((self.path, self.layout_path), os.getpid())
+
+
+def _not_in_file(piece: Piece, in_file: Sequence[int]) -> Optional[Tuple[Tensor, int]]:
+    """(data, file offset) of what a piece adds to the file: all of it, but for a state section's values or codes
+    (not its int8 scales) the elements below that section's `in_file` count, which a clone put there."""
+    section = piece.key[1] if isinstance(piece.key, tuple) and len(piece.key) == 2 else None
+    below = in_file[section] if isinstance(section, int) else 0
+    skip = min(max(below - piece.start, 0), piece.data.numel())
+    if skip and skip == piece.data.numel():
+        return None
+    return piece.data.reshape(-1)[skip:], piece.offset + skip * piece.data.element_size()
 
 
 SHADOW_SUFFIX = "#shadow"  # the seals of a group's second copy are under its key with this suffix

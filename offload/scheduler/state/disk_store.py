@@ -187,10 +187,9 @@ class DiskStore:
 
     def write(self, fill: Fill, cloned: Cloned = (0, 0, 0), encoded: bool = False) -> None:
         """New state chunk by chunk: chunk i is filled while chunk i-1 is written. `cloned[i]`: the swap file
-        already holds that many leading elements of section i (cloned copy-on-write); they are sealed, not
-        written. A `fill` that fails leaves the record partly written, which the load reports."""
+        already holds that many leading elements (values or codes) of section i (cloned copy-on-write); they are
+        sealed, not written. A `fill` that fails leaves the record partly written, which the load reports."""
         self.drain()
-        assert self.moments is MomentFormat.FP32 or not any(cloned), "a compressed record is loaded by writing it"
         with self._ring.borrow(2) as slots:
             in_flight: List[Callable[[], None]] = []
             try:
@@ -198,15 +197,11 @@ class DiskStore:
                     if len(in_flight) == len(slots):
                         in_flight.pop(0)()  # this slot's previous write is done before it is filled again
                     views = self._cut(slots[i % len(slots)], start, stop)
-                    if self.moments is MomentFormat.FP32:
-                        fill(start, stop, views)  # type: ignore[arg-type]
-                        in_flight.append(self._store_chunk(start, stop, views, cloned))  # type: ignore[arg-type]
-                        continue
-                    if encoded:  # the moments as the record keeps them: nothing to encode
+                    if self.moments is MomentFormat.FP32 or encoded:  # the state as the record keeps it
                         fill(start, stop, views)  # type: ignore[arg-type]
                     else:
                         _fill_encoded(fill, start, stop, views, self.moments, self._chunk_blocks(start, stop))
-                    futures = [self._ring.swap.write(RecordKind.STATE, self.group.key, start, views)]
+                    futures = [self._ring.swap.write(RecordKind.STATE, self.group.key, start, views, in_file=cloned)]
                     in_flight.append(functools.partial(wait_all, futures))
                 while in_flight:
                     in_flight.pop(0)()
@@ -231,29 +226,6 @@ class DiskStore:
         return (master[:numel], QuantizedMoment(exp_avg.codes[:numel], exp_avg.scales[:scales]),
                 QuantizedMoment(exp_avg_sq.codes[:numel], exp_avg_sq.scales[:scales]))
 
-    def _store_chunk(self, start: int, stop: int, views: Views, cloned: Cloned) -> Callable[[], None]:
-        """Start writing the chunk's sections, except what a clone already put in the file; the returned
-        function waits for the writes and seals the whole chunk of each section as one piece (the ring reads
-        it back as one)."""
-        swap, group = self._ring.swap, self.group
-        futures, adopted = [], []
-        written = tuple(view if below <= start else None for view, below in zip(views, cloned))
-        if any(view is not None for view in written):
-            futures.append(swap.write(RecordKind.STATE, group.key, start, written))  # type: ignore[arg-type]
-        for index, (view, below) in enumerate(zip(views, cloned)):
-            if below <= start:
-                continue
-            if below < stop:  # the unaligned tail of a cloned section
-                tail = tuple(view[below - start:] if i == index else None for i in range(3))
-                futures.append(swap.write(RecordKind.STATE, group.key, below, tail))  # type: ignore[arg-type]
-            adopted.append((index, view))
-
-        def finish() -> None:
-            wait_all(futures)
-            for index, view in adopted:  # after the tail's write: one seal replaces the tail's
-                swap.adopt(group.key, index, start, view)
-
-        return finish
 
 
 def _fill_encoded(fill: Fill, start: int, stop: int, sections: "SlotSections", moments: MomentFormat,
