@@ -48,6 +48,15 @@ def test_bench_scale_quick(tmp_path):
     assert list(tmp_path.iterdir()) == []  # swap file, layout and probe file all removed
 
 
+def test_grad_from_moments_quick():
+    """The measurement for issue 35's next design prints a row per gradient dtype; bf16 gradients come back from
+    the first moments on the first step exactly (m = 0: m' = (1 - beta1) g, within a bf16 ulp)."""
+    out = _run(["benchmarks/grad_from_moments.py", "--quick"])
+    rows = [line.split() for line in out.splitlines() if line.startswith(("bfloat16 ", "float32 "))]
+    assert [row[0] for row in rows] == ["bfloat16"] * 3 + ["float32"] * 3, out
+    assert rows[0][1:4:2] == ["1", "0.00e+00"], rows[0]
+
+
 def test_bench_checkpoint_quick(tmp_path):
     out = _run(["benchmarks/bench_checkpoint.py", "--quick", "--dir", str(tmp_path)])
     rows = [line for line in out.splitlines() if line.split("  ")[0].strip() in (
