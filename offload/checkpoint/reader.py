@@ -393,6 +393,7 @@ def _load_encoded(optim: "OptimizerReader", masters: Masters, group: Any, state:
     the checkpoint's checksums and the swap file's seals)."""
     lo = state.part[0]
     layout = moment_blocks(state.state_store.moments, state.state_store.group)
+    stored = {slot.name: _stored_blocks(optim, slot) for slot in group.trainable_slots} if layout is not None else {}
 
     def fill(start: int, stop: int, views: Any) -> None:
         master, exp_avg, exp_avg_sq = views
@@ -406,7 +407,7 @@ def _load_encoded(optim: "OptimizerReader", masters: Masters, group: Any, state:
                 if isinstance(moment, QuantizedMoment):
                     assert blocks is not None
                     a, b = blocks.scales_before(at - start), blocks.scales_before(at - start + piece.numel())
-                    scale = _stored_blocks(optim, slot).scales_before(first)
+                    scale = stored[slot.name].scales_before(first)
                     optim.read_at(scales_key(kind, slot.name), 4 * scale, moment.scales[a:b])
 
     state.state_store.write(fill, cloned, encoded=True)

@@ -89,10 +89,6 @@ class SwapRecord:
         """Where a moment section's int8 scales start, from the section's start."""
         return round_up(code_nbytes(self.moment_format, self.numel), ALIGNMENT)
 
-    def section_offset(self, index: int) -> int:
-        """File offset of section `index` (0 master, 1 exp_avg, 2 exp_avg_sq)."""
-        return self.section_offsets[index]
-
     @property
     def nbytes(self) -> int:
         return sum(self.section_sizes)

@@ -129,9 +129,8 @@ class DiskStore:
 
     # ----- checkpoint side -----
     def swap_sections(self) -> Optional[SwapSections]:
-        """The record's sections in the swap file, for copy-on-write clones (after `drain`). A checkpoint
-        clones compressed moments' codes or values too; it writes their int8 scales, and loads them by writing
-        (`write` takes no clone of a compressed record: its seals cover codes and scales by chunk)."""
+        """The record's sections in the swap file, for copy-on-write clones (after `drain`): a checkpoint's save
+        and load clone each section's values or codes (compressed moments' too); int8 scales are written."""
         self.drain()
         fd, offsets, nbytes = self._ring.swap.section_spans(self.group.key)
         code = code_nbytes(self.moments, 1)
