@@ -159,7 +159,10 @@ class SwapStore:
         copy-on-write: they are sealed with the rest of their piece, and not written."""
         pieces, _block = self._pieces(kind, key, start, data, shadow)
         self.checksums.seal(pieces, crcs)
-        writes = [w for w in (_not_in_file(p, in_file) for p in pieces) if w is not None]
+        if any(in_file):  # a load after clones; every step's writes take the plain path
+            writes = [w for w in (_not_in_file(p, in_file) for p in pieces) if w is not None]
+        else:
+            writes = [(p.data, p.offset) for p in pieces]
         self.bytes_written += sum(tensor.nbytes for tensor, _offset in writes)
         return self._io.pwritev(writes, self._file)
 
