@@ -11,6 +11,7 @@
 #pragma GCC target("avx2,fma,f16c")
 #include "adam/avx2_common.h"
 #include "adam/scalar_math.h"
+#include "adam/grad_rebuild.h"
 
 namespace offload {
 namespace {
@@ -79,6 +80,10 @@ void adam_range_avx2(const AdamBuffers& b, const AdamConstants& c, int64_t begin
     case DType::kFloat16: return adam_dispatch_out<DType::kFloat16>(b, c, begin, end);
     default: return adam_dispatch_out<DType::kFloat32>(b, c, begin, end);
   }
+}
+
+void rebuild_avx2(const float* m_old, const float* m_new, float lerp_weight, uint16_t* out, DType dtype, int64_t n) {
+  rebuild::rebuild_range(m_old, m_new, lerp_weight, out, dtype, n);
 }
 
 double sum_squares_avx2(const void* x, DType dtype, int64_t begin, int64_t end) {

@@ -68,6 +68,50 @@ void bind_adam(py::module_& m) {
       "isa: '' for the best variant on this CPU, or one of avx512/avx2/scalar (tests).");
 
   m.def(
+      "adam_step_resting",
+      [](uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq, int64_t numel,
+         uintptr_t out, int out_dtype, int64_t step, double lr, double beta1, double beta2, double eps,
+         double weight_decay, uintptr_t miss_index, uintptr_t miss_bits, int64_t capacity, int num_threads,
+         ThreadPool* pool, const std::string& isa) {
+        check_numel(numel);
+        if (step < 1) throw std::invalid_argument("step must be >= 1");
+        const DType g_dtype = parse_dtype(grad_dtype, "grad");
+        if (g_dtype == DType::kFloat32) {
+          throw std::invalid_argument("adam_step_resting: the gradient must be bf16 or fp16 (fp32 is not rebuilt)");
+        }
+        if (capacity < 0) throw std::invalid_argument("capacity must be >= 0");
+        AdamBuffers b{address<float>(param), address<float>(exp_avg), address<float>(exp_avg_sq),
+                      address<const void>(grad), g_dtype, address<void>(out), parse_dtype(out_dtype, "out")};
+        return adam_step_resting(b, make_adam_constants(step, lr, beta1, beta2, eps, weight_decay, true, 1.0), numel,
+                                 pool, num_threads, adam_kernels_for(isa), address<int64_t>(miss_index),
+                                 address<uint16_t>(miss_bits), capacity);
+      },
+      py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+      py::arg("numel"), py::arg("out"), py::arg("out_dtype"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
+      py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("miss_index"), py::arg("miss_bits"),
+      py::arg("capacity"), py::arg("num_threads"), py::arg("pool") = nullptr, py::arg("isa") = "",
+      py::call_guard<py::gil_scoped_release>(),
+      "AdamW step (grad_scale 1) that also checks the bf16/fp16 gradient can be rebuilt from the old and new first "
+      "moment; the elements it cannot (index int64, bits uint16; at most capacity) are written out. Returns their "
+      "count (> capacity: the lists are incomplete).");
+
+  m.def(
+      "rebuild_gradient",
+      [](uintptr_t m_old, uintptr_t m_new, double beta1, uintptr_t out, int dtype, int64_t numel, int num_threads,
+         ThreadPool* pool, const std::string& isa) {
+        check_numel(numel);
+        const DType d = parse_dtype(dtype, "out");
+        if (d == DType::kFloat32) throw std::invalid_argument("rebuild_gradient: out must be bf16 or fp16");
+        rebuild_gradient(address<const float>(m_old), address<const float>(m_new), static_cast<float>(1.0 - beta1),
+                         address<void>(out), d, numel, pool, num_threads, adam_kernels_for(isa));
+      },
+      py::arg("m_old"), py::arg("m_new"), py::arg("beta1"), py::arg("out"), py::arg("dtype"), py::arg("numel"),
+      py::arg("num_threads"), py::arg("pool") = nullptr, py::arg("isa") = "",
+      py::call_guard<py::gil_scoped_release>(),
+      "The bf16/fp16 gradient rebuilt from the first moment before (m_old) and after (m_new) an AdamW step with "
+      "beta1; the misses its step kept are the caller's to patch in.");
+
+  m.def(
       "sum_of_squares",
       [](uintptr_t data, int dtype, int64_t numel, int num_threads, ThreadPool* pool, const std::string& isa) {
         check_numel(numel);

@@ -66,6 +66,13 @@ double sum_squares_scalar(const void* x, DType dtype, int64_t begin, int64_t end
 double sum_squares_avx2(const void* x, DType dtype, int64_t begin, int64_t end);
 double sum_squares_avx512(const void* x, DType dtype, int64_t begin, int64_t end);
 
+// The 16-bit gradient rebuilt from the old and new first moment (grad_rebuild.h), one ISA's compilation.
+using RebuildFn = void (*)(const float* m_old, const float* m_new, float lerp_weight, uint16_t* out, DType dtype,
+                           int64_t n);
+void rebuild_scalar(const float* m_old, const float* m_new, float lerp_weight, uint16_t* out, DType dtype, int64_t n);
+void rebuild_avx2(const float* m_old, const float* m_new, float lerp_weight, uint16_t* out, DType dtype, int64_t n);
+void rebuild_avx512(const float* m_old, const float* m_new, float lerp_weight, uint16_t* out, DType dtype, int64_t n);
+
 // The variant used on this CPU: "avx512", "avx2" or "scalar". Chosen once (cpu_features()).
 const char* adam_isa_name();
 
@@ -74,6 +81,7 @@ const char* adam_isa_name();
 struct AdamKernels {
   AdamRangeFn adam;
   SumSquaresFn sum_squares;
+  RebuildFn rebuild;
   const char* name;
 };
 const AdamKernels& adam_kernels_for(const std::string& isa);
@@ -83,6 +91,20 @@ const AdamKernels& adam_kernels_for(const std::string& isa);
 // num_threads > 1); otherwise the pool's threads are used and num_threads is ignored.
 void adam_step(const AdamBuffers& buffers, const AdamConstants& constants, int64_t n, ThreadPool* pool,
                int num_threads, const AdamKernels& kernels);
+
+// A speculative step (issue 35): adam_step, which also checks that the 16-bit gradient (g_dtype bf16 or fp16,
+// grad_scale 1, no L2 term) can be rebuilt from the old and new first moment (grad_rebuild.h), a block of elements
+// at a time while they are in cache. The elements it would miss are written to miss_index (their index) and
+// miss_bits (the gradient's bits), at most `capacity` of them, in no particular order. Returns how many there
+// are: more than `capacity` means the lists are incomplete (the gradient cannot rest in the moments).
+int64_t adam_step_resting(const AdamBuffers& buffers, const AdamConstants& constants, int64_t n, ThreadPool* pool,
+                          int num_threads, const AdamKernels& kernels, int64_t* miss_index, uint16_t* miss_bits,
+                          int64_t capacity);
+
+// The gradient rebuilt from the moments into `out` (n elements of `dtype`, bf16 or fp16); the caller patches the
+// misses the speculative step kept.
+void rebuild_gradient(const float* m_old, const float* m_new, float lerp_weight, void* out, DType dtype, int64_t n,
+                      ThreadPool* pool, int num_threads, const AdamKernels& kernels);
 
 double sum_of_squares(const void* x, DType dtype, int64_t n, ThreadPool* pool, int num_threads,
                       const AdamKernels& kernels);

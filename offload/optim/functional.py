@@ -6,7 +6,7 @@ Dispatches to the fused native kernel when `offload._C` is available, else runs 
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -179,3 +179,53 @@ class Fp32Scratch:
         """Free the buffer (the engine closes); a later norm makes a new one."""
         with self._lock:
             self._buffer = None
+
+
+def adam_step_resting(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, step: int, lr: float,
+                      beta1: float, beta2: float, eps: float, weight_decay: float, out: Optional[Tensor],
+                      num_threads: Optional[int], capacity: int) -> Optional[Tuple[Tensor, Tensor]]:
+    """`adam_step_flat` (AdamW, grad_scale 1) of a bf16 or fp16 gradient that may then rest in the first moment:
+    the step also finds the elements `rebuild_gradient` would not give back exactly (grad_rebuild.h), in the same
+    pass. Returns them, (indices int64 ascending, the gradient's bits as int16), or None when there are more than
+    `capacity` (the gradient must then be kept). The step is done either way. Needs the native core
+    (`resting_supported`)."""
+    native = _native._C
+    assert native is not None and grad.dtype in REBUILT_DTYPES
+    n = param.numel()
+    for name, t, dtypes in (("param", param, (torch.float32,)), ("grad", grad, REBUILT_DTYPES),
+                            ("exp_avg", exp_avg, (torch.float32,)), ("exp_avg_sq", exp_avg_sq, (torch.float32,))):
+        _check(name, t, dtypes, n)
+    if out is not None:
+        _check("out", out, OUT_DTYPES, n)
+    index = torch.empty(capacity, dtype=torch.int64)
+    bits = torch.empty(capacity, dtype=torch.int16)
+    count = native.adam_step_resting(
+        param.data_ptr(), grad.data_ptr(), _DTYPE_CODES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(), n,
+        0 if out is None else out.data_ptr(), 0 if out is None else _DTYPE_CODES[out.dtype], int(step), float(lr),
+        float(beta1), float(beta2), float(eps), float(weight_decay), index.data_ptr(), bits.data_ptr(), capacity,
+        _threads_for(n, num_threads), None)
+    if count > capacity:
+        return None
+    order = torch.argsort(index[:count])  # the threads found them in no particular order
+    return index[:count][order], bits[:count][order]
+
+
+def rebuild_gradient(m_old: Tensor, m_new: Tensor, beta1: float, out: Tensor, num_threads: Optional[int]) -> None:
+    """`out` (bf16 or fp16) := the gradient an AdamW step with `beta1` took m_old to m_new with, as the resting step
+    checks it (the misses it kept are the caller's to patch in)."""
+    native = _native._C
+    assert native is not None
+    n = out.numel()
+    _check("m_old", m_old, (torch.float32,), n)
+    _check("m_new", m_new, (torch.float32,), n)
+    _check("out", out, REBUILT_DTYPES, n)
+    native.rebuild_gradient(m_old.data_ptr(), m_new.data_ptr(), float(beta1), out.data_ptr(), _DTYPE_CODES[out.dtype],
+                            n, _threads_for(n, num_threads), None)
+
+
+REBUILT_DTYPES = (torch.bfloat16, torch.float16)  # what a first moment gives back: 8 or 11 significant bits
+
+
+def resting_supported(grad_dtype: torch.dtype) -> bool:
+    """Whether a gradient of this dtype can rest in the first moment: 16-bit, and the native core is built."""
+    return grad_dtype in REBUILT_DTYPES and _native._C is not None

@@ -63,6 +63,10 @@ class GradFlow:
     declared_steps: Optional[int] = None  # grad_accumulation_steps when declared
     clipping: bool = False
     itemsize: int = 4  # of the compute dtype: what a gradient element costs
+    # clipping speculates and the gradients may rest in the moments the speculative updates write (nvme tier,
+    # fp32 moments, 16-bit gradients, one process): the last backward's gradients then need no room of their own
+    # unless clipping fires, when they wait on disk ([Note: gradients resting in the moments])
+    rests_in_moments: bool = False
 
     @property
     def consumed_in_backward(self) -> bool:
@@ -94,6 +98,7 @@ class Plan:
     disk_weights: str = ""  # weights on disk: kept as a copy, or read from the fp32 master, and why, in words
     activation_room: int = 0  # device bytes no weight takes: the forward's saved activations (activation_memory)
     norm_scratch_bytes: int = 0  # host: the fp32 copy of the largest half-precision gradient clipping takes a norm of
+    grads_rest: bool = False  # with grads_on_disk: a speculating block's rest in the moments its update wrote
 
     @property
     def host_grad_bytes(self) -> int:
@@ -221,7 +226,10 @@ class Plan:
                     f"disk (records in the swap file for {sum(b.grad_parks for b in self.blocks)} of "
                     f"{len(self.blocks)} blocks{kept_said}): about {human_bytes(self.grad_disk_bytes_per_step)} written and "
                     "read back per step, per micro-batch without declared accumulation (declaring "
-                    "grad_accumulation_steps without max_grad_norm is the fast path: no gradient goes to disk)")
+                    "grad_accumulation_steps without max_grad_norm is the fast path: no gradient goes to disk)"
+                    + ("; after a speculative update a 16-bit gradient rests in the first moments it wrote instead, "
+                       "and goes to disk only in steps that do not speculate (clipping fired)" if self.grads_rest
+                       else ""))
         if self.grad_window_bytes is not None:
             return (f"a window of {human_bytes(self.grad_window_bytes)} (of {everything}; the fast path: each block's "
                     "update consumes its gradient during the last backward)")

@@ -138,12 +138,14 @@ class SwapStore:
         os.replace(tmp, self.layout_path)
 
     # ----- the one read and the one write ----------------------------------------------------------------
-    def read(self, kind: RecordKind, key: str, start: int, data: Union[StateSections, Tensor]) -> IOFuture:
-        """Start reading elements [start, ...) of the group's record of `kind` (its live copy) into `data` (a
-        state chunk's sections, each the chunk's size; or a tensor in the record's dtype): one request, verified
-        against its seals when its result is taken. The caller keeps the tensors alive until it is done and orders
-        a read after any write of the same range (the ring: ring_slots.WriteOrder)."""
-        pieces, block = self._pieces(kind, key, start, data, shadow=False)
+    def read(self, kind: RecordKind, key: str, start: int, data: Union[StateSections, Tensor],
+             shadow: bool = False) -> IOFuture:
+        """Start reading elements [start, ...) of the group's record of `kind` (its live copy, or its shadow:
+        `shadow`) into `data` (a state chunk's sections, each the chunk's size, None for a section not read; or a
+        tensor in the record's dtype): one request, verified against its seals when its result is taken. The caller
+        keeps the tensors alive until it is done and orders a read after any write of the same range (the ring:
+        ring_slots.WriteOrder)."""
+        pieces, block = self._pieces(kind, key, start, data, shadow)
         self.bytes_read += sum(p.data.nbytes for p in pieces)
         future = self._io.preadv([(p.data, p.offset) for p in pieces], self._file)
         return VerifiedRead(future, self.checksums, pieces, self.path, block)
@@ -179,6 +181,11 @@ class SwapStore:
         live ones its shadows: a speculative update is committed."""
         assert self.has_shadow(key)
         self._shadow_live[key] = not self._shadow_live.get(key, False)
+
+    def live_copy(self, key: str) -> int:
+        """Which of the group's two state copies is live now (0: the first, 1: its shadow record): a copy named
+        this way stays the same bytes across `flip`s."""
+        return int(self._shadow_live.get(key, False))
 
     def _copy(self, key: str, shadow: bool) -> bool:
         """Whether the copy meant (the live one, or the shadow) is the second one."""

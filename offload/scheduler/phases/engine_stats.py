@@ -24,7 +24,10 @@ def engine_stats(counters: StepCounters, nonfinite: NonFiniteSkips, clock: Phase
     out.update(tiers.stats())
     homes = [s.grads for r in records for s in r.states]
     out.update(bytes_grads_to_disk=sum(h.disk_bytes.written for h in homes),
-               bytes_grads_from_disk=sum(h.disk_bytes.read for h in homes))
+               bytes_grads_from_disk=sum(h.disk_bytes.read for h in homes),
+               grads_rested_in_moments=sum(h.disk_bytes.rested for h in homes),
+               grads_rebuilt_from_moments=sum(h.disk_bytes.rebuilt for h in homes),
+               grad_elements_missed_by_rebuilds=sum(h.disk_bytes.missed for h in homes))
     parts = [g.home for r in records for g in r.groups if isinstance(g.home, PartitionedHome)]
     out.update(weight_gathers=sum(h.gathers for h in parts),  # sharded weights: groups made whole, and the
                bytes_weights_gathered=sum(h.bytes_gathered for h in parts),  # other ranks' bytes that brought

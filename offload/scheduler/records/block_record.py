@@ -332,16 +332,19 @@ class BlockRecord:
             for part, ready in zip(job.parts, readies):
                 state = part.group.state
                 assert state is not None
+                resting = None
                 if ready:
                     part.group.home.release_source()  # the last upload of `out` has read it
-                    state.update(ready, part.hypers, job.grad_scale, part.out, services.num_threads, part.out_base,
-                                 speculative)
+                    resting = state.update(ready, part.hypers, job.grad_scale, part.out, services.num_threads,
+                                           part.out_base, speculative)
                     if not speculative:
                         self.lost_write = part.group.writes_during_update() or self.lost_write
                     part.group.home.share_update(services.reduction, state, part.out)
                 elif ready is None:
                     state.store.discard()  # skipped: its announced reads would otherwise hold ring slots
-                if speculative:
+                if speculative and resting is not None:
+                    state.grads.rest(state.store, resting)  # in the moments the step wrote: nothing kept or written
+                elif speculative:
                     state.grads.park()  # kept for the step, as clipping keeps them (to disk, when they spill)
                 else:
                     state.grads.release()  # the gradient window (nvme) gets its bytes back

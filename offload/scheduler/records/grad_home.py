@@ -24,7 +24,11 @@ from torch import Tensor, nn
 from offload.errors import OffloadError
 from offload.optim.functional import Fp32Scratch, sum_of_squares
 from offload.scheduler.blocks.block import FlatGroup
+from offload.scheduler.records.grad_in_moments import GradInMoments
 from offload.scheduler.records.held_grad import HeldGrad
+from offload.scheduler.state.adamw import RestingSpan
+from offload.scheduler.state.disk_store import DiskStore
+from offload.scheduler.state.state_store import StateStore
 from offload.tiers.copies import CopyContext, GradDownloads
 from offload.tiers.grad_window import GradPool
 from offload.tiers.mapped import mapped_zeros
@@ -40,7 +44,10 @@ class GradDiskBytes:
 
     def __init__(self) -> None:
         self.written = 0
-        self.read = 0
+        self.read = 0  # the first moments a rebuild reads included
+        self.rested = 0  # times a gradient rested in the moments (nothing written)
+        self.rebuilt = 0  # times one was rebuilt from them
+        self.missed = 0  # elements the rebuilds patched in (kept by the speculative steps)
 
 
 class GradOwner(Protocol):
@@ -123,9 +130,14 @@ class KeptParking:
 
     parks = False
     on_disk = False
+    rests = False
+    resting = False
 
     def park(self, home: "GradHome") -> None:
         pass
+
+    def rest(self, home: "GradHome", moments: GradInMoments) -> None:
+        raise AssertionError("a gradient kept in memory does not rest in the moments")
 
     def bring_back(self, home: "GradHome", grad: Tensor) -> None:
         pass
@@ -157,10 +169,14 @@ class DiskParking:
 
     parks = True
 
-    def __init__(self, moves: "RecordMoves", parked_range: Optional[Tuple[int, int]] = None) -> None:
+    def __init__(self, moves: "RecordMoves", parked_range: Optional[Tuple[int, int]] = None,
+                 rests: bool = False) -> None:
+        assert not (rests and parked_range is not None), "a data-parallel part does not rest in the moments"
         self._moves = moves
         self._range = parked_range
-        self.on_disk = False  # the sum since `zero` is in the swap file, not in the buffer
+        self.rests = rests  # after a speculative update, the gradient may rest in the moments (grad_in_moments.py)
+        self._moments: Optional[GradInMoments] = None  # where it rests, instead of its record
+        self.on_disk = False  # the sum since `zero` is in the swap file (its record, or the moments), not in the buffer
         self._ops: List[Op] = []  # torch's in-place ops while on disk, replayed in order when it comes back
         self._results: Dict[Tuple[Any, str], List[Any]] = {}  # a read op's result per slot, for the whole group
 
@@ -170,6 +186,7 @@ class DiskParking:
         if grad is None:
             return
         home.finish_downloads()
+        self._moments = None
         if any(home.has_grad):
             parked = self._parked_view(home, grad)
             self._moves.write_from(home.group, parked)
@@ -177,16 +194,32 @@ class DiskParking:
             self.on_disk = True
         home.give_back_buffer()
 
+    def rest(self, home: "GradHome", moments: GradInMoments) -> None:
+        """After its speculative update (on the worker): the gradient rests in the moments the update wrote, its
+        buffer back to the window, nothing written."""
+        home.finish_downloads()
+        self._moments = moments
+        self.on_disk = True
+        home.disk_bytes.rested += 1
+        home.give_back_buffer()
+
+    @property
+    def resting(self) -> bool:
+        return self.on_disk and self._moments is not None
+
     def bring_back(self, home: "GradHome", grad: Tensor) -> None:
-        """A fresh buffer of the home: the sum read back into it, when it waits on disk."""
+        """A fresh buffer of the home: the sum read back into it (or rebuilt from the moments), when it waits on
+        disk."""
         if self.on_disk:
             self._read_into(home, grad)
             self._ops.clear()  # applied: in memory from here on
             self.on_disk = False
+            self._moments = None
 
     def forget(self) -> None:
         """What is on disk is stale (the update consumed it, or zero_grad)."""
         self.on_disk = False
+        self._moments = None
         self._ops.clear()
         self._results.clear()
 
@@ -240,10 +273,17 @@ class DiskParking:
                 home.give_back_buffer()
 
     def _read_into(self, home: "GradHome", grad: Tensor) -> None:
-        """The record into `grad`, then the in-place ops made while it was on disk, in order."""
-        parked = self._parked_view(home, grad)
-        self._moves.read_into(home.group, parked, _copy_staged)
-        home.disk_bytes.read += parked.nbytes
+        """The record into `grad` (or the gradient rebuilt from the moments it rests in), then the in-place ops
+        made while it was on disk, in order."""
+        if self._moments is not None:
+            self._moments.rebuild_into(grad)
+            home.disk_bytes.read += self._moments.bytes_read
+            home.disk_bytes.rebuilt += 1
+            home.disk_bytes.missed += self._moments.missed
+        else:
+            parked = self._parked_view(home, grad)
+            self._moves.read_into(home.group, parked, _copy_staged)
+            home.disk_bytes.read += parked.nbytes
         for index, func, args, kwargs in self._ops:
             slot = home.group.trainable_slots[index]
             func(grad[slot.offset:slot.offset + slot.numel].view(slot.shape), *args, **kwargs)
@@ -275,8 +315,15 @@ class GradParking(Protocol):
 
     parks: bool
     on_disk: bool
+    rests: bool  # whether the gradient may rest in the moments after a speculative update
+
+    @property
+    def resting(self) -> bool:
+        """Whether it rests in the moments now."""
 
     def park(self, home: "GradHome") -> None: ...
+
+    def rest(self, home: "GradHome", moments: GradInMoments) -> None: ...
 
     def bring_back(self, home: "GradHome", grad: Tensor) -> None: ...
 
@@ -382,6 +429,25 @@ class GradHome:
         """The gradient waits for a later use (on the worker, once its block is complete)."""
         with self.lock:
             self._parking.park(self)
+
+    @property
+    def may_rest(self) -> bool:
+        """Whether, after a speculative update, the gradient may rest in the moments it wrote (the placement
+        decides: nvme tier, fp32 moments, a 16-bit gradient, one process; grad_in_moments.py)."""
+        return self._parking.rests
+
+    def rest(self, store: StateStore, spans: List[RestingSpan]) -> None:
+        """After its speculative update (on the worker): the gradient rests in the moments, its buffer back."""
+        assert isinstance(store, DiskStore), "only the nvme tier's records keep both first moments"
+        with self.lock:
+            self._parking.rest(self, GradInMoments(store, store.live_copy(), spans))
+
+    def stop_resting(self) -> None:
+        """The moments it rests in are about to change (a checkpoint load): the gradient is rebuilt and parked
+        in its own record."""
+        if self._parking.resting:
+            self.buffer()
+            self.park()
 
     # ----- gradients in --------------------------------------------------------------------------------
     def accumulate(self, index: int, grad: Tensor, fresh: bool = False) -> int:

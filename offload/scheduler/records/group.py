@@ -18,8 +18,8 @@ from offload.distributed.data_parallel import Shard
 from offload.optim.moment_format import moment_nbytes
 from offload.scheduler.blocks.block import Block, FlatGroup, Residency
 from offload.scheduler.records.grad_home import GradHome
-from offload.scheduler.state.adamw import AdamHyper, UpdateSpan, adamw
-from offload.scheduler.state.state_store import StateStore, moment_blocks, overwrite_master
+from offload.scheduler.state.adamw import AdamHyper, RestingSpan, UpdateSpan, adamw
+from offload.scheduler.state.state_store import Cloned, Fill, StateStore, moment_blocks, overwrite_master
 from offload.scheduler.torch_internals import versions_of
 from offload.scheduler.weights.weight_home import WeightHome
 
@@ -64,21 +64,33 @@ class GroupState:
         self.steps = [int(s) for s in steps]
 
     def update(self, ready: List[int], hypers: Sequence[AdamHyper], grad_scale: float, out: Optional[Tensor],
-               num_threads: Optional[int] = None, out_base: int = 0, shadow: bool = False) -> None:
+               num_threads: Optional[int] = None, out_base: int = 0,
+               shadow: bool = False) -> Optional[List[RestingSpan]]:
         """One AdamW step of the parameters in `ready` (taken when the update was scheduled); new compute
         weights go to `out` (its element 0 is the group's element `out_base`) when the store does not keep them.
         `num_threads` caps the CPU kernel's threads. `shadow`: a speculative update, whose state goes to the store's
-        shadow and whose step counts wait here, until `commit_shadow` (or `forget_shadow`)."""
+        shadow and whose step counts wait here, until `commit_shadow` (or `forget_shadow`). Returns, when the
+        gradient's home may let it rest in the moments the speculative step wrote (`GradHome.may_rest`), what the
+        rebuild needs (`GradHome.rest`); else None."""
         self.grads.finish_downloads()
         if not ready:
-            return
+            return None
         steps = list(self.steps) if shadow else self.steps
         spans = advance_steps(self.group, steps, ready, hypers)
-        adamw(self.store, self.grads.buffer(wait=False), spans, grad_scale, out, num_threads, out_base, shadow)
+        rest = shadow and self.grads.may_rest
+        resting = adamw(self.store, self.grads.buffer(wait=False), spans, grad_scale, out, num_threads, out_base,
+                        shadow, rest)
         if shadow:
             self._shadow_steps = steps
         else:
             self.steps = steps
+        return resting
+
+    def replace_state(self, fill: Fill, cloned: Cloned = (0, 0, 0), encoded: bool = False) -> None:
+        """New state from a checkpoint (`StateStore.write`): a gradient resting in the moments it replaces is
+        rebuilt and parked on its own first (a load between backward and step keeps the gradients, as torch's)."""
+        self.grads.stop_resting()
+        self.store.write(fill, cloned, encoded)
 
     @property
     def speculated(self) -> bool:

@@ -193,6 +193,29 @@ class DiskRing:
             self._checked_out.pop((group.key, start), None)
         self._read_ahead()
 
+    def read_first_moments(self, group: "FlatGroup", old_copy: int,
+                           into: Callable[[int, int, Tensor, Tensor], None]) -> None:
+        """The first moment of the group's two state copies, chunk by chunk: `into(start, stop, m_old, m_new)`
+        gets the one of copy `old_copy` (0 or 1, `SwapStore.live_copy`) and the other's, read into a slot's two
+        moment areas (fp32 moments only), after the writes in flight of the group. What a gradient resting in
+        the moments is rebuilt from (records/grad_in_moments.py); the master weights and second moments are not
+        read."""
+        assert self.moments is MomentFormat.FP32
+        self._order.wait_for_writes_of(group, 0, group.numel)
+        live = self._store.live_copy(group.key)
+        for start, stop in self.chunks(group):
+            slot = self._order.take()
+            try:
+                _master, old, new = self._cut(slot, group, start, stop)
+                futures = [self._store.read(RecordKind.STATE, group.key, start, (None, old, None),
+                                            shadow=old_copy != live)]
+                futures.append(self._store.read(RecordKind.STATE, group.key, start, (None, new, None),
+                                                shadow=old_copy == live))
+                self._order.wait(futures)
+                into(start, stop, old, new)  # type: ignore[arg-type]
+            finally:
+                self._slots.give_back(slot)
+
     def weights_of(self, sections: SlotSections, group: "FlatGroup") -> Optional[Tensor]:
         """The loaded chunk's compute weights (the update writes the new ones there), or None when the
         group's weights do not live on disk."""

@@ -22,6 +22,8 @@ from offload.distributed.agreement import refuse_differences
 from offload.distributed.data_parallel import DataParallel, Shard
 from offload.distributed.quantized_gather import Int8Blocks
 from offload.errors import OffloadConfigError
+from offload.optim.functional import resting_supported
+from offload.optim.moment_format import MomentFormat
 from offload.planner.place import make_plan, shards_weights
 from offload.planner.plan import GradFlow, Location, Plan, human_bytes
 from offload.planner.ring import RingSize, ring_size_for
@@ -204,12 +206,21 @@ def _make_plan(blocks: List[Block], policy: OffloadPolicy, ring: Optional[RingSi
                sharded: bool, disk_room: Optional[int]) -> Plan:
     """The plan of one rank: its part of the state (and of the weights, `sharded`) among the data-parallel ranks."""
     world = 1 if dp is None else dp.world
-    flow = GradFlow(policy.grad_accumulation_steps, policy.max_grad_norm is not None, policy.dtype.itemsize)
+    flow = GradFlow(policy.grad_accumulation_steps, policy.max_grad_norm is not None, policy.dtype.itemsize,
+                    rests_in_moments(policy, dp))
     speculate = policy.speculates
     return make_plan([b.spec(policy.tier, policy.moments, world, sharded) for b in blocks], policy.tier,
                      policy.device_memory, policy.host_memory, ring, flow, world if sharded else 1, speculate,
                      disk_room, resident_weight_shadows=policy.device.type == "cpu" and dp is not None,
                      disk_weights=policy.disk_weights, activation_room=policy.activation_memory or 0)
+
+
+def rests_in_moments(policy: OffloadPolicy, dp: Optional[DataParallel]) -> bool:
+    """Whether a speculating block's gradient may rest in the moments its update writes (grad_in_moments.py):
+    fp32 first moments in the swap file's two copies, a 16-bit gradient they give back, one process (a rank's
+    averaged part waits as it is)."""
+    return (policy.tier is Tier.NVME and policy.speculates and policy.moments is MomentFormat.FP32 and dp is None
+            and resting_supported(policy.dtype))
 
 
 def _shards_weights(blocks: List[Block], policy: OffloadPolicy, dp: Optional[DataParallel],
@@ -285,7 +296,8 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
                 shard = None if dp is None else dp.state_shard(group.trainable_numel, group.numel, sharded)
                 store = _state_store(group, policy, tiers) if shard is None else \
                     ShardedStore(_state_store(ShardGroup(group, shard), policy, tiers), shard)
-                grads = _grad_home(group, store.on_host, policy, tiers, plan, shard, block.name in parked_grads)
+                grads = _grad_home(group, store.on_host, policy, tiers, plan, shard, block.name in parked_grads,
+                                   block.name in shadowed and rests_in_moments(policy, dp))
                 state = GroupState(group, store, grads, [optimizer_group_of[s.param] for s in group.trainable_slots],
                                    shard)
             home = _partitioned_home(block, group, tiers, on_disk, dp, shard) if sharded else \
@@ -320,18 +332,20 @@ def _state_store(group: Any, policy: OffloadPolicy, tiers: Tiers) -> StateStore:
 
 
 def _grad_home(group: FlatGroup, on_host: bool, policy: OffloadPolicy, tiers: Tiers, plan: Plan,
-               shard: Optional[Shard], parks: bool) -> GradHome:
+               shard: Optional[Shard], parks: bool, rests: bool = False) -> GradHome:
     """Host memory for the host tiers (the nvme tier's gradient window when the plan has one, with the swap
-    file for the gradients that must wait when the plan puts this block's on disk: `parks`; a block whose
-    gradients the budget holds beside the window keeps a buffer of its own), else the device. Data-parallel
-    (`shard`): the whole gradient padded to whole shards; with clipping, only this rank's part parks on disk."""
+    file for the gradients that must wait when the plan puts this block's on disk: `parks`, and, `rests`, in the
+    moments after a speculative update; a block whose gradients the budget holds beside the window keeps a buffer
+    of its own), else the device. Data-parallel (`shard`): the whole gradient padded to whole shards; with
+    clipping, only this rank's part parks on disk."""
     device = torch.device("cpu") if on_host else policy.device
     padded_numel = None if shard is None else shard.padded
     if parks:
         assert tiers.grad_pool is not None and tiers.ring is not None
         parked = None if shard is None or policy.max_grad_norm is None else (shard.lo, shard.hi)
         return GradHome(group, device, tiers.copies, on_host, padded_numel, tiers.grad_pool,
-                        DiskParking(tiers.ring.grads, parked), tiers.norm_scratch)
+                        DiskParking(tiers.ring.grads, parked, rests and resting_supported(group.dtype)),
+                        tiers.norm_scratch)
     if plan.grads_on_disk:  # the budget holds this block's whole, beside the window of those that park
         return GradHome(group, device, tiers.copies, on_host, padded_numel, scratch=tiers.norm_scratch)
     return GradHome(group, device, tiers.copies, on_host, padded_numel, tiers.grad_pool, scratch=tiers.norm_scratch)

@@ -9,12 +9,12 @@ in the usual case (records/group.py, `GroupState.advance_steps`), one per parame
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, cast
+from typing import List, NamedTuple, Optional, Tuple, cast
 
 import torch
 from torch import Tensor
 
-from offload.optim.functional import adam_step_flat, adam_step_torch
+from offload.optim.functional import adam_step_flat, adam_step_resting, adam_step_torch
 from offload.optim.moment_format import EXP_AVG, EXP_AVG_SQ, BlockLayout, MomentFormat, slice_moment
 from offload.optim.moments import CRC_PIECES, adam_step_moments, decode_moment, encode_moment
 from offload.scheduler.state.state_store import StateChunk, StateStore
@@ -40,16 +40,37 @@ class AdamHyper:
 UpdateSpan = Tuple[int, int, int, AdamHyper]  # elements [start, stop), the Adam step, its hyperparameters
 
 
+class RestingSpan(NamedTuple):
+    """A span a speculative step took with a 16-bit gradient, which may then rest in the first moment the step
+    wrote (records/grad_in_moments.py): elements [lo, hi) of the group, its beta1, and the elements a rebuild
+    would miss (group indices, ascending; the gradient's bits as int16)."""
+
+    lo: int
+    hi: int
+    beta1: float
+    miss_index: Tensor
+    miss_bits: Tensor
+
+
+MISSES_PER_ELEMENT = 1 / 256  # more misses than this (plus MISSES_SLACK) and the gradient is kept instead
+MISSES_SLACK = 256
+
+
 def adamw(store: StateStore, grad: Tensor, spans: List[UpdateSpan], grad_scale: float, out: Optional[Tensor],
-          num_threads: Optional[int], out_base: int = 0, shadow: bool = False) -> None:
+          num_threads: Optional[int], out_base: int = 0, shadow: bool = False,
+          rest: bool = False) -> Optional[List[RestingSpan]]:
     """One AdamW step of `spans` of the store's state, chunk by chunk; new compute weights go to `out`
     (element 0 = the group's element `out_base`: its first trainable one, or a sharded rank's part's first) or,
     when the store keeps the weights, into the chunk's own weight area. `shadow`: the new state goes to the
     store's shadow (a speculative update). A failure hands the chunk back unwritten (`abandon`). A store that seals
     what it writes (`seals_in_step`) gets the CRCs of a compressed-moment chunk that one span covers from the step,
-    which computes them in the pass that writes the chunk (`StateChunk.crcs`)."""
+    which computes them in the pass that writes the chunk (`StateChunk.crcs`). `rest` (a speculative step of fp32
+    moments with the CPU kernel and a 16-bit gradient): the step also finds what the gradient's rebuild from the
+    moments would miss; returns the spans with their misses, or None (not asked, or too many misses)."""
     if not store.writes_compute_copy:
         out = None
+    assert not rest or (shadow and store.moments is MomentFormat.FP32), "a gradient rests only in fp32 first moments"
+    resting: Optional[List[RestingSpan]] = [] if rest else None
     for start, stop in store.chunks():
         chunk = store.load(start, stop, shadow)
         target, base = (out, out_base) if chunk.weights is None else (chunk.weights, start)
@@ -69,7 +90,17 @@ def adamw(store: StateStore, grad: Tensor, spans: List[UpdateSpan], grad_scale: 
                 exp_avg, exp_avg_sq = cast(Tensor, chunk.exp_avg), cast(Tensor, chunk.exp_avg_sq)  # fp32 moments
                 state = (chunk.master[lo - start:hi - start], grad[lo:hi], exp_avg[lo - start:hi - start],
                          exp_avg_sq[lo - start:hi - start])
-                if store.uses_cpu_kernel:
+                if resting is not None:
+                    assert store.uses_cpu_kernel and grad_scale == 1.0
+                    capacity = int((hi - lo) * MISSES_PER_ELEMENT) + MISSES_SLACK
+                    misses = adam_step_resting(*state, step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+                                               eps=hyper.eps, weight_decay=hyper.weight_decay, out=piece,
+                                               num_threads=num_threads, capacity=capacity)
+                    if misses is None:
+                        resting = None  # the step is done; the gradient is kept as it would be without resting
+                    else:
+                        resting.append(RestingSpan(lo, hi, hyper.beta1, misses[0] + lo, misses[1]))
+                elif store.uses_cpu_kernel:
                     adam_step_flat(*state, step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
                                    eps=hyper.eps, weight_decay=hyper.weight_decay, adamw=True,
                                    grad_scale=grad_scale, out=piece, num_threads=num_threads)
@@ -79,6 +110,7 @@ def adamw(store: StateStore, grad: Tensor, spans: List[UpdateSpan], grad_scale: 
             store.abandon(chunk)
             raise
         store.store(chunk if crcs is None else chunk._replace(crcs=crcs))
+    return resting
 
 
 def _adamw_moments(fmt: MomentFormat, chunk: StateChunk, lo: int, hi: int, grad: Tensor, step: int, hyper: AdamHyper,

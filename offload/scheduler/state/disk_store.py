@@ -14,6 +14,7 @@ import functools
 from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, List, Optional, Tuple
 
 import torch
+from torch import Tensor
 
 from offload.io.future import wait_all
 from offload.optim.moment_format import (
@@ -114,6 +115,14 @@ class DiskStore:
         """The shadow copy (written by a speculative update) becomes the live record: a switch of which copy reads
         go to, no byte moved. Reads issued ahead of the switch are dropped (they read the old copy)."""
         self._ring.commit_shadow(self.group)
+
+    def live_copy(self) -> int:
+        """Which copy of the record is live (0 or 1); the other is the shadow a speculative update writes."""
+        return self._ring.swap.live_copy(self.group.key)
+
+    def read_first_moments(self, old_copy: int, into: Callable[[int, int, Tensor, Tensor], None]) -> None:
+        """Chunk by chunk, the first moment of copy `old_copy` and of the other (`DiskRing.read_first_moments`)."""
+        self._ring.read_first_moments(self.group, old_copy, into)
 
     def abandon(self, chunk: StateChunk) -> None:
         """The update failed: the slot goes back unwritten and the disk keeps the old state."""
