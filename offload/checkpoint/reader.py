@@ -352,7 +352,7 @@ def _load_record(optim: "OptimizerReader", masters: Masters, group: Any, state: 
             for slot, first, _lo, piece in pieces(group, start, stop, view):
                 optim.read_at(names[index][slot], 4 * first, piece)
 
-    state.replace_state(fill, cloned)
+    state.state_store.write(fill, cloned)
 
 
 def _clone_sections(optim: "OptimizerReader", masters: Masters, group: Any, store: Any,
@@ -410,7 +410,7 @@ def _load_encoded(optim: "OptimizerReader", masters: Masters, group: Any, state:
                     scale = stored[slot.name].scales_before(first)
                     optim.read_at(scales_key(kind, slot.name), 4 * scale, moment.scales[a:b])
 
-    state.replace_state(fill, cloned, encoded=True)
+    state.state_store.write(fill, cloned, encoded=True)
 
 
 def _load_decoded(optim: "OptimizerReader", masters: Masters, group: Any, state: Any, stored: MomentFormat) -> None:
@@ -424,7 +424,7 @@ def _load_decoded(optim: "OptimizerReader", masters: Masters, group: Any, state:
             for slot, first, _lo, piece in pieces(group, start, stop, view):
                 _read_decoded(optim, kind, which, group.trainable_slots[slot], first, piece, stored)
 
-    state.replace_state(fill)
+    state.state_store.write(fill)
 
 
 def _read_decoded(optim: "OptimizerReader", kind: str, which: int, slot: Any, first: int, out: Tensor,

@@ -57,10 +57,6 @@ class GroupStateView(Protocol):
     @property
     def state_store(self) -> CheckpointStore: ...
 
-    def replace_state(self, fill: Any, cloned: Sequence[int] = (0, 0, 0), encoded: bool = False) -> None:
-        """New state from a checkpoint, through the store's `write` (gradients resting in the moments it replaces
-        are kept apart first)."""
-
     @property
     def part(self) -> Tuple[int, int]:
         """[lo, hi): the elements of the group's trainable range this rank keeps (all of it in one process)."""

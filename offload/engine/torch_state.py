@@ -157,7 +157,7 @@ def _load_group(group: FlatGroup, view: GroupStateView, entries: Sequence[Option
                 else:
                     piece.zero_()  # no entry: a fresh start, as torch's AdamW has for it
 
-    view.replace_state(fill)
+    view.state_store.write(fill)
     view.restore_steps([int(torch.as_tensor(e["step"]).item()) if e is not None else 0 for e in entries])
 
 

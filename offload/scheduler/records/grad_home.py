@@ -442,13 +442,6 @@ class GradHome:
         with self.lock:
             self._parking.rest(self, GradInMoments(store, store.live_copy(), spans))
 
-    def stop_resting(self) -> None:
-        """The moments it rests in are about to change (a checkpoint load): the gradient is rebuilt and parked
-        in its own record."""
-        if self._parking.resting:
-            self.buffer()
-            self.park()
-
     # ----- gradients in --------------------------------------------------------------------------------
     def accumulate(self, index: int, grad: Tensor, fresh: bool = False) -> int:
         """Add one parameter's gradient into its range (a copy for the first one since `zero`, or when `fresh`:

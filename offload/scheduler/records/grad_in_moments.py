@@ -29,7 +29,8 @@ class GradInMoments:
     """Where a group's gradient rests: its store's two copies of the first moment (`old_copy`: the one before
     the speculative update; the other holds the update's), the spans the update stepped and the elements the
     rebuild misses. Valid until either copy's first moment changes: the gradient is rebuilt before any update
-    of the group, and a checkpoint load parks it on its own first (`GradHome.stop_resting`)."""
+    of the group (it reads its gradient first), and no checkpoint load replaces the state under a pending
+    gradient (each refuses, or drops the gradients first, as `prepare_for_load` does)."""
 
     store: DiskStore
     old_copy: int

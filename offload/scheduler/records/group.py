@@ -19,7 +19,7 @@ from offload.optim.moment_format import moment_nbytes
 from offload.scheduler.blocks.block import Block, FlatGroup, Residency
 from offload.scheduler.records.grad_home import GradHome
 from offload.scheduler.state.adamw import AdamHyper, RestingSpan, UpdateSpan, adamw
-from offload.scheduler.state.state_store import Cloned, Fill, StateStore, moment_blocks, overwrite_master
+from offload.scheduler.state.state_store import StateStore, moment_blocks, overwrite_master
 from offload.scheduler.torch_internals import versions_of
 from offload.scheduler.weights.weight_home import WeightHome
 
@@ -85,12 +85,6 @@ class GroupState:
         else:
             self.steps = steps
         return resting
-
-    def replace_state(self, fill: Fill, cloned: Cloned = (0, 0, 0), encoded: bool = False) -> None:
-        """New state from a checkpoint (`StateStore.write`): a gradient resting in the moments it replaces is
-        rebuilt and parked on its own first (a load between backward and step keeps the gradients, as torch's)."""
-        self.grads.stop_resting()
-        self.store.write(fill, cloned, encoded)
 
     @property
     def speculated(self) -> bool:
