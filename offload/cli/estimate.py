@@ -17,6 +17,7 @@ with the planner's own message.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from offload.cli.activation_estimate import describe
 from offload.cli.options import byte_size, positive_int
 from offload.distributed.quantized_gather import Int8Blocks
 from offload.errors import OffloadConfigError
+from offload.optim.functional import resting_supported
 from offload.optim.moment_format import MomentFormat, moment_nbytes
 from offload.planner.place import make_plan, shards_weights, spec_of
 from offload.planner.plan import BlockSpec, GradFlow, Location, Plan
@@ -91,6 +93,10 @@ def estimate(shape: ModelShape, tier: Tier, dtype: torch.dtype, device_memory: O
     largest_record = max(-(-block[1] // world) for block in shape.blocks)
     ring = ring_size_for(largest_record, moments) if tier is Tier.NVME else None
     flow = flow or GradFlow(itemsize=itemsize)
+    # as wrap's placement decides (setup/placement.py `rests_in_moments`): 16-bit gradients rest in fp32 moments
+    rests = (tier is Tier.NVME and flow.clipping and moments is MomentFormat.FP32 and world == 1
+             and resting_supported(dtype))
+    flow = dataclasses.replace(flow, rests_in_moments=rests)
     # clipping speculates (wrap's speculative_clipping=True) where the budgets leave room for the shadows
     plan = make_plan(specs, tier, device_memory, host_memory, ring, flow, world if sharded else 1,
                      speculate=flow.clipping, disk_room=disk_room, disk_weights=disk_weights,

@@ -108,9 +108,10 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
         window, on_disk = _grad_home(blocks, host_left, ring, grads, on_device)
         if on_disk:
             assert host_left is not None and window is not None, "gradients go to disk only under a host budget"
-            window, parked = _parked_grads(blocks, host_left, ring, window)
-            if not parked:  # resting in the moments, yet all fit beside the ring the window would leave
-                window, on_disk = None, False
+            if _all_rest(grads, on_device):  # none kept beside the window: the ring reads ahead with that memory
+                parked = frozenset(b.name for b in blocks)
+            else:
+                window, parked = _parked_grads(blocks, host_left, ring, window)
         host_left, ring_bytes = _reserve_nvme_host(blocks, host_left, ring, window, grads, parked)
     device_left: Optional[int] = None
     if device_budget is not None:
@@ -158,7 +159,7 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
         slots = ring.slots(ring_bytes) if ring_bytes else None
     return Plan(tier, tuple(placements), device_budget, host_budget, ring_bytes, slots, window, workspace, on_disk,
                 disk_traffic, on_device, shard_world, speculation=said, disk_weights=weights_said,
-                grads_rest=on_disk and grads.rests_in_moments and any(p.shadowed for p in placements),
+                grads_rest=on_disk and _all_rest(grads, on_device) and any(p.shadowed for p in placements),
                 activation_room=activation_room, norm_scratch_bytes=scratch)
 
 
@@ -284,19 +285,28 @@ def _grad_home(blocks: Sequence[BlockSpec], host_left: Optional[int], ring: Ring
     earlier_wait = (flow.declared_steps or 1) > 1 and not micro_batches_on_device
     if flow.consumed_in_backward and not earlier_wait:
         return window, False  # the fast path: the last backward's updates consume each block's gradient
-    # Gradients resting in the moments after speculative updates need no room: keeping them all would only take
-    # the ring's (at 1.2B parameters, 2.4 GiB of 3 GB, the ring left at its minimum), so the window it is, with
-    # the disk for steps that do not speculate (clipping fired), unless they fit beside the preferred ring.
-    beside = ring.preferred if flow.rests_in_moments else ring.minimum
-    if sum(b.grad_bytes for b in blocks) + beside <= host_left:
+    if _all_rest(flow, micro_batches_on_device):
+        # Gradients resting in the moments after speculative updates need no room: kept whole they would take the
+        # ring's reads ahead (at 1.2B parameters 2.4 GiB of 3 GB, the ring left at 157 MiB), so the window it is,
+        # with a record on disk for steps that do not speculate (clipping fired) ([Note: gradients resting in the
+        # moments])
+        return window, True
+    if sum(b.grad_bytes for b in blocks) + ring.minimum <= host_left:
         return None, False  # they all fit
     return window, True
 
 
+def _all_rest(flow: GradFlow, micro_batches_on_device: bool) -> bool:
+    """Whether every gradient a step waits for is the last backward's, which rests in the moments: accumulation
+    declared with one micro-batch, or with the earlier ones summed on the device (undeclared, any backward may be
+    followed by another, whose sum would wait on disk)."""
+    earlier_wait = (flow.declared_steps or 1) > 1 and not micro_batches_on_device
+    return flow.rests_in_moments and flow.declared_steps is not None and not earlier_wait
+
+
 def _parked_grads(blocks: Sequence[BlockSpec], host_left: int, ring: RingSize,
                   window: int) -> Tuple[int, FrozenSet[str]]:
-    """Gradients must wait and do not all fit (or rest in the moments when they may, [Note: gradients resting in
-    the moments]): (the window, the blocks whose gradients wait on disk; none: they all fit after all). What host
+    """Gradients must wait and do not all fit: (the window, the blocks whose gradients wait on disk). What host
     memory holds beyond the window and the ring keeps whole gradients, in forward order, which then never go to
     disk: each saves its record in the swap file and twice its bytes of disk traffic a step, as a streamed
     weight kept in host memory would save its reads, and it is the disk, not the RAM, that bounds the model
@@ -310,8 +320,7 @@ def _parked_grads(blocks: Sequence[BlockSpec], host_left: int, ring: RingSize,
             kept.add(block.name)
             room -= block.grad_bytes
     parked = [b for b in blocks if b.name not in kept]
-    if not parked:
-        return window, frozenset()
+    assert parked, "gradients go to disk only when they do not all fit beside the ring"
     count = GRAD_WINDOW_BLOCKS if window == grad_window_bytes(blocks) else MIN_GRAD_WINDOW_BLOCKS
     window = grad_window_bytes(parked, count)
     return window, frozenset(b.name for b in parked)
@@ -322,7 +331,7 @@ def _grad_disk_bytes(all_grads: int, flow: GradFlow, micro_batches_on_device: bo
     next micro-batch adds to it, the update reads it), except the last one's when the last backward's updates
     consume it."""
     micro = flow.declared_steps or 1
-    waiting = micro - 1 if flow.consumed_in_backward or flow.rests_in_moments else micro
+    waiting = micro - 1 if flow.consumed_in_backward or _all_rest(flow, micro_batches_on_device) else micro
     if micro_batches_on_device and flow.declared_steps is not None:
         waiting = 0 if flow.consumed_in_backward else 1  # the earlier micro-batches summed on the device
     return 2 * waiting * all_grads

@@ -217,6 +217,12 @@ class Plan:
     def grads_placement(self) -> str:
         """Where the gradients live, in words (the plan's table and `python -m offload estimate` print it)."""
         everything = human_bytes(self.all_grad_bytes)
+        if self.grads_on_disk and self.grads_rest:
+            return (f"a window of {human_bytes(self.grad_window_bytes)} in host memory (of {everything}): after its "
+                    "speculative update a block's gradient rests in the first moments the update wrote, nothing "
+                    f"written; in steps that do not speculate (after one that clipped) they go to disk ({human_bytes(self.parked_grad_bytes)} "
+                    f"written and read back, records in the swap file for {sum(b.grad_parks for b in self.blocks)} of "
+                    f"{len(self.blocks)} blocks)")
         if self.grads_on_disk:
             parked = human_bytes(self.parked_grad_bytes)
             kept = self.all_grad_bytes - self.parked_grad_bytes
@@ -226,10 +232,7 @@ class Plan:
                     f"disk (records in the swap file for {sum(b.grad_parks for b in self.blocks)} of "
                     f"{len(self.blocks)} blocks{kept_said}): about {human_bytes(self.grad_disk_bytes_per_step)} written and "
                     "read back per step, per micro-batch without declared accumulation (declaring "
-                    "grad_accumulation_steps without max_grad_norm is the fast path: no gradient goes to disk)"
-                    + ("; after a speculative update a 16-bit gradient rests in the first moments it wrote instead, "
-                       "and goes to disk only in steps that do not speculate (clipping fired)" if self.grads_rest
-                       else ""))
+                    "grad_accumulation_steps without max_grad_norm is the fast path: no gradient goes to disk)")
         if self.grad_window_bytes is not None:
             return (f"a window of {human_bytes(self.grad_window_bytes)} (of {everything}; the fast path: each block's "
                     "update consumes its gradient during the last backward)")
