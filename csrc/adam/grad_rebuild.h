@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "adam/adam_kernels.h"
 #include "adam/scalar_math.h"
@@ -27,7 +28,12 @@ static inline void rebuild_loop(const float* m_old, const float* m_new, float le
   for (int64_t i = 0; i < n; ++i) {
     const float old = m_old[i], now = m_new[i];
     const float of_zero = __builtin_fmaf(lerp_weight, -old, old);
-    const float g = now == of_zero ? 0.0f : __builtin_fmaf(now - old, inverse, old);
+    const float rebuilt = __builtin_fmaf(now - old, inverse, old);
+    uint32_t bits;
+    std::memcpy(&bits, &rebuilt, sizeof bits);
+    bits &= -static_cast<uint32_t>(now != of_zero);  // +0.0 for a zero gradient; no branch, so every ISA vectorizes
+    float g;
+    std::memcpy(&g, &bits, sizeof g);
     if constexpr (G == DType::kBFloat16) {
       out[i] = scalar::float_to_bf16(g);
     } else {
