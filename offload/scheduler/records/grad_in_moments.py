@@ -3,12 +3,12 @@
 With exact clipping, a block's gradient must outlive its speculative update: if the global norm turns out above
 the threshold, the update runs again, clipped, from the untouched state. Keeping every gradient until then costs
 the nvme tier its staging ring (2.4 GiB of bf16 gradients at 1.2B parameters). But the speculative update wrote
-what the gradient was: AdamW's first moment is m' = fma(1 - beta1, g - m, m), so (m' - m) / (1 - beta1) + m,
+what the gradient was: AdamW's first moment is m' = fma(1 - beta1, g - m, m), so fma(m' - m, 1 / (1 - beta1), m),
 rounded to bf16 or fp16, is g for all but a few elements per hundred thousand, which the update's own pass finds
 and keeps (csrc/adam/grad_rebuild.h). The old moment stays in the live record and the new one in the shadow until
 the step commits or redoes the update, so the gradient can be given back to the window after the update and
 rebuilt, bit for bit, for whatever reads it next: the redo, a `clip_grad_norm_` by call, the next micro-batch's
-sum, a read of `.grad` after the step. See docs/design.md [Note: gradients resting in the moments].
+sum. See docs/design.md [Note: gradients resting in the moments].
 """
 
 from __future__ import annotations
