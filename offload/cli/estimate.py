@@ -29,10 +29,9 @@ from offload.cli.activation_estimate import describe
 from offload.cli.options import byte_size, positive_int
 from offload.distributed.quantized_gather import Int8Blocks
 from offload.errors import OffloadConfigError
-from offload.optim.functional import resting_supported
 from offload.optim.moment_format import MomentFormat, moment_nbytes
 from offload.planner.place import make_plan, shards_weights, spec_of
-from offload.planner.plan import BlockSpec, GradFlow, Location, Plan
+from offload.planner.plan import BlockSpec, GradFlow, Location, Plan, grads_may_rest
 from offload.planner.plan import human_bytes as _human
 from offload.planner.ring import ring_size_for
 from offload.policy import DiskWeights, Tier, parse_bytes
@@ -93,10 +92,7 @@ def estimate(shape: ModelShape, tier: Tier, dtype: torch.dtype, device_memory: O
     largest_record = max(-(-block[1] // world) for block in shape.blocks)
     ring = ring_size_for(largest_record, moments) if tier is Tier.NVME else None
     flow = flow or GradFlow(itemsize=itemsize)
-    # as wrap's placement decides (setup/placement.py `rests_in_moments`): 16-bit gradients rest in fp32 moments
-    rests = (tier is Tier.NVME and flow.clipping and moments is MomentFormat.FP32 and world == 1
-             and resting_supported(dtype))
-    flow = dataclasses.replace(flow, rests_in_moments=rests)
+    flow = dataclasses.replace(flow, rests_in_moments=grads_may_rest(tier, flow.clipping, moments, world, dtype))
     # clipping speculates (wrap's speculative_clipping=True) where the budgets leave room for the shadows
     plan = make_plan(specs, tier, device_memory, host_memory, ring, flow, world if sharded else 1,
                      speculate=flow.clipping, disk_room=disk_room, disk_weights=disk_weights,

@@ -9,6 +9,10 @@ import enum
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+import torch
+
+from offload.optim.functional import resting_supported
+from offload.optim.moment_format import MomentFormat
 from offload.planner.activations import ActivationUse
 from offload.planner.ring import RingSlots, slot_bytes_per_element
 from offload.policy import Tier
@@ -71,6 +75,14 @@ class GradFlow:
     @property
     def consumed_in_backward(self) -> bool:
         return self.declared_steps is not None and not self.clipping
+
+
+def grads_may_rest(tier: Tier, speculates: bool, moments: MomentFormat, world: int, dtype: torch.dtype) -> bool:
+    """Whether a speculating block's gradient may rest in the moments its update writes ([Note: gradients resting
+    in the moments]): the nvme tier's two copies of fp32 first moments, a 16-bit gradient they give back, one
+    process (a rank's averaged part waits as it is); wrap's placement and `offload estimate` ask alike."""
+    return (tier is Tier.NVME and speculates and moments is MomentFormat.FP32 and world == 1
+            and resting_supported(dtype))
 
 
 @dataclass(frozen=True)

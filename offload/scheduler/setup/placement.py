@@ -23,9 +23,8 @@ from offload.distributed.data_parallel import DataParallel, Shard
 from offload.distributed.quantized_gather import Int8Blocks
 from offload.errors import OffloadConfigError
 from offload.optim.functional import resting_supported
-from offload.optim.moment_format import MomentFormat
 from offload.planner.place import make_plan, shards_weights
-from offload.planner.plan import GradFlow, Location, Plan, human_bytes
+from offload.planner.plan import GradFlow, Location, Plan, grads_may_rest, human_bytes
 from offload.planner.ring import RingSize, ring_size_for
 from offload.policy import DiskWeights, OffloadPolicy, ShardWeights, Tier
 from offload.scheduler.blocks.block import Block, FlatGroup
@@ -207,7 +206,7 @@ def _make_plan(blocks: List[Block], policy: OffloadPolicy, ring: Optional[RingSi
     """The plan of one rank: its part of the state (and of the weights, `sharded`) among the data-parallel ranks."""
     world = 1 if dp is None else dp.world
     flow = GradFlow(policy.grad_accumulation_steps, policy.max_grad_norm is not None, policy.dtype.itemsize,
-                    rests_in_moments(policy, dp))
+                    _grads_may_rest(policy, dp))
     speculate = policy.speculates
     return make_plan([b.spec(policy.tier, policy.moments, world, sharded) for b in blocks], policy.tier,
                      policy.device_memory, policy.host_memory, ring, flow, world if sharded else 1, speculate,
@@ -215,12 +214,9 @@ def _make_plan(blocks: List[Block], policy: OffloadPolicy, ring: Optional[RingSi
                      disk_weights=policy.disk_weights, activation_room=policy.activation_memory or 0)
 
 
-def rests_in_moments(policy: OffloadPolicy, dp: Optional[DataParallel]) -> bool:
-    """Whether a speculating block's gradient may rest in the moments its update writes (grad_in_moments.py):
-    fp32 first moments in the swap file's two copies, a 16-bit gradient they give back, one process (a rank's
-    averaged part waits as it is)."""
-    return (policy.tier is Tier.NVME and policy.speculates and policy.moments is MomentFormat.FP32 and dp is None
-            and resting_supported(policy.dtype))
+def _grads_may_rest(policy: OffloadPolicy, dp: Optional[DataParallel]) -> bool:
+    return grads_may_rest(policy.tier, policy.speculates, policy.moments, 1 if dp is None else dp.world,
+                          policy.dtype)
 
 
 def _shards_weights(blocks: List[Block], policy: OffloadPolicy, dp: Optional[DataParallel],
@@ -297,7 +293,7 @@ def materialize(blocks: List[Block], module: nn.Module, plan: Plan, policy: Offl
                 store = _state_store(group, policy, tiers) if shard is None else \
                     ShardedStore(_state_store(ShardGroup(group, shard), policy, tiers), shard)
                 grads = _grad_home(group, store.on_host, policy, tiers, plan, shard, block.name in parked_grads,
-                                   block.name in shadowed and rests_in_moments(policy, dp))
+                                   block.name in shadowed and _grads_may_rest(policy, dp))
                 state = GroupState(group, store, grads, [optimizer_group_of[s.param] for s in group.trainable_slots],
                                    shard)
             home = _partitioned_home(block, group, tiers, on_disk, dp, shard) if sharded else \
