@@ -11,6 +11,7 @@ import torch
 
 from offload.__main__ import main
 from offload.cli.estimate import ModelShape, estimate
+from offload.optim.functional import torch_norm_order
 from offload.optim.moment_format import MomentFormat
 from offload.planner.plan import GradFlow, Location
 from offload.policy import Tier
@@ -125,7 +126,11 @@ def test_70b_on_a_24gb_device_with_128gb_of_host_fits_on_nvme_in_every_gradient_
     assert "gradients: a window of 12.2 GiB (of 130.4 GiB; the fast path" in out and "on disk" not in out
     assert main(argv + ["--grad-accumulation-steps", "4", "--max-grad-norm"]) == 0
     out = capsys.readouterr().out
-    assert "28.5 GiB of 130.4 GiB on disk (records in the swap file for 7 of 32 blocks" in out, out
+    # the fp32 copy for clipping's norms (4.1 GiB) holds a block's gradient where the norm is taken in place
+    taken_in_place = torch_norm_order() is not None
+    spilled = "24.4 GiB of 130.4 GiB on disk (records in the swap file for 6" if taken_in_place else \
+        "28.5 GiB of 130.4 GiB on disk (records in the swap file for 7"
+    assert spilled + " of 32 blocks" in out, out
     # clipping speculates where there is room: every block streams from disk (host memory holds gradients), so
     # the shadows of the state and of the weights are all in the swap file (free disk not measured here)
     assert "speculative clipping: 32 of 32 blocks update during the last backward into shadows (900.5 GiB disk)" \
@@ -237,7 +242,7 @@ def test_activation_memory_in_the_estimate_is_wraps_and_needs_a_device_budget(ca
     plain = estimate(shape, Tier.NVME, torch.bfloat16, 3 << 30, 8 << 30, flow)
     kept = estimate(shape, Tier.NVME, torch.bfloat16, 3 << 30, 8 << 30, flow, activation_room=1 << 30)
     assert kept.bytes_on(Location.DEVICE) < plain.bytes_on(Location.DEVICE) and kept.device_room >= 1 << 30
-    assert kept.norm_scratch_bytes == plain.norm_scratch_bytes > 0  # clipping bf16 gradients: their fp32 copy
+    assert kept.norm_scratch_bytes == plain.norm_scratch_bytes  # clipping bf16 gradients: their fp32 copy, if any
     argv = ["estimate", "--params", "2e9", "--layers", "16", "--tier", "nvme", "--host-memory", "8GB",
             "--device-memory", "3GB", "--dtype", "bf16", "--max-grad-norm", "--blocks"]
     assert main(argv + ["--activation-memory", "1GiB"]) == 0

@@ -25,7 +25,7 @@ from tests.models import TinyGPT, make_batches, one_intraop_thread
 LR, WD = 3e-3, 0.01
 BELOW, ABOVE = 1e3, 1e-3  # thresholds the norms stay far below / far above
 REGIMES = [pytest.param(BELOW, id="norms-below"), pytest.param(ABOVE, id="clips-every-step")]
-HOST = 200_000  # bf16 TinyGPT: the window, a ring, and less than every gradient beside the preferred ring
+HOST = 183_616  # bf16 TinyGPT: the window, a ring, and less than every gradient beside the preferred ring
 
 one_thread = pytest.fixture(autouse=True)(one_intraop_thread)
 native = pytest.mark.skipif(_native._C is None, reason="the gradient's check and rebuild are in offload._C")

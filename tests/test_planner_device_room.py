@@ -80,9 +80,12 @@ def test_activation_memory_beyond_the_device_budget_names_it_and_the_least_that_
 
 # ----- clipping's fp32 norm scratch, counted in the host budget ---------------------------------------------------
 @pytest.mark.parametrize("tier", [Tier.CPU, Tier.NVME])
-def test_clipping_half_precision_gradients_counts_the_fp32_norm_copy_in_host_memory(tier):
+def test_clipping_half_precision_gradients_counts_the_fp32_norm_copy_in_host_memory(tier, monkeypatch):
+    """Where the native core cannot take a half-precision norm in torch's order (optim/functional.py TorchNorm)."""
+    from offload.planner import place
     from offload.planner.plan import GradFlow
 
+    monkeypatch.setattr(place, "torch_norm_order", lambda: None)
     ring = ring_size_for(4096) if tier is Tier.NVME else None
     bf16 = GradFlow(1, True, 2)
     plan = make_plan(BLOCKS, tier, None, 10 * 1024 * KiB, ring, bf16)
@@ -94,3 +97,15 @@ def test_clipping_half_precision_gradients_counts_the_fp32_norm_copy_in_host_mem
     assert unclipped.norm_scratch_bytes == 0 and fp32.norm_scratch_bytes == 0  # no copy is made
     with pytest.raises(OffloadConfigError, match="fp32 copy of the largest half-precision gradient"):
         make_plan(BLOCKS, tier, None, 64 * KiB, ring, bf16)
+
+
+@pytest.mark.parametrize("tier", [Tier.CPU, Tier.NVME])
+def test_a_norm_taken_in_place_needs_no_fp32_copy(tier):
+    from offload.optim.functional import torch_norm_order
+    from offload.planner.plan import GradFlow
+
+    if torch_norm_order() is None:
+        pytest.skip("no native core, or a torch whose order it does not follow: the copy is needed")
+    ring = ring_size_for(4096) if tier is Tier.NVME else None
+    plan = make_plan(BLOCKS, tier, None, 10 * 1024 * KiB, ring, GradFlow(1, True, 2))
+    assert plan.norm_scratch_bytes == 0 and "fp32 copy" not in str(plan)

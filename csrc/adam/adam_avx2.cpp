@@ -12,6 +12,7 @@
 #include "adam/avx2_common.h"
 #include "adam/scalar_math.h"
 #include "adam/grad_rebuild.h"
+#include "adam/torch_order_norm.h"
 
 namespace offload {
 namespace {
@@ -82,6 +83,9 @@ void adam_range_avx2(const AdamBuffers& b, const AdamConstants& c, int64_t begin
   }
 }
 
+float torch_order_norm_avx2(const uint16_t* x, DType dtype, int64_t n, int lanes, bool fused) {
+  return torch_order::norm_range(x, dtype, n, lanes, fused);
+}
 void rebuild_avx2(const float* m_old, const float* m_new, float lerp_weight, uint16_t* out, DType dtype, int64_t n) {
   rebuild::rebuild_range(m_old, m_new, lerp_weight, out, dtype, n);
 }

@@ -14,10 +14,14 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
 #include "adam/adam_avx512_impl.h"
 #include "adam/grad_rebuild.h"
+#include "adam/torch_order_norm.h"
 
 namespace offload {
 void adam_range_avx512(const AdamBuffers& b, const AdamConstants& c, int64_t begin, int64_t end) {
   adam_range(b, c, begin, end);
+}
+float torch_order_norm_avx512(const uint16_t* x, DType dtype, int64_t n, int lanes, bool fused) {
+  return torch_order::norm_range(x, dtype, n, lanes, fused);
 }
 void rebuild_avx512(const float* m_old, const float* m_new, float lerp_weight, uint16_t* out, DType dtype, int64_t n) {
   rebuild::rebuild_range(m_old, m_new, lerp_weight, out, dtype, n);

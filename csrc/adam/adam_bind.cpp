@@ -112,6 +112,20 @@ void bind_adam(py::module_& m) {
       "beta1; the misses its step kept are the caller's to patch in.");
 
   m.def(
+      "torch_order_norm",
+      [](uintptr_t data, int dtype, int64_t numel, int lanes, bool fused, const std::string& isa) {
+        check_numel(numel);
+        const DType d = parse_dtype(dtype, "data");
+        if (d == DType::kFloat32) throw std::invalid_argument("torch_order_norm: data must be bf16 or fp16");
+        if (lanes != 8 && lanes != 16) throw std::invalid_argument("torch_order_norm: lanes must be 8 or 16");
+        return adam_kernels_for(isa).torch_order_norm(address<const uint16_t>(data), d, numel, lanes, fused);
+      },
+      py::arg("data"), py::arg("dtype"), py::arg("numel"), py::arg("lanes"), py::arg("fused"), py::arg("isa") = "",
+      py::call_guard<py::gil_scoped_release>(),
+      "The fp32 L2 norm of bf16/fp16 data in torch's order: `lanes` accumulators, added left to right, then the "
+      "tail (csrc/adam/torch_order_norm.h).");
+
+  m.def(
       "sum_of_squares",
       [](uintptr_t data, int dtype, int64_t numel, int num_threads, ThreadPool* pool, const std::string& isa) {
         check_numel(numel);

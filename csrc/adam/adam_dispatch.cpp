@@ -13,9 +13,12 @@ namespace offload {
 
 namespace {
 
-constexpr AdamKernels kAvx512{adam_range_avx512, sum_squares_avx512, rebuild_avx512, "avx512"};
-constexpr AdamKernels kAvx2{adam_range_avx2, sum_squares_avx2, rebuild_avx2, "avx2"};
-constexpr AdamKernels kScalar{adam_range_scalar, sum_squares_scalar, rebuild_scalar, "scalar"};
+constexpr AdamKernels kAvx512{adam_range_avx512, sum_squares_avx512, rebuild_avx512, torch_order_norm_avx512,
+                              "avx512"};
+constexpr AdamKernels kAvx2{adam_range_avx2, sum_squares_avx2, rebuild_avx2, torch_order_norm_avx2,
+                            "avx2"};
+constexpr AdamKernels kScalar{adam_range_scalar, sum_squares_scalar, rebuild_scalar, torch_order_norm_scalar,
+                              "scalar"};
 
 const AdamKernels& select_kernels() {
   switch (best_isa()) {

@@ -73,6 +73,12 @@ void rebuild_scalar(const float* m_old, const float* m_new, float lerp_weight, u
 void rebuild_avx2(const float* m_old, const float* m_new, float lerp_weight, uint16_t* out, DType dtype, int64_t n);
 void rebuild_avx512(const float* m_old, const float* m_new, float lerp_weight, uint16_t* out, DType dtype, int64_t n);
 
+// The L2 norm of n bf16/fp16 elements in torch's order of fp32 operations (torch_order_norm.h), one ISA's compilation.
+using TorchOrderNormFn = float (*)(const uint16_t* x, DType dtype, int64_t n, int lanes, bool fused);
+float torch_order_norm_scalar(const uint16_t* x, DType dtype, int64_t n, int lanes, bool fused);
+float torch_order_norm_avx2(const uint16_t* x, DType dtype, int64_t n, int lanes, bool fused);
+float torch_order_norm_avx512(const uint16_t* x, DType dtype, int64_t n, int lanes, bool fused);
+
 // The variant used on this CPU: "avx512", "avx2" or "scalar". Chosen once (cpu_features()).
 const char* adam_isa_name();
 
@@ -82,6 +88,7 @@ struct AdamKernels {
   AdamRangeFn adam;
   SumSquaresFn sum_squares;
   RebuildFn rebuild;
+  TorchOrderNormFn torch_order_norm;
   const char* name;
 };
 const AdamKernels& adam_kernels_for(const std::string& isa);

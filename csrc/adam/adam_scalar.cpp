@@ -6,6 +6,7 @@
 #pragma GCC optimize("fp-contract=off")
 #include "adam/scalar_math.h"
 #include "adam/grad_rebuild.h"
+#include "adam/torch_order_norm.h"
 
 namespace offload {
 
@@ -13,6 +14,9 @@ void adam_range_scalar(const AdamBuffers& b, const AdamConstants& c, int64_t beg
   scalar::adam_elements(b, c, begin, end);
 }
 
+float torch_order_norm_scalar(const uint16_t* x, DType dtype, int64_t n, int lanes, bool fused) {
+  return torch_order::norm_range(x, dtype, n, lanes, fused);
+}
 void rebuild_scalar(const float* m_old, const float* m_new, float lerp_weight, uint16_t* out, DType dtype, int64_t n) {
   rebuild::rebuild_range(m_old, m_new, lerp_weight, out, dtype, n);
 }

@@ -5,6 +5,7 @@ Dispatches to the fused native kernel when `offload._C` is available, else runs 
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Optional, Tuple
 
@@ -149,20 +150,59 @@ def sum_of_squares(t: Tensor, num_threads: Optional[int] = None) -> float:
     return native.sum_of_squares(t.data_ptr(), _DTYPE_CODES[t.dtype], t.numel(), _threads_for(t.numel(), num_threads))
 
 
-class Fp32Scratch:
-    """Where half-precision gradients become fp32 for their norms. `torch.linalg.vector_norm(x, dtype=float32)`
-    converts into a fresh tensor, and for a large gradient its fresh pages cost more than the norm (page faults:
-    5x the time of converting into a kept buffer, measured on an 82M-element bf16 gradient). Converting into this
-    buffer and taking the norm of that gives the same bits: the same fp32 tensor, reduced the same way, from the
-    same alignment. One buffer, the size of the largest gradient converted, kept until `release` (the engine's close:
-    torch's own conversion makes the same peak each time); a second thread meanwhile converts as torch does."""
+# Shorter gradients go to torch (cheap there; and torch takes a 1-element norm as |x|, not as sqrt(x*x)).
+IN_PLACE_NORM_MIN = 4096
+
+
+@functools.lru_cache(maxsize=None)
+def torch_norm_order() -> Optional[Tuple[int, bool]]:
+    """How this process's torch reduces a contiguous fp32 vector in `torch.linalg.vector_norm`, as (lanes, whether
+    each square is fused into its add), when one of the orders csrc/adam/torch_order_norm.h can follow gives
+    torch's bits on every probe below; else None (no native core, or a torch that reduces otherwise: then the
+    norm converts to fp32 and asks torch). Probed once per process: bf16 and fp16 vectors of short, ragged and
+    long lengths (from `IN_PLACE_NORM_MIN` on, the ones it serves), at scales where the squares are exact and
+    where bf16's underflow fp32 (there the fused and unfused adds differ)."""
+    native = _native._C
+    if native is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    probes = []
+    for dtype, tiny in ((torch.bfloat16, 2.0**-68), (torch.float16, 1e-4)):
+        for n in (IN_PLACE_NORM_MIN, IN_PLACE_NORM_MIN + 7, IN_PLACE_NORM_MIN + 9, 65_541, (1 << 21) + 5):
+            for scale in (1.0, 1e-3, tiny):
+                probes.append((torch.randn(n, generator=gen) * scale).to(dtype))
+    for lanes, fused in ((8, False), (8, True), (16, False), (16, True)):
+        if all(native.torch_order_norm(x.data_ptr(), _DTYPE_CODES[x.dtype], x.numel(), lanes, fused)
+               == float(torch.linalg.vector_norm(x.float(), 2)) for x in probes):
+            return lanes, fused
+    return None
+
+
+class TorchNorm:
+    """The L2 norm of a gradient with the bits `torch.linalg.vector_norm(x, dtype=torch.float32)` gives, the
+    reduction clipping must reproduce (docs/design.md [Note: clipping parity]).
+
+    A bf16/fp16 gradient is reduced in place by the native core in torch's order (`torch_norm_order`): 2 B read
+    per element in one thread, against torch's conversion (a fresh fp32 tensor, 6 B moved per element) and its
+    norm. Where that order is not torch's, the gradient is converted into a kept fp32 buffer and torch takes the
+    norm of that: the same bits, without the fresh pages torch's own conversion faults in (5x the time of
+    converting into a kept buffer, measured on an 82M-element bf16 gradient). One buffer, the size of the largest
+    gradient converted, kept until `release` (the engine's close); a second thread meanwhile converts as torch
+    does."""
 
     def __init__(self) -> None:
         self._buffer: Optional[Tensor] = None
         self._lock = threading.Lock()
 
     def norm(self, piece: Tensor) -> float:
-        if piece.dtype == torch.float32 or not self._lock.acquire(blocking=False):
+        if piece.dtype == torch.float32 or piece.numel() < IN_PLACE_NORM_MIN:
+            return float(torch.linalg.vector_norm(piece, 2, dtype=torch.float32))
+        order = torch_norm_order()
+        if order is not None and piece.is_contiguous():
+            native = _native._C
+            assert native is not None
+            return native.torch_order_norm(piece.data_ptr(), _DTYPE_CODES[piece.dtype], piece.numel(), *order)
+        if not self._lock.acquire(blocking=False):
             return float(torch.linalg.vector_norm(piece, 2, dtype=torch.float32))
         try:
             n = piece.numel()

@@ -12,6 +12,7 @@ from typing import AbstractSet, Callable, FrozenSet, List, Optional, Sequence, T
 import torch
 
 from offload.errors import OffloadConfigError
+from offload.optim.functional import torch_norm_order
 from offload.optim.moment_format import MomentFormat, moment_nbytes
 from offload.planner.plan import BlockPlacement, BlockSpec, GradFlow, Location, Plan
 from offload.planner.plan import human_bytes as _human
@@ -165,8 +166,9 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
 
 def _norm_scratch_bytes(blocks: Sequence[BlockSpec], flow: GradFlow) -> int:
     """Host bytes of the fp32 copy in which clipping takes the norm of a half-precision gradient held in host
-    memory (offload/optim/functional.py `Fp32Scratch`, kept between steps): the largest gradient's, in fp32."""
-    if not flow.clipping or flow.itemsize >= 4:
+    memory, where the native core cannot take it in place in torch's order (offload/optim/functional.py
+    `TorchNorm`, kept between steps): the largest gradient's, in fp32."""
+    if not flow.clipping or flow.itemsize >= 4 or torch_norm_order() is not None:
         return 0
     return max(b.largest_grad_bytes for b in blocks) // flow.itemsize * 4
 

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from offload.errors import OffloadError
-from offload.optim.functional import Fp32Scratch, sum_of_squares
+from offload.optim.functional import TorchNorm, sum_of_squares
 from offload.scheduler.blocks.block import FlatGroup
 from offload.scheduler.records.grad_in_moments import GradInMoments
 from offload.scheduler.records.held_grad import HeldGrad
@@ -343,12 +343,12 @@ class GradHome:
     """The flat gradient of a group's trainable range and which of its parameters have one since `zero`.
     `device`: where it is kept (the host, or the compute device on the gpu tier); `copies`: the device's copy
     context, where gradients that leave the device for the host are counted (`off_device`); `buffer` and
-    `parking`: see the module docstring (None: a `FixedBuffer`, `KeptParking`); `scratch`: where half-precision
-    gradients become fp32 for their norms (one per engine, freed at its close)."""
+    `parking`: see the module docstring (None: a `FixedBuffer`, `KeptParking`); `norms`: what takes the gradients'
+    norms as torch would (one per engine: its fp32 buffer, where it needs one, is freed at the engine's close)."""
 
     def __init__(self, group: FlatGroup, device: torch.device, copies: CopyContext, off_device: bool,
                  padded_numel: Optional[int] = None, pool: Optional[GradPool] = None,
-                 parking: Optional[DiskParking] = None, scratch: Optional[Fp32Scratch] = None) -> None:
+                 parking: Optional[DiskParking] = None, norms: Optional[TorchNorm] = None) -> None:
         n = padded_numel if padded_numel is not None else group.trainable_numel
         self.numel = n  # the trainable range, padded to whole shards in data-parallel mode (zeros beyond it)
         self.group = group
@@ -367,7 +367,7 @@ class GradHome:
         self.held = [HeldGrad(slot.param, slot.name, self, i) for i, slot in enumerate(group.trainable_slots)]
         self.owner: Optional[GradOwner] = None  # set by the block's record
         self.disk_bytes = GradDiskBytes()  # moved to and from the swap file (a disk parking's only)
-        self._scratch = scratch if scratch is not None else Fp32Scratch()  # the engine's, shared by its homes
+        self._norms = norms if norms is not None else TorchNorm()  # the engine's, shared by its homes
 
     @property
     def nbytes(self) -> int:
@@ -574,7 +574,7 @@ class GradHome:
                         norms.append((slot.param, 0.0))
                         continue
                     piece = self.grad[slot.offset:slot.offset + slot.numel]
-                    norms.append((slot.param, self._scratch.norm(piece)))
+                    norms.append((slot.param, self._norms.norm(piece)))
             return norms
 
     def all_finite(self, num_threads: Optional[int] = None) -> bool:

@@ -341,10 +341,10 @@ def _grad_home(group: FlatGroup, on_host: bool, policy: OffloadPolicy, tiers: Ti
         parked = None if shard is None or policy.max_grad_norm is None else (shard.lo, shard.hi)
         return GradHome(group, device, tiers.copies, on_host, padded_numel, tiers.grad_pool,
                         DiskParking(tiers.ring.grads, parked, rests and resting_supported(group.dtype)),
-                        tiers.norm_scratch)
+                        tiers.torch_norm)
     if plan.grads_on_disk:  # the budget holds this block's whole, beside the window of those that park
-        return GradHome(group, device, tiers.copies, on_host, padded_numel, scratch=tiers.norm_scratch)
-    return GradHome(group, device, tiers.copies, on_host, padded_numel, tiers.grad_pool, scratch=tiers.norm_scratch)
+        return GradHome(group, device, tiers.copies, on_host, padded_numel, norms=tiers.torch_norm)
+    return GradHome(group, device, tiers.copies, on_host, padded_numel, tiers.grad_pool, norms=tiers.torch_norm)
 
 
 def _weight_home(block: Block, group: FlatGroup, policy: OffloadPolicy, tiers: Tiers, streamed: set, on_disk: set,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
-from offload.optim.functional import Fp32Scratch
+from offload.optim.functional import TorchNorm
 from offload.scheduler.activations.spill import ActivationSpill
 from offload.scheduler.ring.disk_ring import DiskRing
 from offload.scheduler.weights.streamer import WeightStreamer
@@ -28,7 +28,7 @@ class Tiers:
     ring: Optional[DiskRing] = None
     grad_pool: Optional[GradPool] = None  # the nvme tier's gradient window (tiers/grad_window.py)
     activations: Optional[ActivationSpill] = None  # activations="offload": saved tensors to the swap directory
-    norm_scratch: Fp32Scratch = field(default_factory=Fp32Scratch)  # half-precision gradients' norms (clipping)
+    torch_norm: TorchNorm = field(default_factory=TorchNorm)  # gradients' norms as torch takes them (clipping)
 
     def stats(self) -> Dict[str, float]:
         """Each tier's own counters, for `engine.stats()`."""
@@ -60,7 +60,7 @@ class Tiers:
             self._close_storage()
 
     def _close_storage(self) -> None:
-        self.norm_scratch.release()
+        self.torch_norm.release()
         if self.ring is not None:
             self.ring.close()
         if self.swap is not None:
