@@ -40,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import namedtuple
 from pathlib import Path
@@ -220,6 +221,29 @@ def allocated_bytes(directory: str) -> int:
 
 def ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class WorkerTime:
+    """Seconds a step's update worker spends in block updates, and within them waiting for the disk (told by the
+    engine's spans): what an update costs apart from the disk, e.g. clipping's norms and checks."""
+
+    def __init__(self) -> None:
+        self.updates = 0.0
+        self.disk_waits = 0.0
+
+    def on_span(self, name: str, detail: str, start: float, end: float) -> None:
+        if threading.current_thread() is threading.main_thread():
+            return
+        if name == "update":
+            self.updates += end - start
+        elif name == "disk wait":
+            self.disk_waits += end - start
+
+    def take(self) -> Tuple[float, float]:
+        """(update seconds, disk wait seconds within them) since the last take."""
+        taken = (self.updates, self.disk_waits)
+        self.updates = self.disk_waits = 0.0
+        return taken
 
 
 class Progress:
@@ -601,6 +625,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         layer_list = [m for name, m in model.named_modules() if name.rsplit(".", 2)[-2:-1] == ["layers"]]
         progress = Progress(layer_list, len(engine.blocks))
         remove_observer = engine.add_observer(progress)
+        worker_time = WorkerTime()
+        remove_worker_time = engine.add_observer(worker_time)
         losses: List[float] = []
         norms: List[Optional[float]] = []
         stats_per_step = []
@@ -608,7 +634,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         for step, ids in enumerate(batches, 1):
             before = engine.stats()
             progress.start(step, args.steps)
-            start = time.perf_counter()
+            worker_time.take()
+            start, cpu_start = time.perf_counter(), time.process_time()
             with autocast:
                 loss = engine(input_ids=ids, labels=ids).loss
             (loss * args.loss_scale if args.loss_scale != 1.0 else loss).backward()
@@ -616,15 +643,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             norms.append(None if norm is None else float(norm))
             engine.zero_grad()
             engine.synchronize()
-            seconds = time.perf_counter() - start
+            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
             progress.stop()
             after = engine.stats()
             losses.append(loss.detach().item())
             delta = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}
-            stats_per_step.append((seconds, delta))
+            stats_per_step.append((seconds, cpu_seconds, worker_time.take(), delta))
             probe.sample()  # between steps: the disk's bandwidth in this run, this directory, this hour
             print(f"step {step}: {seconds:.1f} s, loss {losses[-1]:.4f}", file=sys.stderr)
         remove_observer()
+        remove_worker_time()
         progress.remove()
         peak_steps = peak_rss()
         peak = max(peak_wrap, peak_steps)
@@ -648,11 +676,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         # ----- the tables ---------------------------------------------------------------------------------------------
         rows = []
-        for step, (seconds, d) in enumerate(stats_per_step, 1):
+        for step, (seconds, cpu_seconds, (worker_s, worker_disk_s), d) in enumerate(stats_per_step, 1):
             read, written = d.get("bytes_disk_read", 0), d.get("bytes_disk_written", 0)
             t_read, t_write = read / disk.read, written / disk.write
-            rows.append(dict(step=step, step_s=seconds, loss=losses[step - 1], disk_read_GB=read / GB,
-                             disk_written_GB=written / GB, read_B_per_param=read / n_params,
+            rows.append(dict(step=step, step_s=seconds, cpu_s=cpu_seconds, worker_s=worker_s,
+                             worker_disk_s=worker_disk_s, loss=losses[step - 1],
+                             disk_read_GB=read / GB, disk_written_GB=written / GB, read_B_per_param=read / n_params,
                              grads_to_disk_GB=d.get("bytes_grads_to_disk", 0) / GB,
                              grads_from_disk_GB=d.get("bytes_grads_from_disk", 0) / GB,
                              T_read_s=t_read, T_write_s=t_write, bound_s=t_read + t_write,
@@ -716,7 +745,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print()
         print_table(summary, ["quantity", "value", "against"])
         print()
-        columns = ["step", "step_s", "loss", "disk_read_GB", "disk_written_GB", "grads_to_disk_GB", "grads_from_disk_GB",
+        columns = ["step", "step_s", "cpu_s", "loss", "disk_read_GB", "disk_written_GB", "grads_to_disk_GB",
+                   "grads_from_disk_GB",
                    "T_read_s", "T_write_s", "bound_s",
                    "efficiency", "forward_s", "backward_s", "wait_s", "update_s", "io_wait_s", "early_updates",
                    "grad_norm", "speculated", "kept", "fetches"]
@@ -813,8 +843,8 @@ def clipping_rounds(args: argparse.Namespace, argv: List[str]) -> int:
                 for row in result["rows"]:
                     results[name].append(dict(row, round=round_, regime=name, rss_growth_GB=result["rss_growth_GB"]))
     rows = [r for runs in results.values() for r in runs]
-    columns = ["regime", "round", "step", "step_s", "efficiency", "bound_s", "grad_norm", "speculated", "kept",
-               "backward_s", "update_s", "wait_s", "disk_read_GB", "disk_written_GB", "rss_growth_GB"]
+    columns = ["regime", "round", "step", "step_s", "cpu_s", "worker_s", "worker_disk_s", "efficiency", "bound_s",
+               "grad_norm", "speculated", "kept", "backward_s", "update_s", "wait_s", "disk_read_GB", "disk_written_GB", "rss_growth_GB"]
     print_table([{k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows], columns)
     print()
     summary = []

@@ -33,7 +33,8 @@ void adam_loop(const AdamBuffers& b, const AdamConstants& constants, int64_t beg
   int64_t i = begin;
   constexpr int64_t elem = (O == DType::kFloat32) ? 4 : 2;
   constexpr uintptr_t align = kLanes * elem;
-  const bool stream = kHasOut && (reinterpret_cast<uintptr_t>(b.out) % elem == 0) && (end - begin) >= 4 * kLanes;
+  const bool stream = kHasOut && b.stream_out && (reinterpret_cast<uintptr_t>(b.out) % elem == 0) &&
+                      (end - begin) >= 4 * kLanes;
   if (stream) {  // streaming stores for the write-only `out`; see the AVX-512 kernel
     const uintptr_t addr = reinterpret_cast<uintptr_t>(b.out) + static_cast<uintptr_t>(i) * elem;
     const int64_t head = static_cast<int64_t>(((align - addr % align) % align) / elem);

@@ -81,6 +81,8 @@ int64_t adam_step_resting(const AdamBuffers& buffers, const AdamConstants& const
   const AdamRangeFn step = kernels.adam;
   const RebuildFn rebuild = kernels.rebuild;
   std::atomic<int64_t> count{0};
+  AdamBuffers unstreamed = buffers;
+  unstreamed.stream_out = false;
   for_chunks(n, pool, num_threads, [&](int64_t begin, int64_t end) {
     float old[kBlock];
     uint16_t rebuilt[kBlock];
@@ -88,7 +90,7 @@ int64_t adam_step_resting(const AdamBuffers& buffers, const AdamConstants& const
     for (int64_t i = begin; i < end; i += kBlock) {
       const int64_t len = std::min(kBlock, end - i);
       std::memcpy(old, buffers.m + i, static_cast<size_t>(len) * sizeof(float));
-      step(buffers, constants, i, i + len);
+      step(unstreamed, constants, i, i + len);
       rebuild(old, buffers.m + i, constants.lerp_weight, rebuilt, buffers.g_dtype, len);
       if (std::memcmp(rebuilt, grad + i, static_cast<size_t>(len) * sizeof(uint16_t)) == 0) continue;
       for (int64_t j = 0; j < len; ++j) {

@@ -52,6 +52,9 @@ struct AdamBuffers {
   DType g_dtype;
   void* out;  // may be null
   DType out_dtype;
+  // `out` with streaming stores (it is only written), fenced at the end of each kernel call: for calls over whole
+  // tasks; the resting step calls the kernel 1024 elements at a time and writes `out` plainly (no fence each)
+  bool stream_out = true;
 };
 
 // One ISA's kernel over elements [begin, end).
