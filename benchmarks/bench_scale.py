@@ -25,7 +25,9 @@ Measured in one process: peak RSS (VmHWM, reset after the imports and the disk p
 `host_memory + device_memory`; each step's time (forward, backward, `step()`, `zero_grad()`, then
 `synchronize()`) and disk bytes (engine.stats()); the disk bound T_read + T_write of those bytes at the
 O_DIRECT bandwidths `offload.measure.DiskProbe` measured in the swap directory between steps; efficiency =
-bound / step. Also what `python -m offload estimate` (offload.cli.estimate.estimate) predicts per tier for the
+bound / step; each step's process CPU time (`cpu_s`: both cores' work, compute and updates alike) and the update
+worker's time in block updates, with the disk waits inside them apart (`worker_s`, `worker_disk_s`: what an
+update costs besides the disk, e.g. clipping's norms and checks). Also what `python -m offload estimate` (offload.cli.estimate.estimate) predicts per tier for the
 same blocks and budgets, against the plan `wrap()` made and the swap file it allocated.
 """
 

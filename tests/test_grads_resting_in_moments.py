@@ -184,7 +184,12 @@ def test_the_rebuild_patched_with_the_steps_misses_is_the_gradient(isa, dtype):
     C.rebuild_gradient(m.data_ptr(), state[1].data_ptr(), 0.9, out.data_ptr(), 1 if dtype == torch.bfloat16 else 2,
                        n, 2, None, isa)
     missed = out.view(torch.int16) != grad.view(torch.int16)
-    assert int(missed.sum()) == count
+    kept = torch.zeros(n, dtype=torch.bool)
+    kept[index[:count]] = True
+    # every element the rebuild misses is kept; so may be one whose rebuild is NaN (the fused AVX-512 check keeps
+    # those: a NaN's payload is the instruction's, which two compilations of the rebuild need not share)
+    assert torch.equal(missed & ~kept, torch.zeros_like(kept))
+    assert torch.equal(kept & ~missed & ~torch.isnan(out), torch.zeros_like(kept))
     out.view(torch.int16)[index[:count]] = bits[:count]
     assert torch.equal(out.view(torch.int16), grad.view(torch.int16))
 

@@ -20,6 +20,10 @@ namespace offload {
 void adam_range_avx512(const AdamBuffers& b, const AdamConstants& c, int64_t begin, int64_t end) {
   adam_range(b, c, begin, end);
 }
+void resting_range_avx512(const AdamBuffers& b, const AdamConstants& c, int64_t begin, int64_t end,
+                          const MissSink& misses) {
+  resting_range(b, c, begin, end, misses);
+}
 float torch_order_norm_avx512(const uint16_t* x, DType dtype, int64_t n, int lanes, bool fused) {
   return torch_order::norm_range(x, dtype, n, lanes, fused);
 }

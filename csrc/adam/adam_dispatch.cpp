@@ -1,4 +1,5 @@
 // Picks the kernel for this CPU once, and spreads a flat buffer over threads in cache-friendly chunks.
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -13,12 +14,37 @@ namespace offload {
 
 namespace {
 
+// The resting step of the ISAs without a fused one: the step and the rebuild 1024 elements at a time, so the old
+// moments (4 KiB) and the rebuilt bits (2 KiB) stay in L1 while the step's lines are in L1/L2 (the check reads
+// nothing more from DRAM than the step does); `out` is written plainly (the streaming stores' fence would come
+// after every block).
+template <AdamRangeFn kStep, RebuildFn kRebuild>
+void resting_in_blocks(const AdamBuffers& buffers, const AdamConstants& constants, int64_t begin, int64_t end,
+                       const MissSink& misses) {
+  constexpr int64_t kBlock = 1024;
+  AdamBuffers unstreamed = buffers;
+  unstreamed.stream_out = false;
+  float old[kBlock];
+  uint16_t rebuilt[kBlock];
+  const uint16_t* grad = static_cast<const uint16_t*>(buffers.g);
+  for (int64_t i = begin; i < end; i += kBlock) {
+    const int64_t len = std::min(kBlock, end - i);
+    std::memcpy(old, buffers.m + i, static_cast<size_t>(len) * sizeof(float));
+    kStep(unstreamed, constants, i, i + len);
+    kRebuild(old, buffers.m + i, constants.lerp_weight, rebuilt, buffers.g_dtype, len);
+    if (std::memcmp(rebuilt, grad + i, static_cast<size_t>(len) * sizeof(uint16_t)) == 0) continue;
+    for (int64_t j = 0; j < len; ++j) {
+      if (rebuilt[j] != grad[i + j]) misses.add(i + j, grad[i + j]);
+    }
+  }
+}
+
 constexpr AdamKernels kAvx512{adam_range_avx512, sum_squares_avx512, rebuild_avx512, torch_order_norm_avx512,
-                              "avx512"};
+                              resting_range_avx512, "avx512"};
 constexpr AdamKernels kAvx2{adam_range_avx2, sum_squares_avx2, rebuild_avx2, torch_order_norm_avx2,
-                            "avx2"};
+                            resting_in_blocks<adam_range_avx2, rebuild_avx2>, "avx2"};
 constexpr AdamKernels kScalar{adam_range_scalar, sum_squares_scalar, rebuild_scalar, torch_order_norm_scalar,
-                              "scalar"};
+                              resting_in_blocks<adam_range_scalar, rebuild_scalar>, "scalar"};
 
 const AdamKernels& select_kernels() {
   switch (best_isa()) {
@@ -75,34 +101,11 @@ void adam_step(const AdamBuffers& buffers, const AdamConstants& constants, int64
 int64_t adam_step_resting(const AdamBuffers& buffers, const AdamConstants& constants, int64_t n, ThreadPool* pool,
                           int num_threads, const AdamKernels& kernels, int64_t* miss_index, uint16_t* miss_bits,
                           int64_t capacity) {
-  // 1024 elements: the old moments (4 KiB) and the rebuilt bits (2 KiB) stay in L1 while the step's lines are in
-  // L1/L2, so the check reads nothing more from DRAM than the step does.
-  constexpr int64_t kBlock = 1024;
-  const AdamRangeFn step = kernels.adam;
-  const RebuildFn rebuild = kernels.rebuild;
   std::atomic<int64_t> count{0};
-  AdamBuffers unstreamed = buffers;
-  unstreamed.stream_out = false;
-  for_chunks(n, pool, num_threads, [&](int64_t begin, int64_t end) {
-    float old[kBlock];
-    uint16_t rebuilt[kBlock];
-    const uint16_t* grad = static_cast<const uint16_t*>(buffers.g);
-    for (int64_t i = begin; i < end; i += kBlock) {
-      const int64_t len = std::min(kBlock, end - i);
-      std::memcpy(old, buffers.m + i, static_cast<size_t>(len) * sizeof(float));
-      step(unstreamed, constants, i, i + len);
-      rebuild(old, buffers.m + i, constants.lerp_weight, rebuilt, buffers.g_dtype, len);
-      if (std::memcmp(rebuilt, grad + i, static_cast<size_t>(len) * sizeof(uint16_t)) == 0) continue;
-      for (int64_t j = 0; j < len; ++j) {
-        if (rebuilt[j] == grad[i + j]) continue;
-        const int64_t at = count.fetch_add(1, std::memory_order_relaxed);
-        if (at < capacity) {
-          miss_index[at] = i + j;
-          miss_bits[at] = grad[i + j];
-        }
-      }
-    }
-  });
+  const MissSink misses{miss_index, miss_bits, capacity, &count};
+  const RestingRangeFn resting = kernels.resting;
+  for_chunks(n, pool, num_threads,
+             [&](int64_t begin, int64_t end) { resting(buffers, constants, begin, end, misses); });
   return count.load();
 }
 

@@ -16,6 +16,7 @@
 // [Note: clipping parity] says how the tests compare.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -76,6 +77,28 @@ void rebuild_scalar(const float* m_old, const float* m_new, float lerp_weight, u
 void rebuild_avx2(const float* m_old, const float* m_new, float lerp_weight, uint16_t* out, DType dtype, int64_t n);
 void rebuild_avx512(const float* m_old, const float* m_new, float lerp_weight, uint16_t* out, DType dtype, int64_t n);
 
+// Where a resting step (adam_step_resting) puts the elements the rebuild would miss: their index and the gradient's
+// bits, at most `capacity`; `count` says how many there were (beyond `capacity`: the lists are incomplete).
+struct MissSink {
+  int64_t* index;
+  uint16_t* bits;
+  int64_t capacity;
+  std::atomic<int64_t>* count;
+
+  void add(int64_t at, uint16_t grad_bits) const {
+    const int64_t slot = count->fetch_add(1, std::memory_order_relaxed);
+    if (slot < capacity) {
+      index[slot] = at;
+      bits[slot] = grad_bits;
+    }
+  }
+};
+
+// One ISA's resting step over elements [begin, end): the step, and the check of each element's rebuild.
+using RestingRangeFn = void (*)(const AdamBuffers&, const AdamConstants&, int64_t begin, int64_t end,
+                                const MissSink& misses);
+void resting_range_avx512(const AdamBuffers&, const AdamConstants&, int64_t begin, int64_t end, const MissSink&);
+
 // The L2 norm of n bf16/fp16 elements in torch's order of fp32 operations (torch_order_norm.h), one ISA's compilation.
 using TorchOrderNormFn = float (*)(const uint16_t* x, DType dtype, int64_t n, int lanes, bool fused);
 float torch_order_norm_scalar(const uint16_t* x, DType dtype, int64_t n, int lanes, bool fused);
@@ -92,6 +115,7 @@ struct AdamKernels {
   SumSquaresFn sum_squares;
   RebuildFn rebuild;
   TorchOrderNormFn torch_order_norm;
+  RestingRangeFn resting;
   const char* name;
 };
 const AdamKernels& adam_kernels_for(const std::string& isa);
@@ -103,8 +127,8 @@ void adam_step(const AdamBuffers& buffers, const AdamConstants& constants, int64
                int num_threads, const AdamKernels& kernels);
 
 // A speculative step (issue 35): adam_step, which also checks that the 16-bit gradient (g_dtype bf16 or fp16,
-// grad_scale 1, no L2 term) can be rebuilt from the old and new first moment (grad_rebuild.h), a block of elements
-// at a time while they are in cache. The elements it would miss are written to miss_index (their index) and
+// grad_scale 1, no L2 term) can be rebuilt from the old and new first moment (grad_rebuild.h), in the step's own
+// loop (AVX-512) or a block of elements at a time while they are in cache (the others: kernels.resting). The elements it would miss are written to miss_index (their index) and
 // miss_bits (the gradient's bits), at most `capacity` of them, in no particular order. Returns how many there
 // are: more than `capacity` means the lists are incomplete (the gradient cannot rest in the moments).
 int64_t adam_step_resting(const AdamBuffers& buffers, const AdamConstants& constants, int64_t n, ThreadPool* pool,
