@@ -182,23 +182,26 @@ class TorchNorm:
     """The L2 norm of a gradient with the bits `torch.linalg.vector_norm(x, dtype=torch.float32)` gives, the
     reduction clipping must reproduce (docs/design.md [Note: clipping parity]).
 
-    A bf16/fp16 gradient is reduced in place by the native core in torch's order (`torch_norm_order`): 2 B read
-    per element in one thread, against torch's conversion (a fresh fp32 tensor, 6 B moved per element) and its
-    norm. Where that order is not torch's, the gradient is converted into a kept fp32 buffer and torch takes the
-    norm of that: the same bits, without the fresh pages torch's own conversion faults in (5x the time of
-    converting into a kept buffer, measured on an 82M-element bf16 gradient). One buffer, the size of the largest
-    gradient converted, kept until `release` (the engine's close); a second thread meanwhile converts as torch
-    does."""
+    A bf16/fp16 gradient in host memory is reduced in place by the native core in torch's order
+    (`torch_norm_order`): 2 B read per element in one thread, against torch's conversion (a fresh fp32 tensor, 6 B
+    moved per element) and its norm. Elsewhere (an order the core does not follow, a gradient on the device) the
+    gradient is converted into a kept fp32 buffer and torch takes the norm of that: the same bits, without the
+    fresh pages torch's own conversion faults in (5x the time of converting into a kept buffer, measured on an
+    82M-element bf16 gradient). One buffer, the size of the largest gradient converted, kept until `release` (the
+    engine's close); a second thread meanwhile converts as torch does."""
 
     def __init__(self) -> None:
         self._buffer: Optional[Tensor] = None
         self._lock = threading.Lock()
 
     def norm(self, piece: Tensor) -> float:
-        if piece.dtype == torch.float32 or piece.numel() < IN_PLACE_NORM_MIN:
+        if piece.dtype == torch.float32:
+            return float(torch.linalg.vector_norm(piece, 2))
+        on_cpu = piece.device.type == "cpu"
+        if on_cpu and piece.numel() < IN_PLACE_NORM_MIN:
             return float(torch.linalg.vector_norm(piece, 2, dtype=torch.float32))
         order = torch_norm_order()
-        if order is not None and piece.is_contiguous():
+        if order is not None and on_cpu and piece.is_contiguous():
             native = _native._C
             assert native is not None
             return native.torch_order_norm(piece.data_ptr(), _DTYPE_CODES[piece.dtype], piece.numel(), *order)

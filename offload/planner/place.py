@@ -166,8 +166,8 @@ def make_plan(blocks: Sequence[BlockSpec], tier: Tier, device_budget: Optional[i
 
 def _norm_scratch_bytes(blocks: Sequence[BlockSpec], flow: GradFlow) -> int:
     """Host bytes of the fp32 copy in which clipping takes the norm of a half-precision gradient held in host
-    memory, where the native core cannot take it in place in torch's order (offload/optim/functional.py
-    `TorchNorm`, kept between steps): the largest gradient's, in fp32."""
+    memory (the cpu and nvme tiers'), where the native core cannot take it in place in torch's order
+    (offload/optim/functional.py `TorchNorm`, kept between steps): the largest gradient's, in fp32."""
     if not flow.clipping or flow.itemsize >= 4 or torch_norm_order() is not None:
         return 0
     return max(b.largest_grad_bytes for b in blocks) // flow.itemsize * 4

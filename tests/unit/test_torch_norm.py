@@ -107,3 +107,9 @@ def test_the_engine_frees_its_buffer_at_close(monkeypatch):
     assert norms._buffer is not None and norms._buffer.dtype == torch.float32
     engine.close()
     assert norms._buffer is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (a gradient kept on the gpu tier)")
+def test_a_device_gradient_is_never_read_in_place():
+    piece = torch.randn(100_003, device="cuda").to(torch.bfloat16)
+    assert TorchNorm().norm(piece) == torchs(piece.cpu())
