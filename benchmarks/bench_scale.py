@@ -227,19 +227,22 @@ def ram_bytes() -> int:
 
 class WorkerTime:
     """Seconds a step's update worker spends in block updates, and within them waiting for the disk (told by the
-    engine's spans): what an update costs apart from the disk, e.g. clipping's norms and checks."""
+    engine's spans): what an update costs apart from the disk, e.g. clipping's norms and checks. A disk wait
+    counts when it ended inside an update on the same thread (other threads' waits, a fetch's, are not the
+    worker's)."""
 
     def __init__(self) -> None:
         self.updates = 0.0
         self.disk_waits = 0.0
+        self._waits: Dict[int, List[Tuple[float, float]]] = {}  # per thread, the disk waits since its last update
 
     def on_span(self, name: str, detail: str, start: float, end: float) -> None:
-        if threading.current_thread() is threading.main_thread():
-            return
-        if name == "update":
+        thread = threading.get_ident()
+        if name == "disk wait":
+            self._waits.setdefault(thread, []).append((start, end))
+        elif name == "update":
             self.updates += end - start
-        elif name == "disk wait":
-            self.disk_waits += end - start
+            self.disk_waits += sum(b - a for a, b in self._waits.pop(thread, []) if a >= start)
 
     def take(self) -> Tuple[float, float]:
         """(update seconds, disk wait seconds within them) since the last take."""
