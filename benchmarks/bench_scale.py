@@ -27,8 +27,10 @@ Measured in one process: peak RSS (VmHWM, reset after the imports and the disk p
 O_DIRECT bandwidths `offload.measure.DiskProbe` measured in the swap directory between steps; efficiency =
 bound / step; each step's process CPU time (`cpu_s`: both cores' work, compute and updates alike) and the update
 worker's time in block updates, with the disk waits inside them apart (`worker_s`, `worker_disk_s`: what an
-update costs besides the disk, e.g. clipping's norms and checks). Also what `python -m offload estimate` (offload.cli.estimate.estimate) predicts per tier for the
-same blocks and budgets, against the plan `wrap()` made and the swap file it allocated.
+update costs besides the disk, e.g. clipping's norms and checks), and that worker's CPU time (`worker_cpu_s`:
+what it takes from the cores the backward computes on). Also what `python -m offload estimate`
+(offload.cli.estimate.estimate) predicts per tier for the same blocks and budgets, against the plan `wrap()` made
+and the swap file it allocated.
 """
 
 from __future__ import annotations
@@ -234,7 +236,9 @@ class WorkerTime:
     def __init__(self) -> None:
         self.updates = 0.0
         self.disk_waits = 0.0
+        self.cpu = 0.0
         self._waits: Dict[int, List[Tuple[float, float]]] = {}  # per thread, the disk waits since its last update
+        self._cpu_at: Dict[int, float] = {}  # per thread, its CPU time when its last update ended
 
     def on_span(self, name: str, detail: str, start: float, end: float) -> None:
         thread = threading.get_ident()
@@ -243,11 +247,16 @@ class WorkerTime:
         elif name == "update":
             self.updates += end - start
             self.disk_waits += sum(b - a for a, b in self._waits.pop(thread, []) if a >= start)
+            now = time.thread_time()  # this span ends on the thread that ran the update
+            if thread in self._cpu_at:
+                self.cpu += now - self._cpu_at[thread]
+            self._cpu_at[thread] = now
 
-    def take(self) -> Tuple[float, float]:
-        """(update seconds, disk wait seconds within them) since the last take."""
-        taken = (self.updates, self.disk_waits)
-        self.updates = self.disk_waits = 0.0
+    def take(self) -> Tuple[float, float, float]:
+        """(update seconds, disk wait seconds within them, the updating threads' CPU seconds between the ends of
+        their updates: norms and parking included) since the last take."""
+        taken = (self.updates, self.disk_waits, self.cpu)
+        self.updates = self.disk_waits = self.cpu = 0.0
         return taken
 
 
@@ -681,11 +690,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         # ----- the tables ---------------------------------------------------------------------------------------------
         rows = []
-        for step, (seconds, cpu_seconds, (worker_s, worker_disk_s), d) in enumerate(stats_per_step, 1):
+        for step, (seconds, cpu_seconds, (worker_s, worker_disk_s, worker_cpu_s), d) in enumerate(stats_per_step, 1):
             read, written = d.get("bytes_disk_read", 0), d.get("bytes_disk_written", 0)
             t_read, t_write = read / disk.read, written / disk.write
             rows.append(dict(step=step, step_s=seconds, cpu_s=cpu_seconds, worker_s=worker_s,
-                             worker_disk_s=worker_disk_s, loss=losses[step - 1],
+                             worker_disk_s=worker_disk_s, worker_cpu_s=worker_cpu_s, loss=losses[step - 1],
                              disk_read_GB=read / GB, disk_written_GB=written / GB, read_B_per_param=read / n_params,
                              grads_to_disk_GB=d.get("bytes_grads_to_disk", 0) / GB,
                              grads_from_disk_GB=d.get("bytes_grads_from_disk", 0) / GB,
@@ -750,8 +759,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print()
         print_table(summary, ["quantity", "value", "against"])
         print()
-        columns = ["step", "step_s", "cpu_s", "loss", "disk_read_GB", "disk_written_GB", "grads_to_disk_GB",
-                   "grads_from_disk_GB",
+        columns = ["step", "step_s", "cpu_s", "worker_cpu_s", "loss", "disk_read_GB", "disk_written_GB",
+                   "grads_to_disk_GB", "grads_from_disk_GB",
                    "T_read_s", "T_write_s", "bound_s",
                    "efficiency", "forward_s", "backward_s", "wait_s", "update_s", "io_wait_s", "early_updates",
                    "grad_norm", "speculated", "kept", "fetches"]
@@ -848,8 +857,9 @@ def clipping_rounds(args: argparse.Namespace, argv: List[str]) -> int:
                 for row in result["rows"]:
                     results[name].append(dict(row, round=round_, regime=name, rss_growth_GB=result["rss_growth_GB"]))
     rows = [r for runs in results.values() for r in runs]
-    columns = ["regime", "round", "step", "step_s", "cpu_s", "worker_s", "worker_disk_s", "efficiency", "bound_s",
-               "grad_norm", "speculated", "kept", "backward_s", "update_s", "wait_s", "disk_read_GB", "disk_written_GB", "rss_growth_GB"]
+    columns = ["regime", "round", "step", "step_s", "cpu_s", "worker_cpu_s", "worker_s", "worker_disk_s", "efficiency",
+               "bound_s", "grad_norm", "speculated", "kept", "forward_s", "backward_s", "update_s", "wait_s",
+               "disk_read_GB", "disk_written_GB", "rss_growth_GB"]
     print_table([{k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows], columns)
     print()
     summary = []
