@@ -18,9 +18,12 @@ def test_queued_updates_run_in_priority_order_and_same_block_in_order():
     gate, started = threading.Event(), threading.Event()
     ran, seen = [], []
 
-    class Ring:  # what the ring is told to read ahead, in order
+    class Ring:  # what the ring is told to read ahead, in order; nothing read ahead yet
         def queued(self, block_indices):
             seen.append(block_indices)
+
+        def reading_order(self, block_indices):
+            return []
 
     ring = Ring()
     worker = StepWorker(1, observer=ring)
@@ -35,6 +38,47 @@ def test_queued_updates_run_in_priority_order_and_same_block_in_order():
         assert seen[0] == [3, 5, 5, 7]
     finally:
         worker.close()
+
+
+def _run_queued(jobs, read_ahead):
+    """The order the worker runs `jobs` ((block, priority), submitted while it is busy) in, when the ring has
+    begun reading ahead the blocks `read_ahead`, in that order (until each block's job runs)."""
+    gate, started = threading.Event(), threading.Event()
+    ran = []
+
+    class Ring:
+        def queued(self, block_indices):
+            pass
+
+        def reading_order(self, block_indices):
+            return [b for b in read_ahead if b in block_indices and b not in ran]
+
+    ring = Ring()  # the worker holds its observer weakly
+    worker = StepWorker(1, observer=ring)
+    try:
+        worker.submit(99, lambda: (started.set(), gate.wait()), priority=0)
+        started.wait()
+        for block, priority in jobs:
+            worker.submit(block, lambda b=block: ran.append(b), priority=priority)
+        gate.set()
+        worker.wait_all()
+    finally:
+        worker.close()
+    return ran
+
+
+def test_a_block_whose_state_is_read_ahead_runs_before_a_later_one_of_better_priority():
+    """The ring reads ahead for the backward in reverse forward order: block 13's chunks are in when block 12
+    (better priority) arrives; 13 runs first instead of holding its ring slots to the end of the step."""
+    assert _run_queued([(13, 13), (12, 12), (11, 11)], read_ahead=[13, 12]) == [13, 12, 11]
+    assert _run_queued([(13, 13), (12, 12), (11, 11)], read_ahead=[12]) == [12, 11, 13]
+    assert _run_queued([(3, 3), (5, 5), (5, 5)], read_ahead=[5]) == [5, 3, 5]  # a block's jobs in order
+
+
+def test_jobs_of_one_priority_keep_submission_order_whatever_was_read_ahead():
+    """Data-parallel ranks give every job priority 0: their collectives must run in the same order on every
+    rank, which the reads ahead of one rank do not decide."""
+    assert _run_queued([(1, 0), (2, 0), (3, 0)], read_ahead=[3, 2]) == [1, 2, 3]
 
 
 def test_an_error_surfaces_at_the_wait_for_its_block_only():

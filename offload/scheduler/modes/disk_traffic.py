@@ -26,6 +26,9 @@ class DiskTraffic(Protocol):
     def queued(self, block_indices: List[int]) -> None:
         """The worker's queue, in the order it will run (the worker calls this before each job)."""
 
+    def reading_order(self, block_indices: List[int]) -> List[int]:
+        """Of these blocks, those whose state is being read or was read ahead, in the order those reads began."""
+
     def flush_writes(self) -> None:
         """Every write in flight on disk (their errors raise here); reads ahead are kept."""
 
@@ -44,6 +47,9 @@ class NoDiskTraffic:
 
     def queued(self, block_indices: List[int]) -> None:
         pass
+
+    def reading_order(self, block_indices: List[int]) -> List[int]:
+        return []
 
     def flush_writes(self) -> None:
         pass
@@ -68,6 +74,16 @@ class RingTraffic:
     def queued(self, block_indices: List[int]) -> None:
         if self._records:
             self._ring.announce(_disk_groups([self._records[i] for i in block_indices]), replace=True)
+
+    def reading_order(self, block_indices: List[int]) -> List[int]:
+        if not self._records:
+            return []
+        block_of = {group.key: i for i in block_indices for group in _disk_groups([self._records[i]])}
+        order: List[int] = []
+        for key in self._ring.reading_order(list(block_of)):
+            if block_of[key] not in order:
+                order.append(block_of[key])
+        return order
 
     def flush_writes(self) -> None:
         self._ring.flush_writes()

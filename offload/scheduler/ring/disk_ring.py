@@ -135,6 +135,16 @@ class DiskRing:
         with self._order.deferring_errors():  # the training thread: errors fail the worker's next load
             self._read_ahead()
 
+    def reading_order(self, keys: List[str]) -> List[str]:
+        """Of these groups, those with chunks read ahead and not yet loaded (in flight or done), in the order
+        the first of each group's reads was issued."""
+        wanted, order = set(keys), []
+        with self._slots.lock:
+            for key, _start in self._reads:  # issue order
+                if key in wanted and key not in order:
+                    order.append(key)
+        return order
+
     # ----- the worker's side -------------------------------------------------------------------------
     def load(self, group: "FlatGroup", start: int, stop: int) -> SlotSections:
         """Views (master, exp_avg, exp_avg_sq) of elements [start, stop) in a slot, read from disk; hand the

@@ -161,3 +161,24 @@ def test_a_write_error_reaped_by_a_weight_prefetch_is_raised_by_drain(tmp_path):
         with pytest.raises(OSError, match="write failed"):
             ring.drain()
         ring.drain()  # reported once
+
+
+def test_the_ring_tells_which_groups_it_reads_ahead_in_the_order_it_began(tmp_path, monkeypatch):
+    """What the update worker runs first (step_worker.py): the groups whose chunks are read ahead and not yet
+    loaded, in the order their reads were issued; a group leaves once its chunks are loaded."""
+    model = nn.Sequential(*[nn.Linear(64, 100) for _ in range(3)])
+    with gated_ring(tmp_path, model, 4 * min_ring_bytes()) as (ring, swap, groups):
+        _read_every_chunk(ring, monkeypatch)
+        for group in groups:
+            ring.write_fresh(group, _fill(1.0))
+        ring.flush_writes()
+        keys = [g.key for g in groups]
+        assert ring.reading_order(keys) == []
+        ring.announce([groups[2], groups[0]])
+        assert ring.reading_order(keys) == [groups[2].key, groups[0].key]
+        assert ring.reading_order([groups[0].key, groups[1].key]) == [groups[0].key]
+        for start, stop in ring.chunks(groups[2]):
+            _update(ring, groups[2], start, stop, 1.0 + start)
+        assert ring.reading_order(keys) == [groups[0].key]
+        ring.drain()
+        assert ring.reading_order(keys) == []
