@@ -81,6 +81,30 @@ def test_jobs_of_one_priority_keep_submission_order_whatever_was_read_ahead():
     assert _run_queued([(1, 0), (2, 0), (3, 0)], read_ahead=[3, 2]) == [1, 2, 3]
 
 
+def test_an_error_of_the_rings_reading_order_fails_the_job_that_runs_next_not_the_thread():
+    gate, started = threading.Event(), threading.Event()
+
+    class Ring:
+        def queued(self, block_indices):
+            pass
+
+        def reading_order(self, block_indices):
+            raise RuntimeError("ring broken")
+
+    ring = Ring()
+    worker = StepWorker(1, observer=ring)
+    try:
+        worker.submit(99, lambda: (started.set(), gate.wait()), priority=0)
+        started.wait()
+        worker.submit(1, lambda: None, priority=1)
+        worker.submit(2, lambda: None, priority=2)
+        gate.set()
+        with pytest.raises(RuntimeError, match="ring broken"):
+            worker.wait(1)
+    finally:
+        worker.close()
+
+
 def test_an_error_surfaces_at_the_wait_for_its_block_only():
     worker = StepWorker(1)
     try:

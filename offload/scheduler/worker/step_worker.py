@@ -208,23 +208,31 @@ def _serve(lock: threading.Condition, queue: List[Job], stopping: threading.Even
             if not queue:
                 return
             waiting = [job[2] for job in queue] if len(queue) > 1 else []
-        told = None if observer is None or not waiting else observer()
-        reading = [] if told is None else told.reading_order(waiting)  # the ring's lock, not held with ours
+        told = None if observer is None else observer()
+        reading: List[int] = []
+        failed: Optional[BaseException] = None
+        if told is not None and waiting:
+            try:
+                reading = told.reading_order(waiting)  # the ring's lock, not held with ours
+            except BaseException as exc:  # reported with the job that runs next, as `queued`'s errors are
+                failed = exc
         with lock:
             if not queue:  # dropped at interpreter exit meanwhile
+                told = failed = None
                 continue
             queue.sort(key=lambda job: (job[0], job[1]))
             _priority, _seq, _block, work, future = queue.pop(_next_job(queue, reading))
             upcoming = [job[2] for job in queue]
         if future.set_running_or_notify_cancel():
             try:
-                told = None if observer is None else observer()
+                if failed is not None:
+                    raise failed
                 if told is not None and upcoming:
                     told.queued(upcoming)  # may raise an earlier write's error: reported with this job
                 future.set_result(work())
             except BaseException as exc:
                 future.set_exception(exc)
-        work = future = told = None  # type: ignore[assignment]  # not kept alive while waiting
+        work = future = told = failed = None  # type: ignore[assignment]  # not kept alive while waiting
 
 
 def _next_job(queue: List[Job], reading: List[int]) -> int:
