@@ -79,11 +79,7 @@ class RingTraffic:
         if not self._records:
             return []
         block_of = {group.key: i for i in block_indices for group in _disk_groups([self._records[i]])}
-        order: List[int] = []
-        for key in self._ring.reading_order(list(block_of)):
-            if block_of[key] not in order:
-                order.append(block_of[key])
-        return order
+        return list(dict.fromkeys(block_of[key] for key in self._ring.reading_order(list(block_of))))
 
     def flush_writes(self) -> None:
         self._ring.flush_writes()

@@ -138,12 +138,9 @@ class DiskRing:
     def reading_order(self, keys: List[str]) -> List[str]:
         """Of these groups, those with chunks read ahead and not yet loaded (in flight or done), in the order
         the first of each group's reads was issued."""
-        wanted, order = set(keys), []
-        with self._slots.lock:
-            for key, _start in self._reads:  # issue order
-                if key in wanted and key not in order:
-                    order.append(key)
-        return order
+        wanted = set(keys)
+        with self._slots.lock:  # `_reads` is in issue order
+            return list(dict.fromkeys(key for key, _start in self._reads if key in wanted))
 
     # ----- the worker's side -------------------------------------------------------------------------
     def load(self, group: "FlatGroup", start: int, stop: int) -> SlotSections:
