@@ -34,6 +34,11 @@ def _result(summary: str, part: str) -> str:
     return match.group(1).strip() if match else "(not in the summary)"
 
 
+def _parts_and_failures(summary: str) -> str:
+    """The summary up to its benchmark table: which part failed, and the last lines of its log."""
+    return summary.split("## Benchmark", 1)[0][-6000:]
+
+
 def _check_layout(out: Path) -> None:
     """What the device tool brings back: at most 8 files of at most 16 MiB, no deeper than 2 folders."""
     files = [p for p in out.rglob("*") if p.is_file()]
@@ -45,7 +50,7 @@ def _check_layout(out: Path) -> None:
 
 def test_the_rehearsal_runs_every_part_and_writes_the_gpu_layout(tmp_path):
     proc, out, work, summary = _rehearse(tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, _parts_and_failures(summary) + proc.stderr[-3000:]
     _check_layout(out)
     names = {p.name for p in out.iterdir()}
     assert {"summary.md", "gpu-check.tar.gz", "bench_gpu.csv"} <= names, names

@@ -11,7 +11,7 @@ import pytest
 
 from offload import _native
 from offload.errors import OffloadError
-from offload.scheduler.worker.step_worker import StepWorker
+from offload.scheduler.worker.step_worker import BEFORE_UPDATES, StepWorker
 
 
 def test_queued_updates_run_in_priority_order_and_same_block_in_order():
@@ -81,6 +81,14 @@ def test_jobs_of_one_priority_keep_submission_order_whatever_was_read_ahead():
     assert _run_queued([(1, 0), (2, 0), (3, 0)], read_ahead=[3, 2]) == [1, 2, 3]
 
 
+def test_parkings_run_before_every_update_in_submission_order_and_are_never_jumped():
+    """One process parks a block's gradients at priority BEFORE_UPDATES: an update run ahead of a parking may
+    need a buffer of the gradient window that the parking would give back (the worker cannot wait for that)."""
+    park = BEFORE_UPDATES
+    assert _run_queued([(13, 13), (12, park), (11, park), (2, 2)], read_ahead=[13]) == [12, 11, 13, 2]
+    assert _run_queued([(5, 5), (4, park), (4, 4)], read_ahead=[4]) == [4, 4, 5]  # a block's jobs in order
+
+
 def test_an_error_of_the_rings_reading_order_fails_the_job_that_runs_next_not_the_thread():
     gate, started = threading.Event(), threading.Event()
 
@@ -125,7 +133,7 @@ def test_an_error_surfaces_at_the_wait_for_its_block_only():
 _EXIT_WHILE_BUSY = """
 import time, torch
 from offload import _native
-from offload.scheduler.worker.step_worker import StepWorker
+from offload.scheduler.worker.step_worker import BEFORE_UPDATES, StepWorker
 buf = torch.zeros(16 << 20, dtype=torch.uint8)
 worker = StepWorker(1)
 def busy():  # about 1 s, nearly all of it inside native calls that released the GIL

@@ -24,7 +24,7 @@ from offload.scheduler.modes.grad_sync import GradSync
 from offload.scheduler.records.block_record import BlockRecord, GradReduction, UpdateJob
 from offload.scheduler.records.group import GroupState
 from offload.scheduler.records.slot_table import SlotTable
-from offload.scheduler.worker.step_worker import StepWorker
+from offload.scheduler.worker.step_worker import BEFORE_UPDATES, StepWorker
 
 
 class Reduction(GradReduction, Protocol):
@@ -53,6 +53,9 @@ class LocalReduction:
 
     def priority(self, forward_position: int) -> int:
         return forward_position  # the block the next forward needs first runs first (step_worker.py)
+
+    def park_priority(self) -> int:
+        return BEFORE_UPDATES  # they give the gradient window back, which an update may need (step_worker.py)
 
     def runs_every_update(self, has_trainable: bool) -> bool:
         return False
@@ -105,6 +108,9 @@ class DataParallelReduction:
 
     def priority(self, forward_position: int) -> int:
         return 0  # submission order: every rank runs the collectives of the same blocks in the same order
+
+    def park_priority(self) -> int:
+        return 0  # submission order: a backward's parkings come before the updates that read their gradients back
 
     def runs_every_update(self, has_trainable: bool) -> bool:
         return has_trainable  # another rank may have gradients for the block; every rank runs its job

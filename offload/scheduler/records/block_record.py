@@ -98,6 +98,9 @@ class GradReduction(Protocol):
     def priority(self, forward_position: int) -> int:
         """The worker's priority of a block's job, from its position in the forward."""
 
+    def park_priority(self) -> int:
+        """The worker's priority of a block's gradient parking."""
+
     def runs_every_update(self, has_trainable: bool) -> bool:
         """Whether a block's update runs even when no parameter of it has a gradient here."""
 
@@ -315,7 +318,8 @@ class BlockRecord:
     def park_grads(self, norms: bool) -> None:
         """The block's gradients are complete for this backward and wait for a later use: queue, on the worker,
         their norms (`norms`: clipping) and their parking (to disk, for a disk parking)."""
-        self.job = self.services.worker.submit(self.block.index, ParkJob(self, norms), self.priority())
+        self.job = self.services.worker.submit(self.block.index, ParkJob(self, norms),
+                                               self.services.reduction.park_priority())
 
     # ----- on the worker ------------------------------------------------------------------------------
     def run_update(self, job: UpdateJob) -> None:

@@ -14,6 +14,10 @@ run first, again and again, while the earlier block's chunks hold their ring slo
 the disk reads ahead through the slots left (1.2B parameters, `bench_scale`: 78-85% of the worker's loads found
 their chunk read ahead, 97-99% with this rule). It jumps only jobs of another priority: jobs of one priority (a
 data-parallel rank's, whose collectives must line up with the other ranks') keep their submission order.
+
+Jobs of negative priority (`BEFORE_UPDATES`: one process's gradient parkings) run before every other, in submission
+order, and are never jumped: they give the gradient window's bytes back, and an update run ahead of them may need
+a buffer of that window to read its gradient back, which the worker cannot wait for (it would wait for itself).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class QueueObserver(Protocol):
         ...
 
 
+BEFORE_UPDATES = -1  # a priority that runs a job before every update and is never jumped (see the module's doc)
 EXIT_JOIN_SECONDS = 60.0  # how long interpreter exit waits for the update that is running
 
 
@@ -237,10 +242,11 @@ def _serve(lock: threading.Condition, queue: List[Job], stopping: threading.Even
 
 def _next_job(queue: List[Job], reading: List[int]) -> int:
     """Where in `queue` (sorted by priority, then submission) the next job is: the first job of the block whose
-    reads ahead began first (`reading`), when no job of its priority comes before it; else the first."""
+    reads ahead began first (`reading`), when no job of its priority and none of negative priority comes before
+    it; else the first."""
     for block in reading[:1]:
         position = next((i for i, job in enumerate(queue) if job[2] == block), None)
-        if position is not None and all(job[0] != queue[position][0] for job in queue[:position]):
+        if position is not None and all(0 <= job[0] != queue[position][0] for job in queue[:position]):
             return position
     return 0
 
