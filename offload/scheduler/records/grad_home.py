@@ -31,7 +31,6 @@ from offload.scheduler.state.disk_store import DiskStore
 from offload.scheduler.state.state_store import StateStore
 from offload.tiers.copies import CopyContext, GradDownloads
 from offload.tiers.grad_window import GradPool
-from offload.tiers.mapped import mapped_zeros
 
 if TYPE_CHECKING:
     from offload.scheduler.ring.record_moves import RecordMoves
@@ -109,15 +108,18 @@ class WindowBuffer:
 
     def take(self, wait: bool) -> Tensor:
         """Zeros from the window; `wait=False` on the worker, which would wait for itself."""
+        if self._downloads is None and self._device.type == "cpu":
+            return self.pool.take_zeros(self._numel, self._dtype, wait)  # a spare's pages, or fresh ones
         self.pool.acquire(self._numel * self._dtype.itemsize, wait)
         if self._downloads is not None:
             return self._downloads.new_accumulator()
-        if self._device.type == "cpu":
-            return mapped_zeros(self._numel, self._dtype)  # its pages go back when it is given back
         return torch.zeros(self._numel, dtype=self._dtype, device=self._device)
 
     def give_back(self, grad: Tensor) -> bool:
-        self.pool.release(grad.nbytes)
+        if self._downloads is None and self._device.type == "cpu":
+            self.pool.give_back(grad)
+        else:
+            self.pool.release(grad.nbytes)
         return True
 
     def zero_waits_for_update(self, set_to_none: bool) -> bool:

@@ -167,3 +167,31 @@ def test_a_windowed_home_waits_for_another_homes_release_when_the_window_is_full
     assert not waiter.is_alive()
     assert torch.equal(piece(second, 0), g.reshape(-1))
     assert pool.in_use == GROUP_BYTES and pool.over_budget_events == 0
+
+
+def test_a_buffer_given_back_is_reused_zeroed_and_the_spares_stay_within_the_budget():
+    """Reusing a given-back buffer saves a page fault per 4 KiB of a fresh mapping; in use plus spares never pass
+    the budget, and a buffer something else still views is never handed out again."""
+    pool = GradPool(3000)
+    first = pool.take_zeros(250, torch.float32)  # 1000 bytes
+    first.fill_(7.0)
+    address = first.data_ptr()
+    pool.give_back(first)
+    assert pool.in_use == 0 and pool.spare_bytes == 1000
+    again = pool.take_zeros(250, torch.float32)
+    assert again.data_ptr() == address and bool((again == 0).all())  # the same pages, zeros
+    assert pool.spare_bytes == 0 and pool.in_use == 1000
+    other = pool.take_zeros(100, torch.float32)  # another size: a fresh mapping
+    assert other.data_ptr() != address
+    pool.give_back(again)
+    pool.give_back(other)
+    assert pool.spare_bytes == 1400
+    big = pool.take_zeros(600, torch.float32)  # 2400 bytes in use: the spares (1400) no longer fit beside it
+    assert pool.in_use + pool.spare_bytes <= pool.budget_bytes
+    viewed = pool.take_zeros(50, torch.float32)
+    view = viewed[10:20]
+    pool.give_back(viewed)  # a view still reads its memory: not kept
+    assert all(t.data_ptr() != viewed.data_ptr() for t in pool._spares)
+    del view
+    pool.give_back(big)
+    assert pool.in_use == 0 and pool.spare_bytes <= pool.budget_bytes
