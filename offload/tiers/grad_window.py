@@ -103,6 +103,10 @@ class GradPool:
 
 
 def _only_holder(buffer: torch.Tensor) -> bool:
-    """Whether `buffer` is the one tensor on its memory (then nothing reads or writes it once it is given back)."""
+    """Whether `buffer` is the one tensor on its memory (then nothing reads or writes it once it is given back).
+    A torch without the count keeps no spare: every take maps fresh pages, as before spares."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
     storage = buffer.untyped_storage()
-    return torch._C._storage_Use_Count(storage._cdata) == 2  # `buffer`'s and `storage`'s own
+    return use_count(storage._cdata) == 2  # `buffer`'s and `storage`'s own
