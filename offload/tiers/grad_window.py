@@ -87,10 +87,11 @@ class GradPool:
     def give_back(self, buffer: torch.Tensor) -> None:
         """A buffer of `take_zeros` back: its bytes to the window, the buffer kept as a spare if nothing else
         holds its memory (a view, a copy in flight) and the budget has room for it."""
-        self.release(buffer.nbytes)
-        with self._changed:
+        with self._changed:  # bytes back and the spare kept at once: a take woken by the bytes finds the spare
+            self.in_use -= buffer.nbytes
             if _only_holder(buffer) and self.in_use + self.spare_bytes + buffer.nbytes <= self.budget_bytes:
                 self._spares.append(buffer)
+            self._changed.notify_all()
 
     @property
     def spare_bytes(self) -> int:

@@ -102,13 +102,14 @@ class WindowBuffer:
                  pool: GradPool) -> None:
         self._numel, self._dtype, self._device, self._downloads = numel, dtype, device, downloads
         self.pool = pool
+        self._in_host_pages = downloads is None and device.type == "cpu"  # the pool's own buffers (and spares)
 
     def first(self) -> Optional[Tensor]:
         return None  # taken at the first gradient
 
     def take(self, wait: bool) -> Tensor:
         """Zeros from the window; `wait=False` on the worker, which would wait for itself."""
-        if self._downloads is None and self._device.type == "cpu":
+        if self._in_host_pages:
             return self.pool.take_zeros(self._numel, self._dtype, wait)  # a spare's pages, or fresh ones
         self.pool.acquire(self._numel * self._dtype.itemsize, wait)
         if self._downloads is not None:
@@ -116,7 +117,7 @@ class WindowBuffer:
         return torch.zeros(self._numel, dtype=self._dtype, device=self._device)
 
     def give_back(self, grad: Tensor) -> bool:
-        if self._downloads is None and self._device.type == "cpu":
+        if self._in_host_pages:
             self.pool.give_back(grad)
         else:
             self.pool.release(grad.nbytes)
