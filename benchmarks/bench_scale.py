@@ -703,6 +703,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                              backward_s=d.get("backward_seconds", 0.0), update_s=d.get("update_seconds", 0.0),
                              wait_s=d.get("wait_seconds", 0.0),
                              io_wait_s=d.get("nvme_io_wait_seconds", 0.0),
+                             chunks_moved=d.get("nvme_chunks_moved", 0), chunks_read_ahead=d.get("nvme_chunks_read_ahead", 0),
+                             chunks_clean=d.get("nvme_chunks_clean", 0),
                              early_updates=d.get("early_block_updates", 0),
                              grad_norm=norms[step - 1] if norms[step - 1] is not None else "",
                              speculated=d.get("speculative_updates", 0),
@@ -762,8 +764,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         columns = ["step", "step_s", "cpu_s", "worker_cpu_s", "loss", "disk_read_GB", "disk_written_GB",
                    "grads_to_disk_GB", "grads_from_disk_GB",
                    "T_read_s", "T_write_s", "bound_s",
-                   "efficiency", "forward_s", "backward_s", "wait_s", "update_s", "io_wait_s", "early_updates",
-                   "grad_norm", "speculated", "kept", "fetches"]
+                   "efficiency", "forward_s", "backward_s", "wait_s", "update_s", "io_wait_s", "chunks_moved",
+                   "chunks_read_ahead", "chunks_clean", "early_updates", "grad_norm", "speculated", "kept", "fetches"]
         print_table([{k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows], columns)
 
         # ----- estimate vs plan ----------------------------------------------------------------------------------

@@ -29,7 +29,9 @@ from offload.planner.ring import MIN_DEPTH
 from offload.scheduler.ring.master_reads import MasterReads
 from offload.scheduler.ring.record_moves import RecordMoves
 from offload.scheduler.ring.ring_slots import (
+    CHUNK_RECORDS,
     KEEP_FOR_LOAD,
+    STATE_RECORD,
     ChunkKey,
     CleanChunk,
     InFlight,
@@ -157,17 +159,17 @@ class DiskRing:
         slot = None if entry is None else entry.slot
         try:
             if entry is None:
-                self._order.wait_for_writes_of(group, start, stop)  # its slot may then hold the chunk
+                self._order.wait_for_writes_of(group, CHUNK_RECORDS, start, stop)  # its slot may then hold the chunk
                 with self._slots.lock:
                     slot = self._take_clean_locked(group, start, stop)
                     self._checked_out[key] = slot
                 if slot is not None:
-                    entry = InFlight(slot, group, start, stop, [])
+                    entry = InFlight(slot, group, CHUNK_RECORDS, start, stop, [])
                 else:
                     slot = self._order.take()
                     with self._slots.lock:
                         self._checked_out[key] = slot
-                    entry = InFlight(slot, group, start, stop, self._read_chunk(slot, group, start, stop))
+                    entry = InFlight(slot, group, CHUNK_RECORDS, start, stop, self._read_chunk(slot, group, start, stop))
             self._order.wait(entry.futures)
         except BaseException:
             with self._slots.lock:
@@ -196,7 +198,7 @@ class DiskRing:
                 raise
             self._slots.forget_clean_locked((group.key, start))
             clean = None if shadow or group.key in self._store.weights else CleanChunk((group.key, start), stop)
-            self._order.register_locked(InFlight(slot, group, start, stop, futures, clean))
+            self._order.register_locked(InFlight(slot, group, CHUNK_RECORDS, start, stop, futures, clean))
             self._checked_out.pop((group.key, start), None)
         self._read_ahead()
 
@@ -208,7 +210,7 @@ class DiskRing:
         the moments is rebuilt from (records/grad_in_moments.py); the master weights and second moments are not
         read."""
         assert self.moments is MomentFormat.FP32
-        self._order.wait_for_writes_of(group, 0, group.numel)
+        self._order.wait_for_writes_of(group, STATE_RECORD, 0, group.numel)
         live = self._store.live_copy(group.key)
         for start, stop in self.chunks(group):
             slot = self._order.take()
@@ -396,9 +398,9 @@ class DiskRing:
                 clean = self._take_clean_locked(group, start, stop) if len(self._slots.free) > KEEP_FOR_LOAD else None
                 if clean is not None:  # no read: the slot still holds the chunk
                     del self._announced[key]
-                    self._reads[key] = InFlight(clean, group, start, stop, [])
+                    self._reads[key] = InFlight(clean, group, CHUNK_RECORDS, start, stop, [])
                     continue
-                taken = self._order.take_ahead_locked(1, group, start, stop)
+                taken = self._order.take_ahead_locked(1, group, CHUNK_RECORDS, start, stop)
                 if taken is None:
                     return  # no slot to spare, or its write still in flight
                 del self._announced[key]
@@ -408,5 +410,5 @@ class DiskRing:
                 except BaseException:
                     self._slots.give_back_locked(slot)
                     raise
-                self._reads[key] = InFlight(slot, group, start, stop, futures)
+                self._reads[key] = InFlight(slot, group, CHUNK_RECORDS, start, stop, futures)
                 self.chunks_read_ahead += 1

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from offload.scheduler.ring.record_moves import PieceRead, cancel_piece_reads, finish_piece_reads, start_piece_reads
+from offload.scheduler.ring.ring_slots import STATE_RECORD
 from offload.tiers.disk import RecordKind
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ class MasterReads:
     def read_into(self, group: "FlatGroup", dst: Tensor, copy: Callable[[Tensor, Tensor], None]) -> None:
         """Read the group's master chunk by chunk and `copy(dst_piece, staged fp32)` each (the copy casts)."""
         _check_whole(group)
-        self._order.wait_for_writes_of(group, 0, group.numel)
+        self._order.wait_for_writes_of(group, STATE_RECORD, 0, group.numel)
         for start, stop in self._chunks(group):
             slot = self._order.take()
             try:
@@ -64,7 +65,7 @@ class MasterReads:
         def read(slot: "Slot", start: int, stop: int) -> Tuple[Tensor, "IOFuture"]:
             staged = _staged(slot, start, stop)
             return staged, self._store.read(RecordKind.STATE, group.key, start, (staged, None, None))
-        return start_piece_reads(self._order, self._slots, group, self._chunks(group), read)
+        return start_piece_reads(self._order, self._slots, group, STATE_RECORD, self._chunks(group), read)
 
     def finish_read(self, handle: List[PieceRead], dst: Tensor, copy: Callable[[Tensor, Tensor], None]) -> None:
         """Wait for a prefetch's reads and `copy(dst_piece, staged)` each; its slots go back."""

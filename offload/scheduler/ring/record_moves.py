@@ -5,7 +5,7 @@ When the plan puts a block's weights on disk, every fetch reads them from the sw
 new weights are written back; when gradients spill, a gradient that must wait is written to its record and
 read back for the next micro-batch or the update. Both go through the staging ring's slots
 (ring_slots.SlotPool), a slot's worth at a time. They follow the ring's ordering rules, which live in one object shared with the chunk path
-(ring_slots.WriteOrder): a read or write of a group first retires the ring's writes of it in flight, slots
+(ring_slots.WriteOrder): a read or write of a group's record first retires the ring's writes of that record in flight, slots
 come from `WriteOrder.take`, a prefetch takes its slots with `take_ahead_locked` (never the ring's last
 free slots, so the chunk the step worker needs next can always get one), and an error a prefetch meets on
 the training thread is kept for the worker. This class knows nothing of the chunk path (disk_ring.py),
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, List, NamedTuple, Optional, Tuple
 from torch import Tensor
 
 from offload.io.future import wait_all
-from offload.scheduler.ring.ring_slots import KEEP_FOR_LOAD, InFlight
+from offload.scheduler.ring.ring_slots import KEEP_FOR_LOAD, InFlight, Records
 from offload.tiers.disk import RecordKind
 
 if TYPE_CHECKING:
@@ -56,6 +56,7 @@ class RecordMoves:
         self._order = order
         self._store = store
         self._kind = kind
+        self._records: Records = frozenset({kind})
 
     def _numel(self, group: "FlatGroup") -> int:
         """The array's elements: the whole group's weights, or its (padded, data-parallel) trainable range."""
@@ -65,7 +66,7 @@ class RecordMoves:
     def read_into(self, group: "FlatGroup", dst: Tensor, copy: Callable[[Tensor, Tensor], None]) -> None:
         """Read the group's record (its weights or its gradient), slot by slot, and `copy(dst_piece, staged)` each.
         Reads take a slot's worth at a time (several of the pieces `write_from` sealed, each verified)."""
-        self._order.wait_for_writes_of(group, 0, group.numel)
+        self._order.wait_for_writes_of(group, self._records, 0, group.numel)
         for start, stop in _pieces(self._numel(group), self._per_slot(dst.element_size())):
             slot = self._order.take()
             try:
@@ -84,7 +85,7 @@ class RecordMoves:
         piece they seal is one an update's read covers whole and verifies. Weights with a shadow copy are
         written to both copies: a speculative update writes only the trainable range of the shadow, so the
         frozen rest must already be there when a commit makes it the live copy."""
-        self._order.wait_for_writes_of(group, 0, group.numel)
+        self._order.wait_for_writes_of(group, self._records, 0, group.numel)
         copies = (False, True) if self._kind is RecordKind.WEIGHTS and self._store.has_weight_shadow(group.key) \
             else (False,)
         for start, stop in _pieces(self._numel(group), self._slots.chunk_numel):
@@ -106,20 +107,20 @@ class RecordMoves:
                     finally:
                         self._slots.give_back_locked(slot)
                     raise
-                self._order.register_locked(InFlight(slot, group, start, stop, futures))
+                self._order.register_locked(InFlight(slot, group, self._records, start, stop, futures))
         if self._kind is RecordKind.WEIGHTS:
-            self._order.wait_for_writes_of(group, 0, group.numel)
+            self._order.wait_for_writes_of(group, self._records, 0, group.numel)
 
     def start_read(self, group: "FlatGroup", itemsize: int) -> Optional[List[PieceRead]]:
         """Issue reads of the group's disk-resident weights into free slots without blocking (a prefetch);
-        None when that would take the ring's last free slots (`KEEP_FOR_CHUNKS` stay) or a write of the group
+        None when that would take the ring's last free slots (`KEEP_FOR_CHUNKS` stay) or a write of the record
         is still in flight. Complete it with `finish_weights_read`, or `cancel_weights_read`."""
         pieces = _pieces(self._numel(group), self._per_slot(itemsize))
 
         def read(slot: "Slot", start: int, stop: int) -> Tuple[Tensor, "IOFuture"]:
             staged = slot.raw[:(stop - start) * itemsize].view(group.dtype)
             return staged, self._store.read(self._kind, group.key, start, staged)
-        return start_piece_reads(self._order, self._slots, group, pieces, read)
+        return start_piece_reads(self._order, self._slots, group, self._records, pieces, read)
 
     def finish_read(self, handle: List[PieceRead], dst: Tensor,
                             copy: Callable[[Tensor, Tensor], None]) -> None:
@@ -138,15 +139,17 @@ class RecordMoves:
         return chunks * self._slots.chunk_numel
 
 
-def start_piece_reads(order: "WriteOrder", slots: "SlotPool", group: "FlatGroup", pieces: List[Tuple[int, int]],
+def start_piece_reads(order: "WriteOrder", slots: "SlotPool", group: "FlatGroup", records: Records,
+                      pieces: List[Tuple[int, int]],
                       read: Callable[["Slot", int, int], Tuple[Tensor, "IOFuture"]]) -> Optional[List[PieceRead]]:
-    """A prefetch: `read(slot, start, stop)` (the staged view, the read's future) for each piece of `group`, into free
-    slots without blocking; None when that would take the ring's last free slots (`KEEP_FOR_CHUNKS` stay) or a write
-    of the group is still in flight (any prefetch of pieces: a record's, or a master's, master_reads.py)."""
+    """A prefetch: `read(slot, start, stop)` (the staged view, the read's future) for each piece of the group's
+    `records`, into free slots without blocking; None when that would take the ring's last free slots
+    (`KEEP_FOR_CHUNKS` stay) or a write of them is still in flight (any prefetch of pieces: a record's, or a
+    master's, master_reads.py)."""
     if not order.reap_or_defer():  # a prefetch is optional: a write's error goes to the worker
         return None
     with slots.lock:
-        taken_slots = order.take_ahead_locked(len(pieces), group, 0, group.numel, keep=KEEP_FOR_CHUNKS)
+        taken_slots = order.take_ahead_locked(len(pieces), group, records, 0, group.numel, keep=KEEP_FOR_CHUNKS)
         if taken_slots is None:
             return None
         taken: List[PieceRead] = []

@@ -8,7 +8,16 @@ import threading
 import pytest
 
 from offload.planner.ring import min_ring_bytes
-from offload.scheduler.ring.ring_slots import KEEP_FOR_LOAD, InFlight, SlotPool, WriteOrder
+from offload.scheduler.ring.ring_slots import (
+    CHUNK_RECORDS,
+    KEEP_FOR_LOAD,
+    STATE_RECORD,
+    InFlight,
+    Records,
+    SlotPool,
+    WriteOrder,
+)
+from offload.tiers.disk import RecordKind
 from offload.tiers.host import StagingPool
 
 DEPTH = 4
@@ -45,10 +54,15 @@ def order():
         staging.close()
 
 
-def _write(order: WriteOrder, slots: SlotPool, group, start: int, stop: int, request: Request) -> InFlight:
-    """Take a slot and register a write of [start, stop) of `group` from it, as `DiskRing.store` does."""
+GRADS = frozenset({RecordKind.GRADS})
+
+
+def _write(order: WriteOrder, slots: SlotPool, group, start: int, stop: int, request: Request,
+           records: Records = CHUNK_RECORDS) -> InFlight:
+    """Take a slot and register a write of [start, stop) of the group's `records` from it, as `DiskRing.store`
+    does (a state chunk's, by default)."""
     slot = order.take()
-    write = InFlight(slot, group, start, stop, [request])  # type: ignore[list-item]
+    write = InFlight(slot, group, records, start, stop, [request])  # type: ignore[list-item]
     with slots.lock:
         order.register_locked(write)
     return write
@@ -60,12 +74,13 @@ def test_a_read_of_a_range_waits_for_the_write_of_that_range_only(order):
     first = _write(order, slots, group, 0, 100, Request())
     second = _write(order, slots, group, 100, 200, Request())
     third = _write(order, slots, other, 0, 100, Request())
-    order.wait_for_writes_of(group, 50, 150)  # overlaps the first two writes
+    order.wait_for_writes_of(group, CHUNK_RECORDS, 50, 150)  # overlaps the first two writes
     assert [w.futures[0].waited for w in (first, second, third)] == [1, 1, 0]
     assert order.in_flight() == 1 and len(slots.free) == DEPTH - 1
     with slots.lock:
-        assert order.writing_locked(other, 99, 100) and not order.writing_locked(other, 100, 200)
-        assert not order.writing_locked(group, 0, 200)
+        assert order.writing_locked(other, CHUNK_RECORDS, 99, 100)
+        assert not order.writing_locked(other, CHUNK_RECORDS, 100, 200)
+        assert not order.writing_locked(group, CHUNK_RECORDS, 0, 200)
 
 
 def test_a_slot_is_reused_only_after_its_write_is_done(order):
@@ -108,15 +123,15 @@ def test_reads_ahead_never_take_the_last_free_slot(order):
     order, slots = order
     group = object()
     with slots.lock:
-        ahead = order.take_ahead_locked(DEPTH - KEEP_FOR_LOAD, group, 0, 100)
+        ahead = order.take_ahead_locked(DEPTH - KEEP_FOR_LOAD, group, CHUNK_RECORDS, 0, 100)
         assert ahead is not None and len(slots.free) == KEEP_FOR_LOAD
-        assert order.take_ahead_locked(1, group, 100, 200) is None  # the last one is the worker's
+        assert order.take_ahead_locked(1, group, CHUNK_RECORDS, 100, 200) is None  # the last one is the worker's
     slot = order.take()  # which the worker gets
     assert not slots.free
     for taken in ahead + [slot]:
         slots.give_back(taken)
     with slots.lock:
-        assert order.take_ahead_locked(DEPTH - 1, group, 0, 100, keep=2) is None
+        assert order.take_ahead_locked(DEPTH - 1, group, CHUNK_RECORDS, 0, 100, keep=2) is None
         assert len(slots.free) == DEPTH  # a refusal takes nothing
 
 
@@ -125,12 +140,29 @@ def test_a_range_is_not_read_ahead_while_its_write_is_in_flight(order):
     group = object()
     write = _write(order, slots, group, 0, 100, Request())
     with slots.lock:
-        assert order.take_ahead_locked(1, group, 50, 60) is None
-        assert order.take_ahead_locked(1, group, 100, 200) is not None  # another range may go
+        assert order.take_ahead_locked(1, group, CHUNK_RECORDS, 50, 60) is None
+        assert order.take_ahead_locked(1, group, CHUNK_RECORDS, 100, 200) is not None  # another range may go
     write.futures[0].finished = True
     order.reap()
     with slots.lock:
-        assert order.take_ahead_locked(1, group, 50, 60) is not None
+        assert order.take_ahead_locked(1, group, CHUNK_RECORDS, 50, 60) is not None
+
+
+def test_a_write_of_one_record_never_holds_up_another_records_read(order):
+    """A gradient parking right after its block's speculative update writes the gradient's record; the update's
+    state writes of the same group are in flight, and neither waits for the other (they are different bytes)."""
+    order, slots = order
+    group = object()
+    state = _write(order, slots, group, 0, 100, Request())
+    grads = _write(order, slots, group, 0, 100, Request(), GRADS)
+    order.wait_for_writes_of(group, GRADS, 0, 100)  # before the gradient's next write, or its read back
+    assert (state.futures[0].waited, grads.futures[0].waited) == (0, 1)
+    with slots.lock:
+        assert order.writing_locked(group, STATE_RECORD, 0, 100) and not order.writing_locked(group, GRADS, 0, 100)
+        assert order.take_ahead_locked(1, group, GRADS, 0, 100) is not None  # its gradient may be read ahead
+        assert order.take_ahead_locked(1, group, STATE_RECORD, 0, 100) is None  # its state not yet
+    order.wait_for_writes_of(group, STATE_RECORD, 0, 100)  # a master read waits for the chunk's write
+    assert state.futures[0].waited == 1
 
 
 def test_an_error_met_on_the_training_thread_is_kept_for_the_worker(order):
