@@ -12,7 +12,7 @@ through this one object, so each rule is written once:
   read issued ahead is not issued at all while one is in flight, `take_ahead_locked`). The records are the
   swap file's (`RecordKind`): a group's parked gradient and its state are different bytes, so a gradient parking
   after a speculative update does not wait for that update's state writes (it did, behind the disk's queue:
-  ~0.75 s a step at 1.2B);
+  3 s of the worker's time a step at 1.2B);
 - a slot is reused only after its write has completed: a write keeps its slot until it is retired (waited
   for, then unregistered and the slot given back, `retire`); `take` retires the oldest write when no slot
   is free, and `reap` retires the completed ones without blocking;
