@@ -6,9 +6,9 @@ new weights are written back; when gradients spill, a gradient that must wait is
 read back for the next micro-batch or the update. Both go through the staging ring's slots
 (ring_slots.SlotPool), a slot's worth at a time. They follow the ring's ordering rules, which live in one object
 shared with the chunk path (ring_slots.WriteOrder): a read or write of a group's record first retires the ring's
-writes of that record in flight, slots come from `WriteOrder.take`, a prefetch takes its slots with `take_ahead_locked` (never the ring's last
-free slots, so the chunk the step worker needs next can always get one), and an error a prefetch meets on
-the training thread is kept for the worker. This class knows nothing of the chunk path (disk_ring.py),
+writes of that record in flight, slots come from `WriteOrder.take`, a prefetch takes its slots with
+`take_ahead_locked` (never the ring's last free slots, so the chunk the step worker needs next can always get
+one), and an error a prefetch meets on the training thread is kept for the worker. This class knows nothing of the chunk path (disk_ring.py),
 which only hands these moves on.
 
 Thread safety: the pool's lock guards the free list and the writes in flight; a prefetch checks both and
