@@ -57,16 +57,23 @@ class GradPool:
         """Take `nbytes`, waiting while the window is full and an update will give some back (`wait=False`:
         the worker itself, which nothing else would free bytes for)."""
         with self._changed:
-            updates: Optional[Updates] = None  # asked once, when the window is full: whether this thread may wait
-            while self.in_use and self.in_use + nbytes > self.budget_bytes:
-                if updates is None and wait and self._updates is not None and not self._updates.on_own_thread():
-                    updates = self._updates
-                if updates is None or not updates.has_work():
-                    self.over_budget_events += 1
-                    break
-                self._changed.wait(WAIT_SLICE_SECONDS)
-            self.in_use += nbytes
-            self.peak = max(self.peak, self.in_use)
+            self._acquire_locked(nbytes, wait)
+            self._note_peak_locked()
+
+    def _acquire_locked(self, nbytes: int, wait: bool) -> None:
+        updates: Optional[Updates] = None  # asked once, when the window is full: whether this thread may wait
+        while self.in_use and self.in_use + nbytes > self.budget_bytes:
+            if updates is None and wait and self._updates is not None and not self._updates.on_own_thread():
+                updates = self._updates
+            if updates is None or not updates.has_work():
+                self.over_budget_events += 1
+                break
+            self._changed.wait(WAIT_SLICE_SECONDS)
+        self.in_use += nbytes
+
+    def _note_peak_locked(self) -> None:
+        """`peak`: the most host bytes the window held, its buffers in use and its spares (both are mapped)."""
+        self.peak = max(self.peak, self.in_use + self.spare_bytes)
 
     def release(self, nbytes: int) -> None:
         with self._changed:
@@ -76,12 +83,12 @@ class GradPool:
     def take_zeros(self, numel: int, dtype: torch.dtype, wait: bool = True) -> torch.Tensor:
         """A flat host buffer of zeros from the window (`acquire`'s wait): a spare of that size, zeroed, or a
         fresh mapping."""
-        nbytes = numel * dtype.itemsize
-        self.acquire(nbytes, wait)
-        with self._changed:
+        with self._changed:  # the bytes, the spare taken and the spares dropped at once: `peak` sees no overlap
+            self._acquire_locked(numel * dtype.itemsize, wait)
             spare = next((i for i, t in enumerate(self._spares) if t.numel() == numel and t.dtype == dtype), None)
             buffer = self._spares.pop(spare) if spare is not None else None
             self._drop_spares_over_budget()
+            self._note_peak_locked()
         return buffer.zero_() if buffer is not None else mapped_zeros(numel, dtype)
 
     def give_back(self, buffer: torch.Tensor) -> None:

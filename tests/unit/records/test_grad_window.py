@@ -195,3 +195,4 @@ def test_a_buffer_given_back_is_reused_zeroed_and_the_spares_stay_within_the_bud
     del view
     pool.give_back(big)
     assert pool.in_use == 0 and pool.spare_bytes <= pool.budget_bytes
+    assert pool.peak <= pool.budget_bytes  # the host bytes held at most, buffers in use and spares together
