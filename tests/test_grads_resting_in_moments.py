@@ -195,6 +195,38 @@ def test_the_rebuild_patched_with_the_steps_misses_is_the_gradient(isa, dtype):
 
 
 @native
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16-out", "fp32-out"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+def test_the_resting_step_writes_the_plain_steps_weights_wherever_they_start(isa, out_dtype):
+    """The compute copy the resting step writes (streamed from the vector its address aligns on, AVX-512) is the
+    plain step's, bit for bit, whatever the copy's alignment."""
+    C = _native._C
+    assert C is not None
+    try:
+        C.adam_step_resting(0, 0, 1, 0, 0, 0, 0, 0, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, 0, 0, 0, 1, None, isa)
+    except ValueError as error:
+        pytest.skip(f"this CPU cannot run the {isa} kernels: {error}")
+    n = 300_001
+    case = _hard_gradients(n, torch.bfloat16, seed=3)
+    grad, m = case["grad"], case["exp_avg"]
+    p, v = torch.randn(n), torch.rand(n) * 1e-6
+    for shift in (0, 1, 7):  # the copy's first element at 0, 2 or 4 bytes, and 14 or 28 bytes, past a vector
+        state = [p.clone(), m.clone(), v.clone()]
+        out = torch.full((n + shift,), 7.0, dtype=out_dtype)[shift:]
+        index = torch.empty(n, dtype=torch.int64)
+        bits = torch.empty(n, dtype=torch.int16)
+        C.adam_step_resting(state[0].data_ptr(), grad.data_ptr(), 1, state[1].data_ptr(), state[2].data_ptr(), n,
+                            out.data_ptr(), 1 if out_dtype == torch.bfloat16 else 0, 3, 1e-3, 0.9, 0.999, 1e-8, 0.01,
+                            index.data_ptr(), bits.data_ptr(), n, 2, None, isa)
+        plain = [p.clone(), m.clone(), v.clone()]
+        expected = torch.empty(n, dtype=out_dtype)
+        adam_step_flat(plain[0], grad, plain[1], plain[2], step=3, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                       weight_decay=0.01, adamw=True, num_threads=2, out=expected)
+        assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8)), shift
+        assert torch.equal(state[0].view(torch.int32), plain[0].view(torch.int32)), shift
+
+
+@native
 def test_too_many_misses_are_reported_not_kept(monkeypatch):
     n = 100_000
     case = _hard_gradients(n, torch.bfloat16, seed=2)

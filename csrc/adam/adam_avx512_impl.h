@@ -67,35 +67,54 @@ void adam_range(const AdamBuffers& b, const AdamConstants& c, int64_t begin, int
 // The resting step (adam_step_resting) in one pass: each vector is stepped, then the gradient rebuilt from the old
 // and new first moment as grad_rebuild.h does it, in registers, and compared with the gradient's bits. Lanes that
 // differ, and any lane whose rebuild is NaN (its payload may differ from the rebuild loop's), are misses.
+template <DType G, DType O, bool kHasOut, bool kStream>
+inline void resting16(const AdamBuffers& b, const Constants512& c, __m512 inverse, int64_t i, __mmask16 k,
+                      const MissSink& misses) {
+  const uint16_t* grad = static_cast<const uint16_t*>(b.g);
+  const __m256i bits = _mm256_maskz_loadu_epi16(k, grad + i);
+  const __m512 old = _mm512_maskz_loadu_ps(k, b.m + i);
+  __m512 m = old, v = _mm512_maskz_loadu_ps(k, b.v + i), s;
+  const __m512 p = adam_math16(c, load16<G>(b.g, i, k), _mm512_maskz_loadu_ps(k, b.p + i), m, v, s);
+  _mm512_mask_storeu_ps(b.p + i, k, p);
+  _mm512_mask_storeu_ps(b.m + i, k, m);
+  _mm512_mask_storeu_ps(b.v + i, k, v);
+  if constexpr (kHasOut) store16<O, kStream>(b.out, i, p, k);
+  const __m512 of_zero = _mm512_fnmadd_ps(c.lerp_weight, old, old);  // fma(lw, -old, old)
+  __m512 rebuilt = _mm512_fmadd_ps(_mm512_sub_ps(m, old), inverse, old);
+  rebuilt = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m, of_zero, _CMP_NEQ_UQ), rebuilt);  // +0.0: a zero gradient
+  const __m256i rounded = (G == DType::kBFloat16)
+                              ? to_bf16(rebuilt)
+                              : _mm512_cvtps_ph(rebuilt, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __mmask16 missed = _mm256_mask_cmpneq_epi16_mask(k, rounded, bits) |
+                           _mm512_mask_cmp_ps_mask(k, rebuilt, rebuilt, _CMP_UNORD_Q);
+  for (unsigned lanes = missed; lanes != 0; lanes &= lanes - 1) {
+    const int64_t at = i + __builtin_ctz(lanes);
+    misses.add(at, grad[at]);
+  }
+}
+
+// `out` with streaming stores as adam_loop writes it (the same peeling to their alignment, one fence a call).
 template <DType G, DType O, bool kHasOut>
 void resting_loop(const AdamBuffers& b, const AdamConstants& constants, int64_t begin, int64_t end,
                   const MissSink& misses) {
   const Constants512 c(constants);
   const __m512 inverse = _mm512_set1_ps(1.0f / constants.lerp_weight);  // as grad_rebuild.h computes it
-  const uint16_t* grad = static_cast<const uint16_t*>(b.g);
-  for (int64_t i = begin; i < end; i += kLanes) {
-    const __mmask16 k = (end - i >= kLanes) ? static_cast<__mmask16>(0xffff) : tail_mask(end - i);
-    const __m256i bits = _mm256_maskz_loadu_epi16(k, grad + i);
-    const __m512 old = _mm512_maskz_loadu_ps(k, b.m + i);
-    __m512 m = old, v = _mm512_maskz_loadu_ps(k, b.v + i), s;
-    const __m512 p = adam_math16(c, load16<G>(b.g, i, k), _mm512_maskz_loadu_ps(k, b.p + i), m, v, s);
-    _mm512_mask_storeu_ps(b.p + i, k, p);
-    _mm512_mask_storeu_ps(b.m + i, k, m);
-    _mm512_mask_storeu_ps(b.v + i, k, v);
-    if constexpr (kHasOut) store16<O, false>(b.out, i, p, k);
-    const __m512 of_zero = _mm512_fnmadd_ps(c.lerp_weight, old, old);  // fma(lw, -old, old)
-    __m512 rebuilt = _mm512_fmadd_ps(_mm512_sub_ps(m, old), inverse, old);
-    rebuilt = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m, of_zero, _CMP_NEQ_UQ), rebuilt);  // +0.0: a zero gradient
-    const __m256i rounded = (G == DType::kBFloat16)
-                                ? to_bf16(rebuilt)
-                                : _mm512_cvtps_ph(rebuilt, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __mmask16 missed = _mm256_mask_cmpneq_epi16_mask(k, rounded, bits) |
-                             _mm512_mask_cmp_ps_mask(k, rebuilt, rebuilt, _CMP_UNORD_Q);
-    for (unsigned lanes = missed; lanes != 0; lanes &= lanes - 1) {
-      const int64_t at = i + __builtin_ctz(lanes);
-      misses.add(at, grad[at]);
-    }
+  int64_t i = begin;
+  constexpr int64_t elem = (O == DType::kFloat32) ? 4 : 2;
+  constexpr uintptr_t align = kLanes * elem;
+  const bool stream = kHasOut && b.stream_out && (reinterpret_cast<uintptr_t>(b.out) % elem == 0) &&
+                      (end - begin) >= 4 * kLanes;
+  if (stream) {
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(b.out) + static_cast<uintptr_t>(i) * elem;
+    const int64_t head = static_cast<int64_t>(((align - addr % align) % align) / elem);
+    if (head > 0) resting16<G, O, kHasOut, false>(b, c, inverse, i, tail_mask(head), misses);
+    i += head;
+    for (; i + kLanes <= end; i += kLanes) resting16<G, O, kHasOut, true>(b, c, inverse, i, 0xffff, misses);
+    _mm_sfence();
+  } else {
+    for (; i + kLanes <= end; i += kLanes) resting16<G, O, kHasOut, false>(b, c, inverse, i, 0xffff, misses);
   }
+  if (i < end) resting16<G, O, kHasOut, false>(b, c, inverse, i, tail_mask(end - i), misses);
 }
 
 template <DType G>

@@ -54,7 +54,8 @@ struct AdamBuffers {
   void* out;  // may be null
   DType out_dtype;
   // `out` with streaming stores (it is only written), fenced at the end of each kernel call: for calls over whole
-  // tasks; the resting step calls the kernel 1024 elements at a time and writes `out` plainly (no fence each)
+  // tasks (AVX-512's fused resting step too); the resting step of the other ISAs calls the kernel 1024 elements at a
+  // time and writes `out` plainly (no fence each)
   bool stream_out = true;
 };
 
