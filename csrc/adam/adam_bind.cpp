@@ -2,10 +2,12 @@
 // Arguments are raw addresses and sizes: offload/optim/functional.py checks dtype, device, contiguity and
 // sizes before calling. Every call releases the GIL.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "adam/adam_kernels.h"
 #include "bindings.h"
@@ -124,6 +126,32 @@ void bind_adam(py::module_& m) {
       py::call_guard<py::gil_scoped_release>(),
       "The fp32 L2 norm of bf16/fp16 data in torch's order: `lanes` accumulators, added left to right, then the "
       "tail (csrc/adam/torch_order_norm.h).");
+
+  m.def(
+      "torch_order_norms",
+      [](const std::vector<uintptr_t>& data, const std::vector<int64_t>& numels, int dtype, int lanes, bool fused,
+         int num_threads, ThreadPool* pool, const std::string& isa) {
+        if (data.size() != numels.size()) throw std::invalid_argument("torch_order_norms: one numel per vector");
+        const DType d = parse_dtype(dtype, "data");
+        if (d == DType::kFloat32) throw std::invalid_argument("torch_order_norms: data must be bf16 or fp16");
+        if (lanes != 8 && lanes != 16) throw std::invalid_argument("torch_order_norms: lanes must be 8 or 16");
+        std::vector<const uint16_t*> xs;
+        for (size_t i = 0; i < data.size(); ++i) {
+          check_numel(numels[i]);
+          xs.push_back(address<const uint16_t>(data[i]));
+        }
+        std::vector<float> out(data.size());
+        const AdamKernels& kernels = adam_kernels_for(isa);
+        {
+          py::gil_scoped_release release;
+          torch_order_norms(xs.data(), numels.data(), static_cast<int64_t>(xs.size()), d, lanes, fused, out.data(),
+                            pool, num_threads, kernels);
+        }
+        return out;
+      },
+      py::arg("data"), py::arg("numels"), py::arg("dtype"), py::arg("lanes"), py::arg("fused"),
+      py::arg("num_threads"), py::arg("pool") = nullptr, py::arg("isa") = "",
+      "torch_order_norm of each vector, the vectors spread over the threads (each one whole on one thread).");
 
   m.def(
       "sum_of_squares",

@@ -118,6 +118,32 @@ void rebuild_gradient(const float* m_old, const float* m_new, float lerp_weight,
   });
 }
 
+void torch_order_norms(const uint16_t* const* xs, const int64_t* ns, int64_t count, DType dtype, int lanes,
+                       bool fused, float* out, ThreadPool* pool, int num_threads, const AdamKernels& kernels) {
+  std::vector<int64_t> order(static_cast<size_t>(count));
+  int64_t total = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    order[static_cast<size_t>(i)] = i;
+    total += ns[i];
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ns[a] > ns[b]; });
+  const auto norm = [&](int64_t t) {
+    const int64_t i = order[static_cast<size_t>(t)];
+    out[i] = kernels.torch_order_norm(xs[i], dtype, ns[i], lanes, fused);
+  };
+  const int threads = pool ? pool->size() : num_threads;
+  if (count < 2 || threads <= 1 || total < kParallelThreshold) {
+    for (int64_t t = 0; t < count; ++t) norm(t);
+    return;
+  }
+  std::unique_ptr<ThreadPool> own;
+  if (!pool) {
+    own = std::make_unique<ThreadPool>(static_cast<int>(std::min<int64_t>(threads, count)));
+    pool = own.get();
+  }
+  pool->parallel_for(count, norm);
+}
+
 double sum_of_squares(const void* x, DType dtype, int64_t n, ThreadPool* pool, int num_threads,
                       const AdamKernels& kernels) {
   const SumSquaresFn fn = kernels.sum_squares;

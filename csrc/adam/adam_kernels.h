@@ -144,6 +144,12 @@ void rebuild_gradient(const float* m_old, const float* m_new, float lerp_weight,
 double sum_of_squares(const void* x, DType dtype, int64_t n, ThreadPool* pool, int num_threads,
                       const AdamKernels& kernels);
 
+// The torch-order L2 norm (kernels.torch_order_norm) of each of `count` bf16/fp16 vectors into out[i]: each one
+// whole on one thread (its order is torch's, one chain of additions), the vectors spread over the threads, the
+// largest first, so a block's parameters take the time of its largest ones, not of their sum.
+void torch_order_norms(const uint16_t* const* xs, const int64_t* ns, int64_t count, DType dtype, int lanes,
+                       bool fused, float* out, ThreadPool* pool, int num_threads, const AdamKernels& kernels);
+
 // The DRAM bound benchmarks compare the step against: the fp32-mode kernel's memory traffic (read p, m, v, g;
 // write p, m, v: 28 bytes per element) in one pass with next to no arithmetic (csrc/adam/bandwidth_probe.cpp),
 // threaded like adam_step. Values are unchanged.

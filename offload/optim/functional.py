@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -217,6 +217,26 @@ class TorchNorm:
             return float(torch.linalg.vector_norm(scratch, 2))
         finally:
             self._lock.release()
+
+    def norms(self, pieces: List[Tensor], num_threads: Optional[int] = None) -> List[float]:
+        """`norm` of each piece, the same bits; the pieces the native core reduces in place are spread over
+        `num_threads` (each one whole on one thread: a block's norms take the time of its largest parameters)."""
+        order = torch_norm_order()
+        native = _native._C
+        if order is None or native is None:
+            return [self.norm(piece) for piece in pieces]
+        batch = [i for i, piece in enumerate(pieces) if piece.device.type == "cpu" and piece.is_contiguous()
+                 and piece.dtype in (torch.bfloat16, torch.float16) and piece.numel() >= IN_PLACE_NORM_MIN]
+        result: List[Optional[float]] = [None] * len(pieces)
+        for dtype in (torch.bfloat16, torch.float16):
+            same = [i for i in batch if pieces[i].dtype == dtype]
+            if same:
+                numels = [pieces[i].numel() for i in same]
+                values = native.torch_order_norms([pieces[i].data_ptr() for i in same], numels, _DTYPE_CODES[dtype],
+                                                  *order, _threads_for(sum(numels), num_threads))
+                for i, value in zip(same, values):
+                    result[i] = value
+        return [self.norm(piece) if value is None else value for piece, value in zip(pieces, result)]
 
     def release(self) -> None:
         """Free the buffer (the engine closes); a later norm makes a new one."""

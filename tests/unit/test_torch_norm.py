@@ -113,3 +113,16 @@ def test_the_engine_frees_its_buffer_at_close(monkeypatch):
 def test_a_device_gradient_is_never_read_in_place():
     piece = torch.randn(100_003, device="cuda").to(torch.bfloat16)
     assert TorchNorm().norm(piece) == torchs(piece.cpu())
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_groups_norms_over_several_threads_are_each_torchs(threads):
+    """`TorchNorm.norms`: the in-place pieces spread over the threads (each whole on one), the others (short, fp32,
+    strided) as `norm` takes them, every value torch's bits and in the pieces' order."""
+    gen = torch.Generator().manual_seed(2)
+    flat = (torch.randn(3_000_000, generator=gen) * 1e-3).to(torch.bfloat16)
+    pieces = [flat[:5], flat[5:1_200_005], flat[1_200_005:1_204_101], flat[1_204_101:2_904_101],
+              torch.randn(7000, generator=gen), (torch.randn(9000, generator=gen)).to(torch.float16),
+              flat[2_904_101:][::2], flat[2_904_101:2_904_101]]
+    got = TorchNorm().norms(pieces, threads)
+    assert got == [torchs(piece) for piece in pieces]

@@ -83,7 +83,7 @@ class LocalReduction:
         pass
 
     def norms(self, block: BlockRecord, step: int) -> None:
-        block.norms = [n for state in block.states for n in state.grads.norms()]
+        block.norms = [n for state in block.states for n in state.grads.norms(block.services.num_threads)]
 
     def global_norm(self, blocks: List[BlockRecord], slots: SlotTable, max_norm: float) -> Tuple[float, float]:
         return global_norm(blocks, slots, max_norm)

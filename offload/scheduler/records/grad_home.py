@@ -562,23 +562,20 @@ class GradHome:
         `zero_grad()` may clear the flags before the background update runs."""
         return [i for i, has in enumerate(self.has_grad) if has]
 
-    def norms(self) -> List[Tuple[nn.Parameter, float]]:
-        """L2 norm of each accumulated gradient (parameters without one are left out).
+    def norms(self, num_threads: Optional[int] = None) -> List[Tuple[nn.Parameter, float]]:
+        """L2 norm of each accumulated gradient (parameters without one are left out), over `num_threads`.
 
         Computed with torch.linalg.vector_norm in fp32, the reduction torch.nn.utils.clip_grad_norm_ uses:
         a more exact fp64 sum differs in the last bit, and Adam amplifies that in elements whose gradient
         is rounding noise (e.g. attention key biases). See docs/design.md [Note: clipping parity]."""
         with self._parking.reading(self):
             self.finish_downloads()
-            norms = []
-            for index, slot in enumerate(self.group.trainable_slots):
-                if self.has_grad[index]:
-                    if self.grad is None:  # zeroed with set_to_none=False after its buffer was given back
-                        norms.append((slot.param, 0.0))
-                        continue
-                    piece = self.grad[slot.offset:slot.offset + slot.numel]
-                    norms.append((slot.param, self._norms.norm(piece)))
-            return norms
+            slots = [slot for index, slot in enumerate(self.group.trainable_slots) if self.has_grad[index]]
+            if self.grad is None:  # zeroed with set_to_none=False after its buffer was given back
+                return [(slot.param, 0.0) for slot in slots]
+            grad = self.grad
+            values = self._norms.norms([grad[slot.offset:slot.offset + slot.numel] for slot in slots], num_threads)
+            return [(slot.param, value) for slot, value in zip(slots, values)]
 
     def all_finite(self, num_threads: Optional[int] = None) -> bool:
         """Whether every accumulated element is finite: one read of the gradient (2-4 B per parameter,
