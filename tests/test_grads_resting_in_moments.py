@@ -154,16 +154,22 @@ def _hard_gradients(n: int, dtype: torch.dtype, seed: int) -> Dict[str, torch.Te
     return {"grad": g.to(dtype), "exp_avg": m}
 
 
-@native
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
-def test_the_rebuild_patched_with_the_steps_misses_is_the_gradient(isa, dtype):
+def _native_for(isa):
+    """The native core, once a resting step of `isa` runs on this CPU (else the test is skipped)."""
     C = _native._C
     assert C is not None
     try:
         C.adam_step_resting(0, 0, 1, 0, 0, 0, 0, 0, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, 0, 0, 0, 1, None, isa)
     except ValueError as error:
         pytest.skip(f"this CPU cannot run the {isa} kernels: {error}")
+    return C
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+def test_the_rebuild_patched_with_the_steps_misses_is_the_gradient(isa, dtype):
+    C = _native_for(isa)
     n = 300_001  # several threads' chunks, a ragged tail
     case = _hard_gradients(n, dtype, seed=1)
     grad, m = case["grad"], case["exp_avg"]
@@ -200,12 +206,7 @@ def test_the_rebuild_patched_with_the_steps_misses_is_the_gradient(isa, dtype):
 def test_the_resting_step_writes_the_plain_steps_weights_wherever_they_start(isa, out_dtype):
     """The compute copy the resting step writes (streamed from the vector its address aligns on, AVX-512) is the
     plain step's, bit for bit, whatever the copy's alignment."""
-    C = _native._C
-    assert C is not None
-    try:
-        C.adam_step_resting(0, 0, 1, 0, 0, 0, 0, 0, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, 0, 0, 0, 1, None, isa)
-    except ValueError as error:
-        pytest.skip(f"this CPU cannot run the {isa} kernels: {error}")
+    C = _native_for(isa)
     n = 300_001
     case = _hard_gradients(n, torch.bfloat16, seed=3)
     grad, m = case["grad"], case["exp_avg"]
