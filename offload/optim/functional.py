@@ -221,12 +221,12 @@ class TorchNorm:
     def norms(self, pieces: List[Tensor], num_threads: Optional[int] = None) -> List[float]:
         """`norm` of each piece, the same bits; the pieces the native core reduces in place are spread over
         `num_threads` (each one whole on one thread: a block's norms take the time of its largest parameters)."""
-        order = torch_norm_order()
-        native = _native._C
-        if order is None or native is None:
-            return [self.norm(piece) for piece in pieces]
         batch = [i for i, piece in enumerate(pieces) if piece.device.type == "cpu" and piece.is_contiguous()
                  and piece.dtype in (torch.bfloat16, torch.float16) and piece.numel() >= IN_PLACE_NORM_MIN]
+        native = _native._C
+        order = torch_norm_order() if batch else None  # probed only where it serves, as `norm` does: it allocates
+        if order is None or native is None:
+            return [self.norm(piece) for piece in pieces]
         result: List[Optional[float]] = [None] * len(pieces)
         for dtype in (torch.bfloat16, torch.float16):
             same = [i for i in batch if pieces[i].dtype == dtype]
