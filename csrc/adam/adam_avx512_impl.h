@@ -12,9 +12,11 @@ namespace {
 
 inline __mmask16 tail_mask(int64_t count) { return static_cast<__mmask16>((1u << count) - 1u); }
 
+// One vector's step; returns the first moment it wrote, and puts the one it read in `old` (the resting check's).
 template <DType G, DType O, bool kHasOut, bool kStream>
-inline void step16(const AdamBuffers& b, const Constants512& c, int64_t i, __mmask16 k) {
+inline __m512 step16(const AdamBuffers& b, const Constants512& c, int64_t i, __mmask16 k, __m512& old) {
   __m512 m = _mm512_maskz_loadu_ps(k, b.m + i);
+  old = m;
   __m512 v = _mm512_maskz_loadu_ps(k, b.v + i);
   __m512 s;
   const __m512 p = adam_math16(c, load16<G>(b.g, i, k), _mm512_maskz_loadu_ps(k, b.p + i), m, v, s);
@@ -22,6 +24,7 @@ inline void step16(const AdamBuffers& b, const Constants512& c, int64_t i, __mma
   _mm512_mask_storeu_ps(b.m + i, k, m);
   _mm512_mask_storeu_ps(b.v + i, k, v);
   if constexpr (kHasOut) store16<O, kStream>(b.out, i, p, k);
+  return m;
 }
 
 // Calls vector(i, mask, stream) over [begin, end) one vector of kLanes at a time, `stream` a
@@ -56,7 +59,8 @@ template <DType G, DType O, bool kHasOut>
 void adam_loop(const AdamBuffers& b, const AdamConstants& constants, int64_t begin, int64_t end) {
   const Constants512 c(constants);
   over_vectors<O, kHasOut>(b, begin, end, [&](int64_t i, __mmask16 k, auto stream) {
-    step16<G, O, kHasOut, decltype(stream)::value>(b, c, i, k);
+    __m512 old;
+    step16<G, O, kHasOut, decltype(stream)::value>(b, c, i, k, old);
   });
 }
 
@@ -86,13 +90,8 @@ inline void resting16(const AdamBuffers& b, const Constants512& c, __m512 invers
                       const MissSink& misses) {
   const uint16_t* grad = static_cast<const uint16_t*>(b.g);
   const __m256i bits = _mm256_maskz_loadu_epi16(k, grad + i);
-  const __m512 old = _mm512_maskz_loadu_ps(k, b.m + i);
-  __m512 m = old, v = _mm512_maskz_loadu_ps(k, b.v + i), s;
-  const __m512 p = adam_math16(c, load16<G>(b.g, i, k), _mm512_maskz_loadu_ps(k, b.p + i), m, v, s);
-  _mm512_mask_storeu_ps(b.p + i, k, p);
-  _mm512_mask_storeu_ps(b.m + i, k, m);
-  _mm512_mask_storeu_ps(b.v + i, k, v);
-  if constexpr (kHasOut) store16<O, kStream>(b.out, i, p, k);
+  __m512 old;
+  const __m512 m = step16<G, O, kHasOut, kStream>(b, c, i, k, old);
   const __m512 of_zero = _mm512_fnmadd_ps(c.lerp_weight, old, old);  // fma(lw, -old, old)
   __m512 rebuilt = _mm512_fmadd_ps(_mm512_sub_ps(m, old), inverse, old);
   rebuilt = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m, of_zero, _CMP_NEQ_UQ), rebuilt);  // +0.0: a zero gradient
