@@ -239,3 +239,22 @@ def test_too_many_misses_are_reported_not_kept(monkeypatch):
     out = torch.empty(n, dtype=torch.bfloat16)
     rebuild_gradient(m_old, m, 0.9, out, 1)  # the step ran all the same: its moment gives most of it back
     assert (out.view(torch.int16) == case["grad"].view(torch.int16)).float().mean() > 0.99
+
+
+@native
+def test_the_misses_come_back_ascending_from_the_base_given():
+    """The threads find the misses in no order; the step hands them back sorted, offset by `index_base` (the span's
+    first element in its group), as the rebuild patches them in."""
+    n = 300_001
+    case = _hard_gradients(n, torch.bfloat16, seed=4)
+    grad, m, p, v = case["grad"], case["exp_avg"], torch.randn(n), torch.rand(n) * 1e-6
+    found = {}
+    for base in (0, 1 << 40):
+        got = adam_step_resting(p.clone(), grad, m.clone(), v.clone(), step=3, lr=1e-3, beta1=0.9, beta2=0.999,
+                                eps=1e-8, weight_decay=0.01, out=None, num_threads=2, capacity=n, index_base=base)
+        assert got is not None
+        found[base] = got
+    index, bits = found[0]
+    assert index.numel() >= 7 and bool((index[1:] > index[:-1]).all())
+    assert torch.equal(bits, grad.view(torch.int16)[index])
+    assert torch.equal(found[1 << 40][0], index + (1 << 40)) and torch.equal(found[1 << 40][1], bits)

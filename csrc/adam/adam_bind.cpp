@@ -74,7 +74,7 @@ void bind_adam(py::module_& m) {
       [](uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq, int64_t numel,
          uintptr_t out, int out_dtype, int64_t step, double lr, double beta1, double beta2, double eps,
          double weight_decay, uintptr_t miss_index, uintptr_t miss_bits, int64_t capacity, int num_threads,
-         ThreadPool* pool, const std::string& isa) {
+         ThreadPool* pool, const std::string& isa, int64_t index_base) {
         check_numel(numel);
         if (step < 1) throw std::invalid_argument("step must be >= 1");
         const DType g_dtype = parse_dtype(grad_dtype, "grad");
@@ -86,16 +86,16 @@ void bind_adam(py::module_& m) {
                       address<const void>(grad), g_dtype, address<void>(out), parse_dtype(out_dtype, "out")};
         return adam_step_resting(b, make_adam_constants(step, lr, beta1, beta2, eps, weight_decay, true, 1.0), numel,
                                  pool, num_threads, adam_kernels_for(isa), address<int64_t>(miss_index),
-                                 address<uint16_t>(miss_bits), capacity);
+                                 address<uint16_t>(miss_bits), capacity, index_base);
       },
       py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
       py::arg("numel"), py::arg("out"), py::arg("out_dtype"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
       py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("miss_index"), py::arg("miss_bits"),
       py::arg("capacity"), py::arg("num_threads"), py::arg("pool") = nullptr, py::arg("isa") = "",
-      py::call_guard<py::gil_scoped_release>(),
+      py::arg("index_base") = 0, py::call_guard<py::gil_scoped_release>(),
       "AdamW step (grad_scale 1) that also checks the bf16/fp16 gradient can be rebuilt from the old and new first "
-      "moment; the elements it cannot (index int64, bits uint16; at most capacity) are written out. Returns their "
-      "count (> capacity: the lists are incomplete).");
+      "moment; the elements it cannot (index + index_base as int64, ascending; bits uint16; at most capacity) are "
+      "written out. Returns their count (> capacity: the lists are incomplete and unsorted).");
 
   m.def(
       "rebuild_gradient",

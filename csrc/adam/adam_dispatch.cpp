@@ -5,6 +5,7 @@
 #include <cstring>
 #include <memory>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "adam/adam_kernels.h"
@@ -100,13 +101,23 @@ void adam_step(const AdamBuffers& buffers, const AdamConstants& constants, int64
 
 int64_t adam_step_resting(const AdamBuffers& buffers, const AdamConstants& constants, int64_t n, ThreadPool* pool,
                           int num_threads, const AdamKernels& kernels, int64_t* miss_index, uint16_t* miss_bits,
-                          int64_t capacity) {
+                          int64_t capacity, int64_t index_base) {
   std::atomic<int64_t> count{0};
   const MissSink misses{miss_index, miss_bits, capacity, &count};
   const RestingRangeFn resting = kernels.resting;
   for_chunks(n, pool, num_threads,
              [&](int64_t begin, int64_t end) { resting(buffers, constants, begin, end, misses); });
-  return count.load();
+  const int64_t found = count.load();
+  if (found <= capacity) {  // ascending, as their reader wants them: sorted here, not by a torch op holding the GIL
+    std::vector<std::pair<int64_t, uint16_t>> sorted(static_cast<size_t>(found));
+    for (int64_t i = 0; i < found; ++i) sorted[static_cast<size_t>(i)] = {miss_index[i], miss_bits[i]};
+    std::sort(sorted.begin(), sorted.end());
+    for (int64_t i = 0; i < found; ++i) {
+      miss_index[i] = sorted[static_cast<size_t>(i)].first + index_base;
+      miss_bits[i] = sorted[static_cast<size_t>(i)].second;
+    }
+  }
+  return found;
 }
 
 void rebuild_gradient(const float* m_old, const float* m_new, float lerp_weight, void* out, DType dtype, int64_t n,

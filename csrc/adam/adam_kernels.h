@@ -129,12 +129,13 @@ void adam_step(const AdamBuffers& buffers, const AdamConstants& constants, int64
 
 // A speculative step (issue 35): adam_step, which also checks that the 16-bit gradient (g_dtype bf16 or fp16,
 // grad_scale 1, no L2 term) can be rebuilt from the old and new first moment (grad_rebuild.h), in the step's own
-// loop (AVX-512) or a block of elements at a time while they are in cache (the others: kernels.resting). The elements it would miss are written to miss_index (their index) and
-// miss_bits (the gradient's bits), at most `capacity` of them, in no particular order. Returns how many there
-// are: more than `capacity` means the lists are incomplete (the gradient cannot rest in the moments).
+// loop (AVX-512) or a block of elements at a time while they are in cache (the others: kernels.resting). The
+// elements it would miss are written to miss_index (their index plus `index_base`, ascending) and miss_bits (the
+// gradient's bits), at most `capacity` of them. Returns how many there are: more than `capacity` means the lists
+// are incomplete and unsorted (the gradient cannot rest in the moments).
 int64_t adam_step_resting(const AdamBuffers& buffers, const AdamConstants& constants, int64_t n, ThreadPool* pool,
                           int num_threads, const AdamKernels& kernels, int64_t* miss_index, uint16_t* miss_bits,
-                          int64_t capacity);
+                          int64_t capacity, int64_t index_base = 0);
 
 // The gradient rebuilt from the moments into `out` (n elements of `dtype`, bf16 or fp16); the caller patches the
 // misses the speculative step kept.

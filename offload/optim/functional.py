@@ -9,6 +9,7 @@ import functools
 import threading
 from typing import Any, List, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -246,12 +247,13 @@ class TorchNorm:
 
 def adam_step_resting(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, step: int, lr: float,
                       beta1: float, beta2: float, eps: float, weight_decay: float, out: Optional[Tensor],
-                      num_threads: Optional[int], capacity: int) -> Optional[Tuple[Tensor, Tensor]]:
+                      num_threads: Optional[int], capacity: int, index_base: int = 0) -> Optional[Tuple[Tensor, Tensor]]:
     """`adam_step_flat` (AdamW, grad_scale 1) of a bf16 or fp16 gradient that may then rest in the first moment:
     the step also finds the elements `rebuild_gradient` would not give back exactly (grad_rebuild.h), in the same
-    pass. Returns them, (indices int64 ascending, the gradient's bits as int16), or None when there are more than
-    `capacity` (the gradient must then be kept). The step is done either way. Needs the native core
-    (`resting_supported`)."""
+    pass. Returns them, (indices + `index_base` as int64, ascending; the gradient's bits as int16), or None when
+    there are more than `capacity` (the gradient must then be kept). The step is done either way. Needs the native
+    core (`resting_supported`). The native call sorts them and adds the base: the engine's worker runs this once a
+    chunk beside a training thread that holds the GIL, and each torch op here would wait for it."""
     native = _native._C
     assert native is not None and grad.dtype in REBUILT_DTYPES
     n = param.numel()
@@ -260,17 +262,16 @@ def adam_step_resting(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: 
         _check(name, t, dtypes, n)
     if out is not None:
         _check("out", out, OUT_DTYPES, n)
-    index = torch.empty(capacity, dtype=torch.int64)
-    bits = torch.empty(capacity, dtype=torch.int16)
+    index = np.empty(capacity, dtype=np.int64)  # numpy: no op here lets go of the GIL but the step's own
+    bits = np.empty(capacity, dtype=np.int16)
     count = native.adam_step_resting(
         param.data_ptr(), grad.data_ptr(), _DTYPE_CODES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(), n,
         0 if out is None else out.data_ptr(), 0 if out is None else _DTYPE_CODES[out.dtype], int(step), float(lr),
-        float(beta1), float(beta2), float(eps), float(weight_decay), index.data_ptr(), bits.data_ptr(), capacity,
-        _threads_for(n, num_threads), None)
+        float(beta1), float(beta2), float(eps), float(weight_decay), index.ctypes.data, bits.ctypes.data, capacity,
+        _threads_for(n, num_threads), None, "", int(index_base))
     if count > capacity:
         return None
-    order = torch.argsort(index[:count])  # the threads found them in no particular order
-    return index[:count][order], bits[:count][order]
+    return torch.from_numpy(index[:count].copy()), torch.from_numpy(bits[:count].copy())
 
 
 def rebuild_gradient(m_old: Tensor, m_new: Tensor, beta1: float, out: Tensor, num_threads: Optional[int]) -> None:

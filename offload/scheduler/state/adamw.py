@@ -98,11 +98,11 @@ def adamw(store: StateStore, grad: Tensor, spans: List[UpdateSpan], grad_scale: 
                     capacity = int((hi - lo) * MISSES_PER_ELEMENT) + MISSES_SLACK
                     misses = adam_step_resting(*state, step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
                                                eps=hyper.eps, weight_decay=hyper.weight_decay, out=piece,
-                                               num_threads=num_threads, capacity=capacity)
+                                               num_threads=num_threads, capacity=capacity, index_base=lo)
                     if misses is None:
                         resting = None  # the step is done; the gradient is kept as it would be without resting
                     else:
-                        resting.append(RestingSpan(lo, hi, hyper.beta1, misses[0] + lo, misses[1]))
+                        resting.append(RestingSpan(lo, hi, hyper.beta1, *misses))
                 elif store.uses_cpu_kernel:
                     adam_step_flat(*state, step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
                                    eps=hyper.eps, weight_decay=hyper.weight_decay, adamw=True,
