@@ -252,8 +252,8 @@ def adam_step_resting(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: 
     the step also finds the elements `rebuild_gradient` would not give back exactly (grad_rebuild.h), in the same
     pass. Returns them, (indices + `index_base` as int64, ascending; the gradient's bits as int16), or None when
     there are more than `capacity` (the gradient must then be kept). The step is done either way. Needs the native
-    core (`resting_supported`). The native call sorts them and adds the base: the engine's worker runs this once a
-    chunk beside a training thread that holds the GIL, and each torch op here would wait for it."""
+    core (`resting_supported`). The native call sorts them and adds the base, into numpy scratch: the engine's
+    worker runs this once a chunk, and every torch op after the step was one more GIL round trip there."""
     native = _native._C
     assert native is not None and grad.dtype in REBUILT_DTYPES
     n = param.numel()
@@ -262,7 +262,7 @@ def adam_step_resting(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: 
         _check(name, t, dtypes, n)
     if out is not None:
         _check("out", out, OUT_DTYPES, n)
-    index = np.empty(capacity, dtype=np.int64)  # numpy: no op here lets go of the GIL but the step's own
+    index = np.empty(capacity, dtype=np.int64)
     bits = np.empty(capacity, dtype=np.int16)
     count = native.adam_step_resting(
         param.data_ptr(), grad.data_ptr(), _DTYPE_CODES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(), n,
