@@ -37,9 +37,9 @@ from benchmarks.common import append_csv, machine_header, print_table, summarize
 from offload import _native  # noqa: E402
 from offload._system import mem_available, usable_cores  # noqa: E402
 from offload.optim import CPUAdam, adam_step_flat  # noqa: E402
-from offload.optim.functional import adam_step_resting, resting_supported  # noqa: E402
+from offload.optim.functional import CRC_PIECES, adam_step_resting, resting_supported  # noqa: E402
 from offload.optim.moment_format import zeros_moment  # noqa: E402
-from offload.optim.moments import CRC_PIECES, adam_step_moments  # noqa: E402
+from offload.optim.moments import adam_step_moments  # noqa: E402
 
 HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 BYTES_PER_PARAM = {"fp32": 28, "engine": 28, "torch+copy": 34, "bf16 moments": 20, "int8 moments": 16 + 16 / 256}

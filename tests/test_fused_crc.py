@@ -1,5 +1,5 @@
-"""The CRC-32C of each piece a compressed-moment step writes ([Note: step CRCs] in offload/optim/moments.py): the
-kernel computes them in the same pass, and they must equal offload.checksum.crc32c of the written bytes, on every
+"""The CRC-32C of each piece a compressed-moment step, or the fp32 step (plain and resting), writes ([Note: step
+CRCs] in offload/optim/moments.py): the kernel computes them in the same pass, and they must equal offload.checksum.crc32c of the written bytes, on every
 kernel variant, odd sizes, several threads (each chunk's CRCs joined with crc32c_combine), every grad and out dtype,
 blocks holding infinities and NaNs, slices as the swap file seals them; and the step's results must not change."""
 
@@ -13,8 +13,9 @@ import torch
 from offload import _native
 from offload.checksum import crc32c
 from offload.errors import OffloadConfigError
+from offload.optim.functional import CRC_PIECES, adam_step_flat, adam_step_resting
 from offload.optim.moment_format import INT8_BLOCK, QuantizedMoment, slice_moment, zeros_moment
-from offload.optim.moments import CRC_PIECES, adam_step_moments, encode_moment
+from offload.optim.moments import adam_step_moments, encode_moment
 
 needs_native = pytest.mark.skipif(_native._C is None, reason="offload._C is not built")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -236,3 +237,69 @@ def test_crc32c_combine():
     for cut in (0, 1, 7, 4096, 65_536, 100_002, 100_003):
         a, b = data[:cut], data[cut:]
         assert _native._C.crc32c_combine(crc32c(a), crc32c(b), b.numel()) == whole
+
+
+def _flat_isas() -> list[str]:
+    return [isa for isa in ("avx512", "avx2", "scalar") if _native._C is not None and _flat_runs(isa)]
+
+
+def _flat_runs(isa: str) -> bool:
+    try:
+        _native._C.adam_step(0, 0, 0, 0, 0, 0, 0, 0, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, 1.0, 1, None, isa)
+    except ValueError:
+        return False
+    return True
+
+
+@needs_native
+@pytest.mark.parametrize("resting", [False, True], ids=["plain", "resting"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32, None], ids=["bf16-out", "fp32-out", "no-out"])
+@pytest.mark.parametrize("n,num_threads", [(1, 1), (4097, 1), (300_001, 2)])
+def test_the_fp32_step_checksums_what_it_writes(n, num_threads, out_dtype, resting):
+    """The fp32 step's CRCs (every kernel the CPU runs; `out` then written plainly, not streamed) are crc32c of the
+    pieces as written, 0 for the absent scales and out, and its results are bit for bit those of the step without."""
+    gen = torch.Generator().manual_seed(n)
+    p, v = torch.randn(n, generator=gen), torch.rand(n, generator=gen) * 1e-6
+    m, g = torch.randn(n, generator=gen) * 1e-3, (torch.randn(n, generator=gen) * 1e-3).to(torch.bfloat16)
+    for isa in _flat_isas():
+        runs = []
+        for with_crcs in (True, False):
+            state = [p.clone(), m.clone(), v.clone()]
+            out = None if out_dtype is None else torch.empty(n + 1, dtype=out_dtype)[1:]  # off its vector alignment
+            crcs = torch.zeros(len(CRC_PIECES), dtype=torch.uint32) if with_crcs else None
+            addr = 0 if crcs is None else crcs.data_ptr()
+            args = (state[0].data_ptr(), g.data_ptr(), 1, state[1].data_ptr(), state[2].data_ptr(), n,
+                    0 if out is None else out.data_ptr(), 0 if out is None else DTYPE_CODES[out.dtype], 3, 1e-3, 0.9,
+                    0.999, 1e-8, 0.01)
+            if resting:
+                index, bits = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int16)
+                _native._C.adam_step_resting(*args, index.data_ptr(), bits.data_ptr(), n, num_threads, None, isa, 0,
+                                             addr)
+            else:
+                _native._C.adam_step(*args, True, 1.0, num_threads, None, isa, addr)
+            if crcs is not None:
+                assert crcs.tolist() == [crc32c(state[0]), crc32c(state[1]), 0, crc32c(state[2]), 0,
+                                         0 if out is None else crc32c(out)], isa
+            runs.append((*state, out))
+        _assert_same(runs[0], runs[1])
+
+
+@needs_native
+def test_the_fp32_steps_take_crcs_from_python():
+    """adam_step_flat and adam_step_resting fill `crcs` as the kernel does (and check it as the moment step does)."""
+    n = 70_000
+    p, m, v = torch.randn(n), torch.randn(n) * 1e-3, torch.rand(n) * 1e-6
+    g = (torch.randn(n) * 1e-3).to(torch.bfloat16)
+    for step_fn in ("flat", "resting"):
+        state, out = [p.clone(), m.clone(), v.clone()], torch.empty(n, dtype=torch.bfloat16)
+        crcs = torch.zeros(len(CRC_PIECES), dtype=torch.uint32)
+        hp = dict(step=2, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, out=out, num_threads=2,
+                  crcs=crcs)
+        if step_fn == "flat":
+            adam_step_flat(state[0], g, state[1], state[2], adamw=True, **hp)
+        else:
+            assert adam_step_resting(state[0], g, state[1], state[2], capacity=n, **hp) is not None
+        assert crcs.tolist() == [crc32c(state[0]), crc32c(state[1]), 0, crc32c(state[2]), 0, crc32c(out)]
+    with pytest.raises(OffloadConfigError, match="crcs has 3 elements"):
+        adam_step_flat(p.clone(), g, m.clone(), v.clone(), step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                       weight_decay=0.0, adamw=True, crcs=torch.zeros(3, dtype=torch.uint32))

@@ -17,6 +17,7 @@ from offload import _native
 from offload.errors import OffloadConfigError
 from offload.optim import adam_step_flat
 from offload.optim import moments as M
+from offload.optim.functional import CRC_PIECES
 from offload.optim.moment_format import (
     INT8_BLOCK,
     MomentFormat,
@@ -809,7 +810,7 @@ def test_a_step_over_a_block_layout_equals_a_step_of_each_segment(native, monkey
     parts = [param.clone(), [zeros_moment(MomentFormat.INT8, b - a) for a, b in segments],
              [zeros_moment(MomentFormat.INT8, b - a) for a, b in segments]]
     hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
-    crcs = torch.zeros(len(M.CRC_PIECES), dtype=torch.uint32) if native else None
+    crcs = torch.zeros(len(CRC_PIECES), dtype=torch.uint32) if native else None
     for step in (1, 2):
         adam_step_moments(whole[0], grad * step, whole[1], whole[2], MomentFormat.INT8, step=step, blocks=blocks,
                           crcs=crcs, **hp)

@@ -53,28 +53,31 @@ void bind_adam(py::module_& m) {
       [](uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq, int64_t numel,
          uintptr_t out, int out_dtype, int64_t step, double lr, double beta1, double beta2, double eps,
          double weight_decay, bool adamw, double grad_scale, int num_threads, ThreadPool* pool,
-         const std::string& isa) {
+         const std::string& isa, uintptr_t crcs) {
         check_numel(numel);
         if (step < 1) throw std::invalid_argument("step must be >= 1");
         AdamBuffers b{address<float>(param), address<float>(exp_avg), address<float>(exp_avg_sq),
                       address<const void>(grad), parse_dtype(grad_dtype, "grad"), address<void>(out),
                       parse_dtype(out_dtype, "out")};
         adam_step(b, make_adam_constants(step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale), numel, pool,
-                  num_threads, adam_kernels_for(isa));
+                  num_threads, adam_kernels_for(isa), address<uint32_t>(crcs));
       },
       py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
       py::arg("numel"), py::arg("out"), py::arg("out_dtype"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
       py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw"), py::arg("grad_scale"),
-      py::arg("num_threads"), py::arg("pool") = nullptr, py::arg("isa") = "", py::call_guard<py::gil_scoped_release>(),
+      py::arg("num_threads"), py::arg("pool") = nullptr, py::arg("isa") = "", py::arg("crcs") = 0,
+      py::call_guard<py::gil_scoped_release>(),
       "Fused Adam/AdamW step over flat buffers given by address (out=0: none). dtype codes: 0 fp32, 1 bf16, 2 fp16.\n"
-      "isa: '' for the best variant on this CPU, or one of avx512/avx2/scalar (tests).");
+      "isa: '' for the best variant on this CPU, or one of avx512/avx2/scalar (tests). crcs: 0, or the address of\n"
+      "6 uint32 that receive the CRC-32C of each piece written, in the same pass: param, exp_avg, 0, exp_avg_sq, 0,\n"
+      "out (0 without out).");
 
   m.def(
       "adam_step_resting",
       [](uintptr_t param, uintptr_t grad, int grad_dtype, uintptr_t exp_avg, uintptr_t exp_avg_sq, int64_t numel,
          uintptr_t out, int out_dtype, int64_t step, double lr, double beta1, double beta2, double eps,
          double weight_decay, uintptr_t miss_index, uintptr_t miss_bits, int64_t capacity, int num_threads,
-         ThreadPool* pool, const std::string& isa, int64_t index_base) {
+         ThreadPool* pool, const std::string& isa, int64_t index_base, uintptr_t crcs) {
         check_numel(numel);
         if (step < 1) throw std::invalid_argument("step must be >= 1");
         const DType g_dtype = parse_dtype(grad_dtype, "grad");
@@ -86,16 +89,16 @@ void bind_adam(py::module_& m) {
                       address<const void>(grad), g_dtype, address<void>(out), parse_dtype(out_dtype, "out")};
         return adam_step_resting(b, make_adam_constants(step, lr, beta1, beta2, eps, weight_decay, true, 1.0), numel,
                                  pool, num_threads, adam_kernels_for(isa), address<int64_t>(miss_index),
-                                 address<uint16_t>(miss_bits), capacity, index_base);
+                                 address<uint16_t>(miss_bits), capacity, index_base, address<uint32_t>(crcs));
       },
       py::arg("param"), py::arg("grad"), py::arg("grad_dtype"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
       py::arg("numel"), py::arg("out"), py::arg("out_dtype"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
       py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("miss_index"), py::arg("miss_bits"),
       py::arg("capacity"), py::arg("num_threads"), py::arg("pool") = nullptr, py::arg("isa") = "",
-      py::arg("index_base") = 0, py::call_guard<py::gil_scoped_release>(),
+      py::arg("index_base") = 0, py::arg("crcs") = 0, py::call_guard<py::gil_scoped_release>(),
       "AdamW step (grad_scale 1) that also checks the bf16/fp16 gradient can be rebuilt from the old and new first "
       "moment; the elements it cannot (index + index_base as int64, ascending; bits uint16; at most capacity) are "
-      "written out. Returns their count (> capacity: the lists are incomplete and unsorted).");
+      "written out. Returns their count (> capacity: the lists are incomplete and unsorted). crcs: as for adam_step.");
 
   m.def(
       "rebuild_gradient",

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "adam/adam_kernels.h"
+#include "adam/step_crcs.h"
 #include "common/cpu_features.h"
 
 namespace offload {
@@ -93,22 +94,72 @@ const AdamKernels& adam_kernels_for(const std::string& isa) {
   return *found;
 }
 
+namespace {
+
+// Byte lengths of the pieces the fp32 step writes over elements [begin, end) (StepCrc).
+void flat_piece_lengths(const AdamBuffers& b, int64_t begin, int64_t end, size_t* len) {
+  const size_t count = static_cast<size_t>(end - begin);
+  len[kCrcParam] = len[kCrcExpAvg] = len[kCrcExpAvgSq] = 4 * count;
+  len[kCrcExpAvgScales] = len[kCrcExpAvgSqScales] = 0;
+  len[kCrcOut] = b.out ? dtype_size(b.out_dtype) * count : 0;
+}
+
+// Continues the CRCs with the pieces of [begin, end), read back right after the step wrote them (in L1/L2).
+void flat_crcs_after(const AdamBuffers& b, int64_t begin, int64_t end, uint32_t* crcs) {
+  const size_t count = static_cast<size_t>(end - begin);
+  crcs[kCrcParam] = crc32c(b.p + begin, 4 * count, crcs[kCrcParam]);
+  crcs[kCrcExpAvg] = crc32c(b.m + begin, 4 * count, crcs[kCrcExpAvg]);
+  crcs[kCrcExpAvgSq] = crc32c(b.v + begin, 4 * count, crcs[kCrcExpAvgSq]);
+  if (b.out) {
+    const size_t ob = dtype_size(b.out_dtype);
+    crcs[kCrcOut] = crc32c(static_cast<const uint8_t*>(b.out) + ob * static_cast<size_t>(begin), ob * count,
+                           crcs[kCrcOut]);
+  }
+}
+
+// The step over [0, n) as `range(buffers, begin, end)` does it, and, with `crcs`, the CRCs of what it writes:
+// kCrcSpan elements are stepped, then their pieces checksummed while in cache. `out` is then written plainly:
+// streamed, it would leave the cache only to be read back from DRAM.
+template <typename Range>
+void step_flat(const AdamBuffers& buffers, int64_t n, ThreadPool* pool, int num_threads, uint32_t* crcs,
+               const Range& range) {
+  if (!crcs) {
+    for_chunks(n, pool, num_threads, [&](int64_t begin, int64_t end) { range(buffers, begin, end); });
+    return;
+  }
+  AdamBuffers cached = buffers;
+  cached.stream_out = false;
+  for_chunks_with_crcs(
+      n, pool, num_threads,
+      [&](int64_t begin, int64_t end, uint32_t* part) {
+        for (int64_t start = begin; start < end; start += kCrcSpan) {
+          const int64_t stop = std::min(end, start + kCrcSpan);
+          range(cached, start, stop);
+          flat_crcs_after(cached, start, stop, part);
+        }
+      },
+      [&](int64_t begin, int64_t end, size_t* len) { flat_piece_lengths(buffers, begin, end, len); }, crcs);
+}
+
+}  // namespace
+
 void adam_step(const AdamBuffers& buffers, const AdamConstants& constants, int64_t n, ThreadPool* pool,
-               int num_threads, const AdamKernels& kernels) {
+               int num_threads, const AdamKernels& kernels, uint32_t* crcs) {
   const AdamRangeFn fn = kernels.adam;
-  for_chunks(n, pool, num_threads, [&](int64_t begin, int64_t end) { fn(buffers, constants, begin, end); });
+  step_flat(buffers, n, pool, num_threads, crcs,
+            [&](const AdamBuffers& b, int64_t begin, int64_t end) { fn(b, constants, begin, end); });
 }
 
 int64_t adam_step_resting(const AdamBuffers& buffers, const AdamConstants& constants, int64_t n, ThreadPool* pool,
                           int num_threads, const AdamKernels& kernels, int64_t* miss_index, uint16_t* miss_bits,
-                          int64_t capacity, int64_t index_base) {
+                          int64_t capacity, int64_t index_base, uint32_t* crcs) {
   std::atomic<int64_t> count{0};
   const MissSink misses{miss_index, miss_bits, capacity, &count};
   const RestingRangeFn resting = kernels.resting;
-  for_chunks(n, pool, num_threads,
-             [&](int64_t begin, int64_t end) { resting(buffers, constants, begin, end, misses); });
+  step_flat(buffers, n, pool, num_threads, crcs,
+            [&](const AdamBuffers& b, int64_t begin, int64_t end) { resting(b, constants, begin, end, misses); });
   const int64_t found = count.load();
-  if (found <= capacity) {  // ascending, as their reader wants them: sorted here, not by a torch op holding the GIL
+  if (found <= capacity) {  // ascending, as their reader wants them: here, not in a Python op a chunk
     std::vector<std::pair<int64_t, uint16_t>> sorted(static_cast<size_t>(found));
     for (int64_t i = 0; i < found; ++i) sorted[static_cast<size_t>(i)] = {miss_index[i], miss_bits[i]};
     std::sort(sorted.begin(), sorted.end());

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -26,6 +27,7 @@
 namespace offload {
 
 enum class DType { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+inline size_t dtype_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 
 // Hyper-parameters as the kernel uses them: every scalar torch computes in double is computed here in double,
 // then rounded once to fp32, as torch does when it hands a Python float to an fp32 kernel.
@@ -123,19 +125,21 @@ const AdamKernels& adam_kernels_for(const std::string& isa);
 
 
 // Updates all n elements. pool may be null (then the call creates threads only when n is large and
-// num_threads > 1); otherwise the pool's threads are used and num_threads is ignored.
+// num_threads > 1); otherwise the pool's threads are used and num_threads is ignored. crcs: null, or kCrcCount
+// entries (step_crcs.h) that receive the CRC-32C of p, m, v and out as written (0 for the absent scales and out),
+// computed in the same pass.
 void adam_step(const AdamBuffers& buffers, const AdamConstants& constants, int64_t n, ThreadPool* pool,
-               int num_threads, const AdamKernels& kernels);
+               int num_threads, const AdamKernels& kernels, uint32_t* crcs = nullptr);
 
 // A speculative step (issue 35): adam_step, which also checks that the 16-bit gradient (g_dtype bf16 or fp16,
 // grad_scale 1, no L2 term) can be rebuilt from the old and new first moment (grad_rebuild.h), in the step's own
 // loop (AVX-512) or a block of elements at a time while they are in cache (the others: kernels.resting). The
 // elements it would miss are written to miss_index (their index plus `index_base`, ascending) and miss_bits (the
 // gradient's bits), at most `capacity` of them. Returns how many there are: more than `capacity` means the lists
-// are incomplete and unsorted (the gradient cannot rest in the moments).
+// are incomplete and unsorted (the gradient cannot rest in the moments). crcs: as for adam_step.
 int64_t adam_step_resting(const AdamBuffers& buffers, const AdamConstants& constants, int64_t n, ThreadPool* pool,
                           int num_threads, const AdamKernels& kernels, int64_t* miss_index, uint16_t* miss_bits,
-                          int64_t capacity, int64_t index_base = 0);
+                          int64_t capacity, int64_t index_base = 0, uint32_t* crcs = nullptr);
 
 // The gradient rebuilt from the moments into `out` (n elements of `dtype`, bf16 or fp16); the caller patches the
 // misses the speculative step kept.

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "adam/adam_kernels.h"
+#include "adam/step_crcs.h"
 #include "common/thread_pool.h"
 
 namespace offload {
@@ -74,19 +75,7 @@ using MomentEncodeFn = void (*)(const float* src, void* codes, float* scales, Mo
 using MomentDecodeFn = void (*)(const void* codes, const float* scales, MomentFormat format, int which, float* out,
                                 int64_t begin, int64_t end);
 
-// The CRC-32C of each piece a step writes, the pieces the swap file seals one by one (offload/tiers/disk.py):
-// `crcs[k]` for k below; an absent piece (bf16 scales, no out) has the CRC of no bytes, 0.
-enum MomentCrc : int {
-  kCrcParam = 0,           // p: 4 n bytes
-  kCrcExpAvg = 1,          // m's codes (int8: n bytes) or values (bf16: 2 n bytes)
-  kCrcExpAvgScales = 2,    // m's scales (int8: 4 ceil(n / kInt8Block) bytes)
-  kCrcExpAvgSq = 3,        // v's codes or values
-  kCrcExpAvgSqScales = 4,  // v's scales
-  kCrcOut = 5,             // out: n elements of out_dtype
-  kCrcCount = 6,
-};
-
-// A range kernel that also continues the CRCs of what it writes: crcs[kCrcCount] hold the CRC-32C of the pieces
+// A range kernel that also continues the CRCs of what it writes (StepCrc, step_crcs.h): crcs[kCrcCount] hold the CRC-32C of the pieces
 // before `begin` (0 at the start of a piece) and receive those up to `end`, in one pass over DRAM: the portable
 // variants step spans of a few thousand elements and checksum each span's pieces right after, while they are in
 // L1/L2 (adam_moments_dispatch.cpp); the AVX-512 int8 step feeds crc32 chains inside its loops
@@ -125,7 +114,7 @@ const MomentKernels& moment_kernels_for(const std::string& isa);
 std::vector<std::string> moment_isas();
 
 // Whole-buffer operations, threaded like adam_step (pool, or num_threads for this call; inline when small).
-// crcs: null, or kCrcCount entries that receive the CRC-32C of each piece written (MomentCrc), computed in the
+// crcs: null, or kCrcCount entries that receive the CRC-32C of each piece written (StepCrc), computed in the
 // same pass; with several threads each chunk's, joined with crc32c_combine.
 void moments_step(const MomentBuffers& buffers, const AdamConstants& constants, int64_t n, ThreadPool* pool,
                   int num_threads, const MomentKernels& kernels, uint32_t* crcs = nullptr);

@@ -314,7 +314,7 @@ OFFLOAD_HOT bool plain_scale(float scale) { return !std::signbit(scale) && !std:
 
 // --- the CRCs of what a step writes ------------------------------------------------------------------------------
 
-// The running CRC-32C of each piece a step writes (MomentCrc), as raw states (complemented, as the crc32 instruction
+// The running CRC-32C of each piece a step writes (StepCrc), as raw states (complemented, as the crc32 instruction
 // runs them). The kernels feed them with the crc32 instruction, which runs beside the vector work (its own unit: on
 // Zen 4 a crc32 and a vector multiply or permute issue together), from the bytes of the group of 16 vectors before
 // the one being stepped (in L1). A chain of crc32 is serial (3 cycles a word), and one chain per piece fell behind

@@ -41,7 +41,6 @@ void check_common(int64_t numel, MomentFormat format, uintptr_t scales, uintptr_
   }
 }
 
-size_t dtype_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 
 void check_which(int which) {
   if (which != kExpAvg && which != kExpAvgSq) {

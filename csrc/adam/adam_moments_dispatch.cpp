@@ -33,7 +33,6 @@ bool has_vbmi_kernel() {
 
 // Bytes per element of one step's pieces.
 int code_bytes(MomentFormat format) { return format == MomentFormat::kBFloat16 ? 2 : 1; }
-int dtype_bytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 
 // bitsandbytes' create_dynamic_map(signed=False) over `decades` decades: 0, then decade d holds 2^(d+1) bucket
 // centres of [0.1, 1] * 10^(d - decades + 1), then 1. The same expression, in the same order, as moments.py.
@@ -121,15 +120,14 @@ void moment_crcs_after(const MomentBuffers& b, int64_t begin, int64_t end, uint3
     crcs[kCrcExpAvgSqScales] = crc32c(b.v_scales + first, 4 * blocks, crcs[kCrcExpAvgSqScales]);
   }
   if (b.out) {
-    const int ob = dtype_bytes(b.out_dtype);
+    const int64_t ob = static_cast<int64_t>(dtype_size(b.out_dtype));
     crcs[kCrcOut] = crc32c(static_cast<const uint8_t*>(b.out) + ob * begin, ob * count, crcs[kCrcOut]);
   }
 }
 
 namespace {
 
-// The portable kernels' CRCs: step a span small enough to stay in L1/L2 (16 KiB of p), then read its pieces back.
-constexpr int64_t kCrcSpan = 4096;
+// The portable kernels' CRCs: step a span small enough to stay in L1/L2 (kCrcSpan), then read its pieces back.
 static_assert(kCrcSpan % kInt8Block == 0, "spans hold whole blocks");
 
 template <MomentStepFn kStep>
@@ -148,7 +146,7 @@ void piece_lengths(const MomentBuffers& b, int64_t begin, int64_t end, size_t* l
   len[kCrcExpAvg] = len[kCrcExpAvgSq] = code_bytes(b.format) * count;
   const int64_t blocks = (end + kInt8Block - 1) / kInt8Block - begin / kInt8Block;
   len[kCrcExpAvgScales] = len[kCrcExpAvgSqScales] = b.format == MomentFormat::kInt8 ? 4 * blocks : 0;
-  len[kCrcOut] = b.out ? dtype_bytes(b.out_dtype) * count : 0;
+  len[kCrcOut] = b.out ? dtype_size(b.out_dtype) * static_cast<size_t>(count) : 0;
 }
 
 }  // namespace
@@ -173,35 +171,10 @@ void moments_step(const MomentBuffers& buffers, const AdamConstants& constants, 
     for_chunks(n, pool, num_threads, [&](int64_t begin, int64_t end) { fn(buffers, constants, begin, end); });
     return;
   }
-  // Each chunk's CRCs from 0, in the slot of its first chunk index (run inline, slot 0 covers everything), then
-  // joined in order: crc(A B) = crc32c_combine(crc(A), crc(B), len(B)).
-  struct Slot {
-    uint32_t crc[kCrcCount];
-    int64_t end;
-  };
-  std::vector<Slot> slots(static_cast<size_t>(std::max<int64_t>(1, (n + kChunk - 1) / kChunk)));
   const MomentStepCrcFn fn = kernels.step_crc;
-  for_chunks(n, pool, num_threads, [&](int64_t begin, int64_t end) {
-    Slot& slot = slots[static_cast<size_t>(begin / kChunk)];
-    std::fill(slot.crc, slot.crc + kCrcCount, 0u);
-    slot.end = end;
-    fn(buffers, constants, begin, end, slot.crc);
-  });
-  std::copy(slots[0].crc, slots[0].crc + kCrcCount, crcs);
-  size_t full[kCrcCount];
-  piece_lengths(buffers, 0, kChunk, full);
-  uint32_t full_shift[kCrcCount];
-  for (int k = 0; k < kCrcCount; ++k) full_shift[k] = crc32c_shift(full[k]);
-  for (int64_t at = n > 0 ? slots[0].end : 0; at < n;) {
-    const Slot& slot = slots[static_cast<size_t>(at / kChunk)];
-    size_t len[kCrcCount];
-    piece_lengths(buffers, at, slot.end, len);
-    for (int k = 0; k < kCrcCount; ++k) {
-      crcs[k] = len[k] == full[k] ? crc32c_combine_shifted(crcs[k], slot.crc[k], full_shift[k])
-                                  : crc32c_combine(crcs[k], slot.crc[k], len[k]);
-    }
-    at = slot.end;
-  }
+  for_chunks_with_crcs(
+      n, pool, num_threads, [&](int64_t begin, int64_t end, uint32_t* part) { fn(buffers, constants, begin, end, part); },
+      [&](int64_t begin, int64_t end, size_t* len) { piece_lengths(buffers, begin, end, len); }, crcs);
 }
 
 void moments_encode(const float* src, void* codes, float* scales, MomentFormat format, int which, int64_t n,

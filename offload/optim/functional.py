@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -15,6 +15,7 @@ from torch import Tensor
 
 from offload import _native
 from offload._system import usable_cores
+from offload.checksum import crc32c
 from offload.errors import OffloadConfigError
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -63,12 +64,14 @@ def adam_step_flat(
     grad_scale: float = 1.0,
     out: Optional[Tensor] = None,
     num_threads: Optional[int] = None,
+    crcs: Optional[Tensor] = None,
 ) -> None:
     """One Adam/AdamW update of fp32 `param`, `exp_avg`, `exp_avg_sq` in place, in one pass.
 
     `grad` may be fp32, bf16 or fp16 (upcast in registers, multiplied by `grad_scale`, which is how gradient
     clipping costs no extra pass). When `out` is given, the new weights are also written there in its dtype:
-    the buffer the next upload to the device reads. `step` is the 1-based count after this update.
+    the buffer the next upload to the device reads. `step` is the 1-based count after this update. `crcs`
+    (torch.uint32, len(CRC_PIECES) elements) receives the CRC-32C of each piece written ([Note: step CRCs]).
     """
     _check("param", param, (torch.float32,), None)
     n = param.numel()
@@ -77,11 +80,36 @@ def adam_step_flat(
     _check("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
     if out is not None:
         _check("out", out, OUT_DTYPES, n)
+    if crcs is not None:
+        check_crcs(crcs, param.device)
     if step < 1:
         raise OffloadConfigError(f"step must be >= 1 (the count after this update), got {step}")
     _adam_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale, out=out,
-               num_threads=_threads_for(n, num_threads), pool=None)
+               num_threads=_threads_for(n, num_threads), pool=None, crcs=crcs)
+
+
+# The pieces a step writes, in the order of its `crcs` ([Note: step CRCs], offload/optim/moments.py): what the swap
+# file seals one by one. fp32 moments have no scales (their CRCs are 0, of no bytes).
+CRC_PIECES = ("param", "exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales", "out")
+
+
+def check_crcs(crcs: object, device: torch.device) -> None:
+    """`crcs` of a step: host memory, torch.uint32, one element per CRC_PIECES."""
+    if device.type != "cpu":
+        raise OffloadConfigError(f"crcs: the step's CRCs checksum host memory, but param is on {device}; step on the "
+                                 "CPU or drop crcs")
+    check_tensor("crcs", crcs, (torch.uint32,), None, device)
+    assert isinstance(crcs, Tensor)
+    if crcs.numel() != len(CRC_PIECES):
+        raise OffloadConfigError(f"crcs has {crcs.numel()} elements; it needs {len(CRC_PIECES)}, one per piece "
+                                 f"({', '.join(CRC_PIECES)}): torch.zeros({len(CRC_PIECES)}, dtype=torch.uint32)")
+
+
+def crcs_read_back(crcs: Tensor, pieces: Sequence[Optional[Tensor]]) -> None:
+    """`crcs` := the CRC-32C of each of the pieces (CRC_PIECES order, None: absent, 0), read back after a step
+    that did not compute them (the torch fallbacks)."""
+    crcs.copy_(torch.tensor([0 if t is None else crc32c(t) for t in pieces], dtype=torch.int64).to(torch.uint32))
 
 
 def _threads_for(numel: int, num_threads: Optional[int]) -> int:
@@ -102,19 +130,21 @@ def _resolve_threads(num_threads: Optional[int]) -> int:
 
 def _adam_step(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, step: int, lr: float, beta1: float,
                beta2: float, eps: float, weight_decay: float, adamw: bool, grad_scale: float, out: Optional[Tensor],
-               num_threads: int, pool: Any) -> None:
+               num_threads: int, pool: Any, crcs: Optional[Tensor] = None) -> None:
     """The validated step: native when `offload._C` is importable, else torch. `pool` is a `_C.ThreadPool`
     owned by the caller (CPUAdam keeps one), or None to use `num_threads` for this call only."""
     native = _native._C  # looked up per call, so a test can force the fallback
     if native is None:
         adam_step_torch(param, grad, exp_avg, exp_avg_sq, step, float(lr), beta1, beta2, eps, weight_decay, adamw,
                         grad_scale, out)
+        if crcs is not None:
+            crcs_read_back(crcs, (param, exp_avg, None, exp_avg_sq, None, out))
         return
     native.adam_step(
         param.data_ptr(), grad.data_ptr(), _DTYPE_CODES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
         param.numel(), 0 if out is None else out.data_ptr(), 0 if out is None else _DTYPE_CODES[out.dtype],
         int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(adamw),
-        float(grad_scale), num_threads, pool,
+        float(grad_scale), num_threads, pool, "", 0 if crcs is None else crcs.data_ptr(),
     )
 
 
@@ -247,13 +277,15 @@ class TorchNorm:
 
 def adam_step_resting(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, step: int, lr: float,
                       beta1: float, beta2: float, eps: float, weight_decay: float, out: Optional[Tensor],
-                      num_threads: Optional[int], capacity: int, index_base: int = 0) -> Optional[Tuple[Tensor, Tensor]]:
+                      num_threads: Optional[int], capacity: int, index_base: int = 0,
+                      crcs: Optional[Tensor] = None) -> Optional[Tuple[Tensor, Tensor]]:
     """`adam_step_flat` (AdamW, grad_scale 1) of a bf16 or fp16 gradient that may then rest in the first moment:
     the step also finds the elements `rebuild_gradient` would not give back exactly (grad_rebuild.h), in the same
     pass. Returns them, (indices + `index_base` as int64, ascending; the gradient's bits as int16), or None when
     there are more than `capacity` (the gradient must then be kept). The step is done either way. Needs the native
     core (`resting_supported`). The native call sorts them and adds the base, into numpy scratch: the engine's
-    worker runs this once a chunk, and every torch op after the step was one more GIL round trip there."""
+    worker runs this once a chunk, and every torch op after the step was one more GIL round trip there. `crcs`: as
+    for `adam_step_flat`."""
     native = _native._C
     assert native is not None and grad.dtype in REBUILT_DTYPES
     n = param.numel()
@@ -262,13 +294,15 @@ def adam_step_resting(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: 
         _check(name, t, dtypes, n)
     if out is not None:
         _check("out", out, OUT_DTYPES, n)
+    if crcs is not None:
+        check_crcs(crcs, param.device)
     index = np.empty(capacity, dtype=np.int64)
     bits = np.empty(capacity, dtype=np.int16)
     count = native.adam_step_resting(
         param.data_ptr(), grad.data_ptr(), _DTYPE_CODES[grad.dtype], exp_avg.data_ptr(), exp_avg_sq.data_ptr(), n,
         0 if out is None else out.data_ptr(), 0 if out is None else _DTYPE_CODES[out.dtype], int(step), float(lr),
         float(beta1), float(beta2), float(eps), float(weight_decay), index.ctypes.data, bits.ctypes.data, capacity,
-        _threads_for(n, num_threads), None, "", int(index_base))
+        _threads_for(n, num_threads), None, "", int(index_base), 0 if crcs is None else crcs.data_ptr())
     if count > capacity:
         return None
     return torch.from_numpy(index[:count].copy()), torch.from_numpy(bits[:count].copy())

@@ -67,14 +67,16 @@ BF16 moments round to nearest even, like `tensor.to(torch.bfloat16)`.
 `adam_step_moments(..., crcs=t)` also fills `t` (torch.uint32, CRC_PIECES order) with the CRC-32C
 (`offload.checksum.crc32c`) of each piece the step wrote: the param (its fp32 bytes), exp_avg's codes (int8), values
 (bf16) or fp32 values, exp_avg's scales (int8; 0 otherwise, the CRC of no bytes), the same two of exp_avg_sq, and out
-(0 when there is none). Those are the pieces the swap file seals one by one (offload/tiers/disk.py: a chunk's master,
+(0 when there is none). `adam_step_flat` and `adam_step_resting` (offload/optim/functional.py, where CRC_PIECES
+is) take the same `crcs` for fp32 moments. Those are the pieces the swap file seals one by one (offload/tiers/disk.py: a chunk's master,
 each moment's codes and scales, its compute weights when they are on disk), so a caller that steps a chunk and then
 writes it can seal it without reading it again: the nvme tier's update does (scheduler/state/adamw.py hands them to
 DiskStore.store in `StateChunk.crcs` when one span covers the chunk). bf16 and int8 on the CPU with `offload._C`:
 computed in the same pass by the native kernel (the AVX-512 int8 step feeds crc32 chains in its own loops; the other
 kernels step a few thousand elements at a time and checksum them while they are in L1/L2; with several threads each
-chunk's CRCs are joined with crc32c_combine). fp32, and the torch fallback without `_C`: read back after the step
-(crc32c of each piece). A CUDA step refuses `crcs`: checksums read host memory.
+chunk's CRCs are joined with crc32c_combine: csrc/adam/step_crcs.h). fp32 with `_C` alike (its `out` then written
+plainly, not streamed, so that it is read back from the cache). The torch fallback without `_C`: read back after
+the step (crc32c of each piece). A CUDA step refuses `crcs`: checksums read host memory.
 """
 
 from __future__ import annotations
@@ -86,7 +88,6 @@ import torch
 from torch import Tensor
 
 from offload import _native
-from offload.checksum import crc32c
 from offload.errors import OffloadConfigError
 from offload.optim.functional import (
     _DTYPE_CODES,
@@ -95,7 +96,9 @@ from offload.optim.functional import (
     _resolve_threads,
     adam_step_flat,
     adam_step_torch,
+    check_crcs,
     check_tensor,
+    crcs_read_back,
 )
 from offload.optim.moment_format import (
     _FORMAT_CODES,
@@ -109,9 +112,6 @@ from offload.optim.moment_format import (
     scale_count,
     slice_moment,
 )
-
-# The pieces a step writes, in the order of `adam_step_moments(..., crcs=)` ([Note: step CRCs]).
-CRC_PIECES = ("param", "exp_avg", "exp_avg_scales", "exp_avg_sq", "exp_avg_sq_scales", "out")
 
 # --- the int8 maps --------------------------------------------------------------------------------------
 
@@ -420,7 +420,7 @@ def adam_step_moments(
     if runs is not None:
         assert blocks is not None
         if crcs is not None:
-            _check_crcs(crcs, device)
+            check_crcs(crcs, device)
         native = _native_for(param)
         if native is not None:
             _native_step_runs(native, param, grad, exp_avg, exp_avg_sq, fmt, blocks, step=step, lr=lr, beta1=beta1,
@@ -443,18 +443,16 @@ def adam_step_moments(
     if num_threads is not None:
         _resolve_threads(num_threads)  # validated on every path
     if crcs is not None:
-        _check_crcs(crcs, device)
+        check_crcs(crcs, device)
     hp: dict[str, Any] = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adamw=adamw,
               grad_scale=grad_scale, out=out)
     if fmt is MomentFormat.FP32:
         assert isinstance(exp_avg, Tensor) and isinstance(exp_avg_sq, Tensor)
         if device.type == "cpu":
-            adam_step_flat(param, grad, exp_avg, exp_avg_sq, num_threads=num_threads, **hp)
+            adam_step_flat(param, grad, exp_avg, exp_avg_sq, num_threads=num_threads, crcs=crcs, **hp)
         else:
             adam_step_torch(param, grad, exp_avg, exp_avg_sq, step, float(lr), beta1, beta2, eps, weight_decay,
                             adamw, grad_scale, out)
-        if crcs is not None:
-            _crcs_after(crcs, param, exp_avg, exp_avg_sq, out)
         return
     native = _native_for(param)
     if native is None:
@@ -487,22 +485,10 @@ def _native_step_runs(native: Any, param: Tensor, grad: Tensor, exp_avg: Moment,
         threads, native.PARALLEL_THRESHOLD, _addr(crcs))
 
 
-def _check_crcs(crcs: object, device: torch.device) -> None:
-    if device.type != "cpu":
-        raise OffloadConfigError(f"crcs: the step's CRCs checksum host memory, but param is on {device}; step on the "
-                                 "CPU or drop crcs")
-    check_tensor("crcs", crcs, (torch.uint32,), None, device)
-    assert isinstance(crcs, Tensor)
-    if crcs.numel() != len(CRC_PIECES):
-        raise OffloadConfigError(f"crcs has {crcs.numel()} elements; it needs {len(CRC_PIECES)}, one per piece "
-                                 f"({', '.join(CRC_PIECES)}): torch.zeros({len(CRC_PIECES)}, dtype=torch.uint32)")
-
-
 def _crcs_after(crcs: Tensor, param: Tensor, exp_avg: Moment, exp_avg_sq: Moment, out: Optional[Tensor]) -> None:
-    """The step CRCs read back from the written pieces (fp32 moments, the torch fallback)."""
+    """The step CRCs read back from the written pieces (the torch fallback, int8 layouts of several runs)."""
     (m_codes, m_scales), (v_codes, v_scales) = _parts(exp_avg), _parts(exp_avg_sq)
-    pieces = (param, m_codes, m_scales, v_codes, v_scales, out)
-    crcs.copy_(torch.tensor([0 if t is None else crc32c(t) for t in pieces], dtype=torch.int64).to(torch.uint32))
+    crcs_read_back(crcs, (param, m_codes, m_scales, v_codes, v_scales, out))
 
 
-__all__ = ["CRC_PIECES", "adam_step_moments", "code_map", "decode_moment", "encode_moment", "inf_code"]
+__all__ = ["adam_step_moments", "code_map", "decode_moment", "encode_moment", "inf_code"]

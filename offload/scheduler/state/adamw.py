@@ -14,9 +14,9 @@ from typing import List, NamedTuple, Optional, Tuple, cast
 import torch
 from torch import Tensor
 
-from offload.optim.functional import adam_step_flat, adam_step_resting, adam_step_torch
+from offload.optim.functional import CRC_PIECES, adam_step_flat, adam_step_resting, adam_step_torch
 from offload.optim.moment_format import EXP_AVG, EXP_AVG_SQ, BlockLayout, MomentFormat, slice_moment
-from offload.optim.moments import CRC_PIECES, adam_step_moments, decode_moment, encode_moment
+from offload.optim.moments import adam_step_moments, decode_moment, encode_moment
 from offload.scheduler.state.state_store import StateChunk, StateStore
 
 
@@ -66,8 +66,8 @@ def adamw(store: StateStore, grad: Tensor, spans: List[UpdateSpan], grad_scale: 
     (element 0 = the group's element `out_base`: its first trainable one, or a sharded rank's part's first) or,
     when the store keeps the weights, into the chunk's own weight area. `shadow`: the new state goes to the
     store's shadow (a speculative update). A failure hands the chunk back unwritten (`abandon`). A store that seals
-    what it writes (`seals_in_step`) gets the CRCs of a compressed-moment chunk that one span covers from the step,
-    which computes them in the pass that writes the chunk (`StateChunk.crcs`). `rest` (a speculative step of fp32
+    what it writes (`seals_in_step`) gets the CRCs of a chunk that one span covers from the native step, which
+    computes them in the pass that writes the chunk (`StateChunk.crcs`). `rest` (a speculative step of fp32
     moments with the CPU kernel and a 16-bit gradient): the step also finds what the gradient's rebuild from the
     moments would miss; returns the spans with their misses, or None (not asked, or too many misses)."""
     if not store.writes_compute_copy:
@@ -84,9 +84,9 @@ def adamw(store: StateStore, grad: Tensor, spans: List[UpdateSpan], grad_scale: 
                 if lo >= hi:
                     continue
                 piece = None if target is None else target[lo - base:hi - base]
+                if (lo, hi) == (start, stop) and store.seals_in_step and store.uses_cpu_kernel:
+                    crcs = torch.zeros(len(CRC_PIECES), dtype=torch.uint32)  # the spans are disjoint: the only one
                 if store.moments is not MomentFormat.FP32:
-                    if (lo, hi) == (start, stop) and store.seals_in_step:  # the spans are disjoint: the only one
-                        crcs = torch.zeros(len(CRC_PIECES), dtype=torch.uint32)
                     _adamw_moments(store.moments, chunk, lo, hi, grad[lo:hi], step, hyper, grad_scale, piece,
                                    num_threads, crcs)
                     continue
@@ -98,7 +98,8 @@ def adamw(store: StateStore, grad: Tensor, spans: List[UpdateSpan], grad_scale: 
                     capacity = int((hi - lo) * MISSES_PER_ELEMENT) + MISSES_SLACK
                     misses = adam_step_resting(*state, step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
                                                eps=hyper.eps, weight_decay=hyper.weight_decay, out=piece,
-                                               num_threads=num_threads, capacity=capacity, index_base=lo)
+                                               num_threads=num_threads, capacity=capacity, index_base=lo,
+                                               crcs=crcs)
                     if misses is None:
                         resting = None  # the step is done; the gradient is kept as it would be without resting
                     else:
@@ -106,7 +107,7 @@ def adamw(store: StateStore, grad: Tensor, spans: List[UpdateSpan], grad_scale: 
                 elif store.uses_cpu_kernel:
                     adam_step_flat(*state, step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
                                    eps=hyper.eps, weight_decay=hyper.weight_decay, adamw=True,
-                                   grad_scale=grad_scale, out=piece, num_threads=num_threads)
+                                   grad_scale=grad_scale, out=piece, num_threads=num_threads, crcs=crcs)
                 else:
                     _adamw_torch(*state, step, hyper, grad_scale, piece)
         except BaseException:
