@@ -10,8 +10,10 @@ Bytes per parameter are what each mode must move at least: fp32 mode reads p, m,
 p, m, v (12) = 28; engine mode reads p, m, v + a bf16 grad (14) and writes p, m, v + the bf16 copy (14) = 28;
 torch fused + copy moves 28 + 6 (re-read p, write bf16) = 34; the compressed-moment kernels (engine mode, bf16 g in,
 bf16 copy out) move p 8 + g 2 + out 2 + m and v read and written: bf16 8 (= 20), int8 4 + the scales 1/16 (= 16.06).
-The "+ CRCs" rows also return the CRC-32C of each piece they write (adam_step_moments(crcs=...), the swap file's
-seals): computed from caches in the same pass, no DRAM bytes added, so their bound is the same. The "resting" row is
+The "+ CRCs" rows also return the CRC-32C of each piece they write (crcs=..., the swap file's seals): computed from
+caches in the same pass, no DRAM bytes added, so their bound is the same (the fp32 ones write `out` plainly, which
+reads its lines first: 2 bytes more). "then CRCs read back" is the engine step followed by crc32c of each piece on
+one thread, what the nvme tier did for fp32 moments before the step computed them. The "resting" row is
 the speculative update of exact clipping (adam_step_resting: the engine step that also checks, element by element,
 that the gradient can be rebuilt from the moments it wrote; issue 35): engine mode's bytes. The "avx512bw" rows
 run the AVX-512 F/BW kernel (the only AVX-512 moment kernel before the VBMI one) on CPUs that have both. `bound` =
@@ -37,7 +39,12 @@ from benchmarks.common import append_csv, machine_header, print_table, summarize
 from offload import _native  # noqa: E402
 from offload._system import mem_available, usable_cores  # noqa: E402
 from offload.optim import CPUAdam, adam_step_flat  # noqa: E402
-from offload.optim.functional import CRC_PIECES, adam_step_resting, resting_supported  # noqa: E402
+from offload.optim.functional import (  # noqa: E402
+    CRC_PIECES,
+    adam_step_resting,
+    crcs_read_back,
+    resting_supported,
+)
 from offload.optim.moment_format import zeros_moment  # noqa: E402
 from offload.optim.moments import adam_step_moments  # noqa: E402
 
@@ -122,11 +129,23 @@ def _rivals(buf: Buffers, threads: int, with_deepspeed: bool) -> tuple[dict[str,
         step["n"] += 1
         adam_step_flat(buf.p, buf.g16, buf.m, buf.v, step=step["n"], out=buf.out16, **flat)
 
-    def ours_resting():
+    def ours_engine_crcs():
         step["n"] += 1
-        adam_step_resting(buf.p, buf.g16, buf.m, buf.v, step=step["n"], lr=flat["lr"], beta1=flat["beta1"],
-                          beta2=flat["beta2"], eps=flat["eps"], weight_decay=flat["weight_decay"], out=buf.out16,
-                          num_threads=threads, capacity=buf.p.numel() // 4096 + 256)  # the engine's (state/adamw.py)
+        adam_step_flat(buf.p, buf.g16, buf.m, buf.v, step=step["n"], out=buf.out16, crcs=buf.crcs, **flat)
+
+    def ours_engine_then_crcs():
+        """What the nvme tier did before the fp32 step computed them: the step, then each piece read back."""
+        ours_engine()
+        crcs_read_back(buf.crcs, (buf.p, buf.m, None, buf.v, None, buf.out16))
+
+    def ours_resting(crcs=False):
+        def run():
+            step["n"] += 1
+            adam_step_resting(buf.p, buf.g16, buf.m, buf.v, step=step["n"], lr=flat["lr"], beta1=flat["beta1"],
+                              beta2=flat["beta2"], eps=flat["eps"], weight_decay=flat["weight_decay"], out=buf.out16,
+                              num_threads=threads, capacity=buf.p.numel() // 4096 + 256,  # the engine's (adamw.py)
+                              crcs=buf.crcs if crcs else None)
+        return run
 
     def ours_moments(fmt, crcs=False):
         def run():
@@ -166,7 +185,10 @@ def _rivals(buf: Buffers, threads: int, with_deepspeed: bool) -> tuple[dict[str,
     rivals = {
         "offload flat, fp32 grads": ours_fp32,
         "offload flat, engine (bf16 g in, bf16 copy out)": ours_engine,
-        "offload flat, engine, resting (speculative clipping)": ours_resting,
+        "offload flat, engine + CRCs": ours_engine_crcs,
+        "offload flat, engine, then CRCs read back": ours_engine_then_crcs,
+        "offload flat, engine, resting (speculative clipping)": ours_resting(),
+        "offload flat, engine, resting + CRCs": ours_resting(crcs=True),
         "offload bf16 moments, engine": ours_moments("bf16"),
         "offload bf16 moments + CRCs, engine": ours_moments("bf16", crcs=True),
         "offload int8 moments, engine": ours_moments("int8"),
@@ -181,8 +203,9 @@ def _rivals(buf: Buffers, threads: int, with_deepspeed: bool) -> tuple[dict[str,
         rivals["offload int8 moments, engine, avx512bw kernel"] = ours_moments_isa("int8", "avx512bw")
     missing = {}
     if not resting_supported(torch.bfloat16):
-        del rivals["offload flat, engine, resting (speculative clipping)"]
-        missing["offload flat, engine, resting (speculative clipping)"] = "needs the native core (offload._C)"
+        for name in ("offload flat, engine, resting (speculative clipping)", "offload flat, engine, resting + CRCs"):
+            del rivals[name]
+            missing[name] = "needs the native core (offload._C)"
     if with_deepspeed:
         ds, why = _deepspeed_adam(buf.params)
         if ds is not None:
