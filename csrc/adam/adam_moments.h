@@ -75,10 +75,10 @@ using MomentEncodeFn = void (*)(const float* src, void* codes, float* scales, Mo
 using MomentDecodeFn = void (*)(const void* codes, const float* scales, MomentFormat format, int which, float* out,
                                 int64_t begin, int64_t end);
 
-// A range kernel that also continues the CRCs of what it writes (StepCrc, step_crcs.h): crcs[kCrcCount] hold the CRC-32C of the pieces
-// before `begin` (0 at the start of a piece) and receive those up to `end`, in one pass over DRAM: the portable
-// variants step spans of a few thousand elements and checksum each span's pieces right after, while they are in
-// L1/L2 (adam_moments_dispatch.cpp); the AVX-512 int8 step feeds crc32 chains inside its loops
+// A range kernel that also continues the CRCs of what it writes (StepCrc, step_crcs.h): crcs[kCrcCount] hold the
+// CRC-32C of the pieces before `begin` (0 at the start of a piece) and receive those up to `end`, in one pass over
+// DRAM: the portable variants step spans of a few thousand elements and checksum each span's pieces right after,
+// while they are in L1/L2 (adam_moments_dispatch.cpp); the AVX-512 int8 step feeds crc32 chains inside its loops
 // (adam_moments_avx512.cpp).
 using MomentStepCrcFn = void (*)(const MomentBuffers&, const AdamConstants&, int64_t begin, int64_t end,
                                  uint32_t* crcs);
