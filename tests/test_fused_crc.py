@@ -1,7 +1,8 @@
 """The CRC-32C of each piece a compressed-moment step, or the fp32 step (plain and resting), writes ([Note: step
-CRCs] in offload/optim/moments.py): the kernel computes them in the same pass, and they must equal offload.checksum.crc32c of the written bytes, on every
-kernel variant, odd sizes, several threads (each chunk's CRCs joined with crc32c_combine), every grad and out dtype,
-blocks holding infinities and NaNs, slices as the swap file seals them; and the step's results must not change."""
+CRCs] in offload/optim/moments.py): the kernel computes them in the same pass, and they must equal
+offload.checksum.crc32c of the written bytes, on every kernel variant, odd sizes, several threads (each chunk's CRCs
+joined with crc32c_combine), every grad and out dtype, blocks holding infinities and NaNs, slices as the swap file
+seals them; and the step's results must not change."""
 
 from __future__ import annotations
 

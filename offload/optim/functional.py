@@ -284,8 +284,8 @@ def adam_step_resting(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: 
     pass. Returns them, (indices + `index_base` as int64, ascending; the gradient's bits as int16), or None when
     there are more than `capacity` (the gradient must then be kept). The step is done either way. Needs the native
     core (`resting_supported`). The native call sorts them and adds the base, into numpy scratch: the engine's
-    worker runs this once a chunk, and every torch op after the step was one more GIL round trip there. `crcs`: as
-    for `adam_step_flat`."""
+    worker runs this once a chunk, and keeps its Python work there to one copy of each list. `crcs`: as for
+    `adam_step_flat`."""
     native = _native._C
     assert native is not None and grad.dtype in REBUILT_DTYPES
     n = param.numel()

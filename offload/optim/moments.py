@@ -68,9 +68,9 @@ BF16 moments round to nearest even, like `tensor.to(torch.bfloat16)`.
 (`offload.checksum.crc32c`) of each piece the step wrote: the param (its fp32 bytes), exp_avg's codes (int8), values
 (bf16) or fp32 values, exp_avg's scales (int8; 0 otherwise, the CRC of no bytes), the same two of exp_avg_sq, and out
 (0 when there is none). `adam_step_flat` and `adam_step_resting` (offload/optim/functional.py, where CRC_PIECES
-is) take the same `crcs` for fp32 moments. Those are the pieces the swap file seals one by one (offload/tiers/disk.py: a chunk's master,
-each moment's codes and scales, its compute weights when they are on disk), so a caller that steps a chunk and then
-writes it can seal it without reading it again: the nvme tier's update does (scheduler/state/adamw.py hands them to
+is) take the same `crcs` for fp32 moments. Those are the pieces the swap file seals one by one
+(offload/tiers/disk.py: a chunk's master, each moment's codes and scales, its compute weights when they are on
+disk), so a caller that steps a chunk and then writes it can seal it without reading it again: the nvme tier's update does (scheduler/state/adamw.py hands them to
 DiskStore.store in `StateChunk.crcs` when one span covers the chunk). bf16 and int8 on the CPU with `offload._C`:
 computed in the same pass by the native kernel (the AVX-512 int8 step feeds crc32 chains in its own loops; the other
 kernels step a few thousand elements at a time and checksum them while they are in L1/L2; with several threads each
