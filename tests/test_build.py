@@ -87,5 +87,19 @@ def test_doctor_reports_every_part():
     proc = subprocess.run([sys.executable, "-m", "offload", "doctor"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
-    for part in ("native core", "fused CPU Adam", "staging buffers", "CPU", "async I/O", "memlock limit", "CUDA"):
+    for part in ("native core", "fused CPU Adam", "staging buffers", "CPU", "async I/O", "swap disk", "memlock limit",
+                 "CUDA"):
         assert part in proc.stdout
+
+
+def test_doctor_names_the_swap_disks_scheduler(tmp_path, monkeypatch):
+    from offload.cli import doctor
+
+    queue = tmp_path / "vdb" / "queue"
+    queue.mkdir(parents=True)
+    (queue / "scheduler").write_text("none [mq-deadline] kyber bfq\n")
+    (queue / "rotational").write_text("1\n")
+    monkeypatch.setattr(doctor, "block_queue_of", lambda path: queue)
+    assert doctor.disk_rows(tmp_path) == [("swap disk", "mq-deadline", "/dev/vdb, rotational, I/O scheduler mq-deadline")]
+    monkeypatch.setattr(doctor, "block_queue_of", lambda path: None)
+    assert doctor.disk_rows(tmp_path)[0][1] == "unknown"

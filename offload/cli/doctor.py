@@ -7,7 +7,7 @@ import os
 import platform
 import tempfile
 from pathlib import Path
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -64,6 +64,36 @@ def io_rows(directory: Path) -> List[Row]:
     return [("async I/O", getattr(backend, "name", str(backend)).lower(), f"in {directory}: {reason}")]
 
 
+def block_queue_of(path: Path) -> Optional[Path]:
+    """The sysfs queue directory of the block device holding `path` (its disk's, for a partition), or None
+    (no such device: tmpfs, overlay, a network file system, or no /sys)."""
+    try:
+        dev = os.stat(path).st_dev
+        device = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve(strict=True)
+    except OSError:
+        return None
+    for candidate in (device, device.parent):
+        if (candidate / "queue" / "scheduler").is_file():
+            return candidate / "queue"
+    return None
+
+
+def disk_rows(directory: Path) -> List[Row]:
+    """The swap directory's disk as the kernel sees it: the nvme tier keeps dozens of reads and writes in flight,
+    and the I/O scheduler decides their order."""
+    queue = block_queue_of(directory)
+    if queue is None:
+        return [("swap disk", "unknown", f"{directory} is not on a block device offload can see in /sys")]
+    try:
+        schedulers = (queue / "scheduler").read_text().split()
+        rotational = (queue / "rotational").read_text().strip() == "1"
+    except OSError as exc:
+        return [("swap disk", "unknown", f"{queue}: {exc}")]
+    active = next((name.strip("[]") for name in schedulers if name.startswith("[")), "unknown")
+    detail = f"/dev/{queue.parent.name}, {'rotational' if rotational else 'non-rotational'}, I/O scheduler {active}"
+    return [("swap disk", active, detail)]
+
+
 def memory_rows() -> List[Row]:
     limit = memlock_limit()
     avail = mem_available()
@@ -92,7 +122,7 @@ def cuda_rows() -> List[Row]:
 
 
 def report(directory: Path) -> str:
-    rows = native_rows() + cpu_rows() + io_rows(directory) + memory_rows() + cuda_rows()
+    rows = native_rows() + cpu_rows() + io_rows(directory) + disk_rows(directory) + memory_rows() + cuda_rows()
     width = max(len(r[0]) for r in rows)
     swidth = max(len(r[1]) for r in rows)
     lines = [f"offload doctor (python {platform.python_version()}, torch {torch.__version__})"]
