@@ -100,6 +100,7 @@ def test_doctor_names_the_swap_disks_scheduler(tmp_path, monkeypatch):
     (queue / "scheduler").write_text("none [mq-deadline] kyber bfq\n")
     (queue / "rotational").write_text("1\n")
     monkeypatch.setattr(doctor, "block_queue_of", lambda path: queue)
-    assert doctor.disk_rows(tmp_path) == [("swap disk", "mq-deadline", "/dev/vdb, rotational, I/O scheduler mq-deadline")]
+    row = ("swap disk", "mq-deadline", "/dev/vdb, rotational, I/O scheduler mq-deadline")
+    assert doctor.disk_rows(tmp_path) == [row]
     monkeypatch.setattr(doctor, "block_queue_of", lambda path: None)
     assert doctor.disk_rows(tmp_path)[0][1] == "unknown"
