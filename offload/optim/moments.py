@@ -73,10 +73,11 @@ is) take the same `crcs` for fp32 moments. Those are the pieces the swap file se
 disk), so a caller that steps a chunk and then writes it can seal it without reading it again: the nvme tier's
 update does (scheduler/state/adamw.py hands them to DiskStore.store in `StateChunk.crcs` when one span covers the
 chunk). bf16 and int8 on the CPU with `offload._C`: computed in the same pass by the native kernel (the AVX-512 int8
-step feeds crc32 chains in its own loops; the other kernels step a few thousand elements at a time and checksum
-them while they are in L1/L2; with several threads each chunk's CRCs are joined with crc32c_combine: csrc/adam/step_crcs.h). fp32 with `_C` alike (its `out` then written
-plainly, not streamed, so that it is read back from the cache). The torch fallback without `_C`: read back after
-the step (crc32c of each piece). A CUDA step refuses `crcs`: checksums read host memory.
+step feeds crc32 chains in its own loops; the other kernels step a few thousand elements at a time and checksum them
+while they are in L1/L2; with several threads each chunk's CRCs are joined with crc32c_combine:
+csrc/adam/step_crcs.h). fp32 with `_C` alike (its `out` then written plainly, not streamed, so that it is read back
+from the cache). The torch fallback without `_C`: read back after the step (crc32c of each piece). A CUDA step
+refuses `crcs`: checksums read host memory.
 """
 
 from __future__ import annotations
